@@ -1,0 +1,1 @@
+"""callbacks (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""dynamic (see DESIGN.md)."""

@@ -1,0 +1,10 @@
+"""Pipeline schedules and their execution with variable micro-batch shapes and counts."""
+
+from lightning_3d.pipeline.codec import BoundaryKey, GradientCodec, IdentityCodec
+from lightning_3d.pipeline.microbatch import MicroBatches, split_batch
+from lightning_3d.pipeline.schedules import Action, build_forward_only, build_schedule, check_schedule
+
+__all__ = [
+    "Action", "BoundaryKey", "GradientCodec", "IdentityCodec", "MicroBatches",
+    "build_forward_only", "build_schedule", "check_schedule", "split_batch",
+]

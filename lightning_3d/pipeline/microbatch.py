@@ -1,0 +1,75 @@
+"""Splitting a batch into micro-batches, and the shape signature that keys the boundary-shape cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class MicroBatches(list):
+    """A batch that is already a list of micro-batches, each with its own shapes.
+
+    Return one from a data loader (or a collate function) to run a step with a different number of
+    micro-batches or different micro-batch shapes than the strategy's ``num_microbatches``: the pipeline
+    takes the list as is. Dynamic micro-batching produces these.
+    """
+
+
+def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split every tensor of a (nested dict/list/tuple) batch into equal chunks along dim 0."""
+    if isinstance(batch, MicroBatches):
+        if len(batch) == 0:
+            raise ValueError("A MicroBatches batch must hold at least one micro-batch.")
+        return list(batch)
+    sizes = {t.shape[0] for t in _tensors(batch)}
+    if not sizes:
+        raise ValueError("The batch holds no tensors to split into micro-batches.")
+    if len(sizes) > 1:
+        raise ValueError(f"The batch's tensors disagree on the batch dimension: sizes {sorted(sizes)}.")
+    size = sizes.pop()
+    if size % num_microbatches != 0:
+        raise ValueError(
+            f"The batch of {size} samples cannot be split into num_microbatches={num_microbatches} equal"
+            f" micro-batches. Make the per-replica batch size a multiple of {num_microbatches}, or pass a"
+            f" `MicroBatches` list."
+        )
+    return [_select(batch, i, size // num_microbatches) for i in range(num_microbatches)]
+
+
+def signature(microbatch: Any) -> tuple:
+    """Shapes and dtypes of a micro-batch's tensors, in a fixed traversal order."""
+    return tuple((tuple(t.shape), t.dtype) for t in _tensors(microbatch))
+
+
+def _select(batch: Any, index: int, chunk: int) -> Any:
+    if isinstance(batch, Tensor):
+        return batch[index * chunk : (index + 1) * chunk]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _select(v, index, chunk) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_select(v, index, chunk) for v in batch))
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return type(batch)(_select(v, index, chunk) for v in batch)
+    return batch
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for k in sorted(batch, key=str) for t in _tensors(batch[k])]
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return [t for item in batch for t in _tensors(item)]
+    return []
+
+
+def count_tokens(microbatches: Sequence[Any]) -> int:
+    """Tokens of all micro-batches: the numel of each micro-batch's first integer tensor (for throughput)."""
+    total = 0
+    for mb in microbatches:
+        ints = [t for t in _tensors(mb) if not torch.is_floating_point(t)]
+        total += ints[0].numel() if ints else 0
+    return total

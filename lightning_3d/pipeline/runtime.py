@@ -1,0 +1,253 @@
+"""Executes a pipeline schedule on this rank: forwards, backwards and the sends and receives between them.
+
+Each step may bring any number of micro-batches of any shapes. Receives run one message ahead on each
+channel (so transfers overlap compute) whenever the message's shape is already known; a shape seen for
+the first time is learned from the sender's header at the point of need (see ``p2p``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_3d.pipeline.codec import BoundaryKey, GradientCodec, IdentityCodec
+from lightning_3d.pipeline.microbatch import signature
+from lightning_3d.pipeline.p2p import PipelineChannels, TensorMeta
+from lightning_3d.pipeline.schedules import Action, build_forward_only, build_schedule, check_schedule, message_order
+
+ContextFactory = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclass
+class _Incoming:
+    """The expected message sequence of one incoming channel and the receives posted for it."""
+
+    order: list[tuple[int, int]]
+    consumed: int = 0
+    posted: dict[int, tuple[list[dist.Work], list[Tensor]]] = field(default_factory=dict)
+
+
+class PipelineRuntime:
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        num_stages: int,
+        pp_rank: int,
+        pp_size: int,
+        schedule: str,
+        channels: PipelineChannels,
+        device: torch.device,
+        loss_fn: Callable[[Any, Any], Tensor],
+        loss_terms_fn: Callable[[Any], Tensor | int],
+        forward_context: ContextFactory = contextlib.nullcontext,
+        loss_context: ContextFactory = contextlib.nullcontext,
+        before_last_backward: Callable[[int], None] | None = None,
+    ) -> None:
+        self.stages = stages
+        self.num_stages = num_stages
+        self.pp_rank = pp_rank
+        self.pp = pp_size
+        self.virtual_stages = num_stages // pp_size
+        self.schedule = schedule
+        self.channels = channels
+        self.device = device
+        self.loss_fn = loss_fn
+        self.loss_terms_fn = loss_terms_fn
+        self.forward_context = forward_context
+        self.loss_context = loss_context
+        self.before_last_backward = before_last_backward
+        self.codec: GradientCodec = IdentityCodec()
+        self._shape_cache: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank receives
+        self._announced: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank sends
+        self._checked: set[tuple[str, int]] = set()
+
+    # ----- public entry points ---------------------------------------------------------------------------
+    def train_step(self, microbatches: Sequence[Any], loss_scale: float = 1.0) -> Tensor | None:
+        """Forward and backward of all micro-batches; returns the mean loss on the last stage, else None."""
+        orders = self._orders(len(microbatches), train=True)
+        return self._run(orders, microbatches, train=True, loss_scale=loss_scale)
+
+    @torch.no_grad()
+    def eval_step(self, microbatches: Sequence[Any]) -> Tensor | None:
+        orders = self._orders(len(microbatches), train=False)
+        return self._run(orders, microbatches, train=False, loss_scale=1.0)
+
+    # ----- schedule bookkeeping ----------------------------------------------------------------------------
+    def _orders(self, m: int, train: bool) -> list[tuple[Action, ...]]:
+        if train:
+            orders = [build_schedule(self.schedule, self.pp, self.virtual_stages, m, r) for r in range(self.pp)]
+        else:
+            orders = [build_forward_only(self.pp, self.virtual_stages, m, r) for r in range(self.pp)]
+        key = ("train" if train else "eval", m)
+        if key not in self._checked:
+            check_schedule(orders, self.num_stages)
+            self._checked.add(key)
+        return orders
+
+    def _run(self, orders: list[tuple[Action, ...]], mbs: Sequence[Any], train: bool, loss_scale: float) -> Tensor | None:
+        mine = orders[self.pp_rank]
+        self._incoming = {
+            kind: _Incoming(message_order(orders, self.num_stages, kind, channel.src, channel.dst))
+            for kind, channel in self.channels.incoming.items()
+        }
+        self._signatures = [signature(mb) for mb in mbs]
+        self._pending: list[tuple[dist.Work, Any]] = []
+        self._saved: dict[tuple[int, int], tuple[list[Tensor], Any]] = {}
+        self._out_metas: dict[tuple[int, int], list[TensorMeta]] = {}
+        # Both ends of a gradient message must agree on its key, including whether the sender is draining.
+        self._epilogue = {(a.stage, a.microbatch): a.epilogue for order in orders for a in order if a.kind == "B"}
+        last_backward = {a.stage: i for i, a in enumerate(mine) if a.kind == "B"}
+        total_terms = None
+        if self.num_stages - 1 in self.stages:
+            total_terms = sum(torch.as_tensor(self.loss_terms_fn(mb), device=self.device) for mb in mbs)
+            self._loss_factor = loss_scale / total_terms
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for kind in self._incoming:
+            self._post_ahead(kind)
+        for index, action in enumerate(mine):
+            if action.kind == "F":
+                loss = self._forward(action, mbs[action.microbatch], train)
+                if loss is not None:
+                    loss_sum += loss.detach().float()
+            else:
+                if self.before_last_backward is not None and last_backward[action.stage] == index:
+                    self.before_last_backward(action.stage)
+                self._backward(action)
+            self._reap()
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        return loss_sum / total_terms if total_terms is not None else None
+
+    # ----- compute ---------------------------------------------------------------------------------------
+    def _forward(self, action: Action, mb: Any, train: bool) -> Tensor | None:
+        stage, m = action.stage, action.microbatch
+        inputs: list[Tensor] = []
+        if stage > 0:
+            inputs = self._take("F", (stage - 1, m))
+            if train:
+                inputs = [t.requires_grad_(True) if t.is_floating_point() else t for t in inputs]
+        with self.forward_context():
+            output = self.stages[stage](*inputs, microbatch=mb)
+        if stage == self.num_stages - 1:
+            with self.loss_context(), self.forward_context():
+                loss = self.loss_fn(output, mb)
+            if train:
+                self._saved[(stage, m)] = (inputs, loss * self._loss_factor)
+            return loss
+        outputs = list(output) if isinstance(output, (tuple, list)) else [output]
+        metas = [(tuple(t.shape), t.dtype) for t in outputs]
+        self._out_metas[(stage, m)] = metas
+        self._announce(stage, m, metas)
+        channel = self.channels.outgoing["F"]
+        for tensor in outputs:
+            self._pending.append((self.channels.isend(channel, tensor.detach()), tensor))
+        if train:
+            self._saved[(stage, m)] = (inputs, outputs)
+        return None
+
+    def _backward(self, action: Action) -> None:
+        stage, m = action.stage, action.microbatch
+        inputs, outputs = self._saved.pop((stage, m))
+        if stage == self.num_stages - 1:
+            with self.loss_context():
+                torch.autograd.backward(outputs)
+        else:
+            grads = self._take("B", (stage + 1, m))  # one per floating-point output
+            floating = [o for o in outputs if o.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floating, grads, strict=True) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if stage > 0:
+            channel = self.channels.outgoing["B"]
+            key = self._key(stage, m)
+            for t in inputs:
+                if not t.is_floating_point():
+                    continue
+                grad = t.grad if t.grad is not None else torch.zeros_like(t)
+                for part in self.codec.encode(grad, key):
+                    self._pending.append((self.channels.isend(channel, part), part))
+
+    # ----- receiving -------------------------------------------------------------------------------------
+    def _take(self, kind: str, key: tuple[int, int]) -> list[Tensor]:
+        """The tensors of the next message on channel ``kind``, which must be ``key``."""
+        queue = self._incoming[kind]
+        if queue.order[queue.consumed] != key:
+            raise RuntimeError(f"pipeline rank {self.pp_rank}: expected {kind} message {queue.order[queue.consumed]}, schedule asks for {key}")
+        if queue.consumed not in queue.posted:
+            self._post(kind, queue.consumed, may_block=True)
+        works, buffers = queue.posted.pop(queue.consumed)
+        queue.consumed += 1
+        for work in works:
+            work.wait()
+        self._post_ahead(kind)
+        if kind == "F":
+            return buffers
+        sender_stage, m = key
+        metas = self._float_metas(self._out_metas[(sender_stage - 1, m)])
+        return self._decode_grads(buffers, metas, self._key(sender_stage, m))
+
+    def _post_ahead(self, kind: str) -> None:
+        queue = self._incoming[kind]
+        nxt = queue.consumed
+        if nxt < len(queue.order) and nxt not in queue.posted:
+            self._post(kind, nxt, may_block=False)
+
+    def _post(self, kind: str, index: int, may_block: bool) -> None:
+        queue, channel = self._incoming[kind], self.channels.incoming[kind]
+        sender_stage, m = queue.order[index]
+        if kind == "F":
+            cache_key = (sender_stage, self._signatures[m])
+            if cache_key not in self._shape_cache:
+                if not may_block:
+                    return
+                self._shape_cache[cache_key] = self.channels.recv_header(channel)
+            metas = self._shape_cache[cache_key]
+        else:
+            produced = self._out_metas.get((sender_stage - 1, m))
+            if produced is None:
+                return  # our forward of that micro-batch has not run yet
+            metas = self._message_metas(self._float_metas(produced), self._key(sender_stage, m))
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
+        queue.posted[index] = ([self.channels.irecv(channel, b) for b in buffers], buffers)
+
+    def _announce(self, stage: int, m: int, metas: list[TensorMeta]) -> None:
+        """Send the boundary's shapes the first time this signature crosses it; check them afterwards."""
+        key = (stage, self._signatures[m])
+        known = self._announced.get(key)
+        if known is None:
+            self._announced[key] = metas
+            header = self.channels.send_header(self.channels.outgoing["F"], metas)
+            self._pending.append((header, None))
+        elif known != metas:
+            raise RuntimeError(
+                f"Stage {stage} produced outputs {metas} for micro-batch {m}, but an earlier micro-batch with the same"
+                f" input shapes produced {known}. Pipeline boundary shapes must depend only on the input shapes."
+            )
+
+    def _key(self, sender_stage: int, m: int) -> BoundaryKey:
+        return BoundaryKey(sender_stage, m, self._epilogue[(sender_stage, m)])
+
+    @staticmethod
+    def _float_metas(metas: list[TensorMeta]) -> list[TensorMeta]:
+        return [meta for meta in metas if meta[1].is_floating_point]
+
+    def _message_metas(self, metas: list[TensorMeta], key: BoundaryKey) -> list[TensorMeta]:
+        return [part for meta in metas for part in self.codec.message_metas(meta, key)]
+
+    def _decode_grads(self, buffers: list[Tensor], metas: list[TensorMeta], key: BoundaryKey) -> list[Tensor]:
+        grads, pos = [], 0
+        for meta in metas:
+            count = len(self.codec.message_metas(meta, key))
+            grads.append(self.codec.decode(buffers[pos : pos + count], meta, key))
+            pos += count
+        return grads
+
+    def _reap(self) -> None:
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]

@@ -1,0 +1,19 @@
+"""Data for causal-LM training: packed real text (offline by default) and synthetic tokens.
+
+Importing this package does not import ``datasets``; only reading data files does.
+"""
+
+from lightning_3d.recipes.data.causal_lm import CausalLMDataModule
+from lightning_3d.recipes.data.corpus import build_python_docs_corpus
+from lightning_3d.recipes.data.loader import ResumableDataLoader, ResumableDistributedSampler
+from lightning_3d.recipes.data.synthetic import SyntheticLMDataModule
+from lightning_3d.recipes.data.tokenizer import load_tokenizer
+
+__all__ = [
+    "CausalLMDataModule",
+    "ResumableDataLoader",
+    "ResumableDistributedSampler",
+    "SyntheticLMDataModule",
+    "build_python_docs_corpus",
+    "load_tokenizer",
+]

@@ -1,0 +1,195 @@
+"""Our GPT-2-style decoder, written so that pipeline stages keep the full model's parameter names.
+
+Layers live in an ``nn.ModuleDict`` keyed by their global index (torchtitan's trick): pruning the
+layers a pipeline rank does not own leaves ``layers.7.attn.q.weight`` named exactly as in the full
+model, so checkpoints, optimizer state and Hugging Face export line up across (dp, pp, tp) layouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from lightning_3d.recipes.gpt.config import GPTConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        # Separate q/k/v projections so that column sharding splits whole heads (a fused qkv weight would
+        # hand each tensor-parallel rank a slice that mixes q, k and v rows).
+        self.q = nn.Linear(h, h)
+        # No key bias: it adds q·b to every score of a query, which softmax cancels, so its gradient is
+        # exactly zero and Adam would only amplify rounding noise into it (Whisper drops it too).
+        self.k = nn.Linear(h, h, bias=False)
+        self.v = nn.Linear(h, h)
+        self.proj = nn.Linear(h, h)
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, config.ffn_size)
+        self.proj = nn.Linear(config.ffn_size, config.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attn = Attention(config)
+        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings."""
+
+    def __init__(self, config: GPTConfig, padded_vocab: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(padded_vocab, config.hidden_size)
+        self.wpe = nn.Embedding(config.seq_length, config.hidden_size)
+        self.drop = nn.Dropout(config.dropout)
+        self.max_positions = config.seq_length
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        seq = input_ids.shape[1]
+        if seq > self.max_positions:
+            raise ValueError(f"Sequence length {seq} exceeds the model's {self.max_positions} positions (seq_length).")
+        positions = torch.arange(seq, device=input_ids.device)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class LMHead(nn.Linear):
+    """Output projection onto the padded vocabulary; padded logits are masked to -inf.
+
+    Masking makes padding invisible to the loss, so a model trained at one tensor-parallel size (and thus
+    one padding) continues exactly at another. It subclasses ``nn.Linear`` so that torch's
+    ``ColwiseParallel`` accepts it.
+    """
+
+    def __init__(self, hidden: int, vocab_size: int, padded_vocab: int) -> None:
+        super().__init__(hidden, padded_vocab, bias=False)
+        mask = torch.zeros(padded_vocab)
+        mask[vocab_size:] = float("-inf")
+        self.register_buffer("padding_mask", mask if padded_vocab > vocab_size else None, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = F.linear(x, self.weight)
+        if self.padding_mask is not None:
+            logits = logits + self.padding_mask.to(logits.dtype)
+        return logits
+
+
+class GPTModel(nn.Module):
+    """The full decoder. ``embed``/``norm``/``head`` become ``None`` on pipeline ranks that do not own them."""
+
+    def __init__(self, config: GPTConfig, padded_vocab: int | None = None, activation_checkpointing: bool = False):
+        super().__init__()
+        self.config = config
+        self.padded_vocab = padded_vocab or config.padded_vocab_size(1)
+        self.activation_checkpointing = activation_checkpointing
+        self.embed: Embedding | None = Embedding(config, self.padded_vocab)
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.head: LMHead | None = LMHead(config.hidden_size, config.vocab_size, self.padded_vocab)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.wte.weight
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return run_layers(self, self.embed(input_ids), self.layers.values())
+
+    # ----- pipeline support -------------------------------------------------------------------------
+    def prune(self, keep_layers: Iterable[int], keep_embedding: bool, keep_head: bool) -> None:
+        """Delete what this pipeline rank does not own; names of what remains are unchanged."""
+        keep = {str(i) for i in keep_layers}
+        for name in list(self.layers.keys()):
+            if name not in keep:
+                del self.layers[name]
+        if not keep_embedding:
+            self.embed = None
+        if not keep_head:
+            self.norm = None
+            self.head = None
+        elif self.config.tie_embeddings and self.embed is None:
+            # The head's weight was the embedding's; now it is this stage's own copy, kept equal by the
+            # tied-gradient synchronisation between the first and last stage.
+            self.head.weight = nn.Parameter(self.head.weight.detach().clone())
+
+    # ----- initialisation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int, prefix: str = "") -> None:
+        """Deterministic init keyed by parameter name: every (dp, pp, tp) layout starts from the same weights."""
+        cfg = self.config
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        for name, param in self.named_parameters():
+            key = "embed.wte.weight" if name == "head.weight" and cfg.tie_embeddings else name
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                std = out_std
+            elif name.endswith("bias") or ".ln" in name or name.startswith("norm."):
+                std = None
+            else:
+                std = cfg.init_std
+            if std is None:
+                full = torch.ones(param.shape) if name.endswith("weight") else torch.zeros(param.shape)
+                _copy_full_into(param, full.to(param.device, param.dtype))
+                continue
+            shape = list(param.shape)
+            if key in ("embed.wte.weight", "head.weight"):
+                shape[0] = cfg.vocab_size  # only real rows are random; padding rows are zero
+            generator = torch.Generator(device=param.device).manual_seed(_seed_for(seed, prefix + key))
+            values = torch.empty(shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            if shape[0] != param.shape[0]:
+                values = torch.cat([values, values.new_zeros(param.shape[0] - shape[0], *shape[1:])])
+            _copy_full_into(param, values.to(param.dtype))
+
+
+def run_layers(model: GPTModel, x: Tensor, layers: Iterable[nn.Module]) -> Tensor:
+    """Apply blocks (with optional activation checkpointing) and, if owned, the final norm and head."""
+    for layer in layers:
+        if model.activation_checkpointing and torch.is_grad_enabled():
+            x = checkpoint(layer, x, use_reentrant=False)
+        else:
+            x = layer(x)
+    if model.head is not None:
+        x = model.head(model.norm(x))
+    return x
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _copy_full_into(param: Tensor, full: Tensor) -> None:
+    """Copy a full (unsharded) tensor into a parameter that may be a DTensor shard, without communication."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)

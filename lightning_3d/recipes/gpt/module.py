@@ -1,0 +1,173 @@
+"""The GPT recipe as a LightningModule implementing the ``Parallel3DModule`` protocol."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_3d.recipes.gpt.config import GPTConfig, preset
+from lightning_3d.recipes.gpt.model import GPTModel, _copy_full_into
+from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
+from lightning_3d.strategies.protocol import StageLayout
+
+IGNORE_INDEX = -100
+
+
+class GPT(pl.LightningModule):
+    """GPT-2-style causal language model; any preset from tiny to 8.3B, trainable in any (dp, pp, tp) layout.
+
+    Batches are ``{"input_ids": LongTensor[b, s], "labels": LongTensor[b, s]}`` (labels already shifted;
+    ``-100`` is ignored). The model is built on the meta device and initialised deterministically by
+    parameter name, so every parallel layout starts from the same weights as a single-device run.
+    """
+
+    def __init__(
+        self,
+        preset_name: str = "tiny",
+        vocab_size: int | None = None,
+        seq_length: int | None = None,
+        num_layers: int | None = None,
+        hidden_size: int | None = None,
+        num_heads: int | None = None,
+        ffn_hidden_size: int | None = None,
+        dropout: float | None = None,
+        tie_embeddings: bool | None = None,
+        activation_checkpointing: bool = False,
+        learning_rate: float = 3e-4,
+        min_learning_rate: float = 3e-5,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        init_seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config: GPTConfig = preset(
+            preset_name, vocab_size=vocab_size, seq_length=seq_length, num_layers=num_layers, hidden_size=hidden_size,
+            num_heads=num_heads, ffn_hidden_size=ffn_hidden_size, dropout=dropout, tie_embeddings=tie_embeddings,
+        )
+        if self.config.hidden_size % self.config.num_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.config.hidden_size} is not divisible by num_heads={self.config.num_heads}."
+            )
+        self.model: GPTModel | None = None
+
+    # ----- building -----------------------------------------------------------------------------------------
+    def _tensor_parallel_size(self) -> int:
+        dims = getattr(getattr(self._trainer, "strategy", None), "dims", None) if self._trainer else None
+        return dims.tp if dims is not None else 1
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        padded = self.config.padded_vocab_size(self._tensor_parallel_size())
+        with torch.device("meta"):
+            self.model = GPTModel(self.config, padded, self.hparams.activation_checkpointing)
+        from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
+        from lightning_3d.strategies.stage_builder import materialize_
+
+        if not (self._trainer and isinstance(self.trainer.strategy, Compressed3DStrategy)):
+            # Other strategies (single device, DDP, benchmarks' peers) get a materialised model right away.
+            device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
+            materialize_(self.model, device)
+            self.init_weights()
+
+    def init_weights(self) -> None:
+        self.model.init_weights(self.hparams.init_seed)
+        head = self.model.head
+        if head is not None and head.padding_mask is not None:
+            mask = torch.zeros(head.out_features, device=head.weight.device)
+            mask[self.config.vocab_size :] = float("-inf")
+            _copy_full_into(head.padding_mask, mask)
+
+    # ----- single-device / data-parallel path ----------------------------------------------------------------
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        self.log_pipeline_loss(loss, "train")
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        self.log_pipeline_loss(loss, "val")
+        return loss
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        self.log_pipeline_loss(loss, "test")
+        return loss
+
+    def log_pipeline_loss(self, loss: Tensor, stage: str) -> None:
+        self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=stage != "train")
+        if stage != "train":
+            self.log(f"{stage}_ppl", torch.exp(loss), sync_dist=True)
+
+    # ----- Parallel3DModule protocol -------------------------------------------------------------------------
+    def num_pipeline_layers(self) -> int:
+        return self.config.num_layers
+
+    def build_pipeline_stages(self, layouts: Sequence[StageLayout]) -> list[nn.Module]:
+        keep = [i for layout in layouts for i in layout.layers]
+        self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
+        return [GPTStage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+
+    def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+        if sequence_parallel and self.config.seq_length % tp_mesh.size() != 0:
+            raise ValueError(
+                f"Sequence parallelism needs seq_length={self.config.seq_length} divisible by"
+                f" tensor_parallel_size={tp_mesh.size()}."
+            )
+        parallelize_gpt(stage, tp_mesh, sequence_parallel)
+
+    def pipeline_loss(self, output: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
+        """Summed token cross-entropy; vocab-parallel when the logits are a vocabulary-sharded DTensor."""
+        logits = output.flatten(0, 1)
+        labels = microbatch["labels"].flatten()
+        if not isinstance(logits, DTensor):
+            logits = logits.float()
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
+        return (microbatch["labels"] != IGNORE_INDEX).sum()
+
+    def pipeline_tied_parameters(self) -> dict[str, str]:
+        return {"model.embed.wte.weight": "model.head.weight"} if self.config.tie_embeddings else {}
+
+    # ----- optimisation --------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW without decay on biases, norms and position embeddings; warmup then cosine decay."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            (decay if p.ndim >= 2 and "wpe" not in name else no_decay).append(p)
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps,
+        )
+        total = hp.decay_steps or (self.trainer.max_steps if self.trainer.max_steps > 0 else 10_000)
+        floor = hp.min_learning_rate / hp.learning_rate
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def flops_per_token(self, seq_length: int | None = None) -> float:
+        return self.config.flops_per_token(seq_length)

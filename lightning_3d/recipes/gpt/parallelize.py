@@ -1,0 +1,90 @@
+"""Pipeline stages and the tensor-parallel plan for the GPT recipe (torchtitan's "parallelize per model")."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_3d.recipes.gpt.model import GPTModel, run_layers
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage: a contiguous range of blocks, plus the embedding (first) or norm and head (last).
+
+    It holds references to the pruned ``GPTModel``'s own submodules under the same attribute names, so the
+    tensor-parallel plan below applies to a stage exactly as to the whole model.
+    """
+
+    def __init__(self, model: GPTModel, layer_ids: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+        self.activation_checkpointing = model.activation_checkpointing
+
+    def forward(self, *received: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
+        x = self.embed(microbatch["input_ids"]) if self.embed is not None else received[0]
+        return run_layers(self, x, self.layers.values())  # type: ignore[arg-type]
+
+
+def parallelize_gpt(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Megatron column/row sharding of attention and MLP, vocab-parallel embedding and output projection.
+
+    The output projection keeps its logits as a DTensor sharded over the vocabulary, consumed by torch's
+    ``loss_parallel`` cross-entropy: no rank ever holds the full vocabulary of logits. With
+    ``sequence_parallel`` the residual stream between blocks (and the pipeline boundary) is sharded over
+    the sequence: LayerNorms run on 1/tp of the tokens and the all-reduces become reduce-scatters.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict = {}
+    embed = getattr(module, "embed", None)
+    if embed is not None:
+        plan["embed.wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sequence_parallel:
+            plan["embed"] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+            )
+    for name in module.layers:
+        prefix = f"layers.{name}"
+        plan.update({
+            f"{prefix}.attn.q": ColwiseParallel(),
+            f"{prefix}.attn.k": ColwiseParallel(),
+            f"{prefix}.attn.v": ColwiseParallel(),
+            f"{prefix}.attn.proj": RowwiseParallel(output_layouts=seq),
+            f"{prefix}.mlp.fc": ColwiseParallel(),
+            f"{prefix}.mlp.proj": RowwiseParallel(output_layouts=seq),
+        })
+        if sequence_parallel:
+            plan.update({
+                f"{prefix}.ln1": SequenceParallel(use_local_output=True),
+                f"{prefix}.ln2": SequenceParallel(use_local_output=True),
+                f"{prefix}.attn": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+                f"{prefix}.mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+            })
+    head = getattr(module, "head", None)
+    if head is not None:
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel(use_local_output=True)
+        plan["head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    tied = embed is not None and head is not None and head.weight is embed.wte.weight
+    parallelize_module(module, tp_mesh, plan)
+    if head is not None and isinstance(head.padding_mask, DTensor):
+        # distribute_module replicated the buffer; shard it like the logits so the mask add stays local.
+        head.padding_mask = head.padding_mask.redistribute(tp_mesh, [Shard(0)])
+    if tied:
+        # parallelize_module gives each module its own new DTensor parameter; tie them again.
+        head.weight = embed.wte.weight

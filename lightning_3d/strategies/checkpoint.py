@@ -1,0 +1,84 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint``.
+
+Model and optimizer state are keyed by parameter name (``get_model_state_dict`` /
+``get_optimizer_state_dict``). Because pipeline stages keep the full model's names, the optimizer state of
+stage 0's ``layers.0...`` and stage 1's ``layers.6...`` never collide, which a plain ``optimizer.state_dict()``
+(keyed by position) would. DTensor shards are written once per shard; replicated tensors once per job.
+Everything Lightning adds (loops, schedulers, callbacks) goes into one file written by rank 0.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+META_FILE = "lightning_meta.pt"
+_OPTIONS = StateDictOptions(full_state_dict=False)
+
+
+def model_state(module: nn.Module) -> dict[str, Any]:
+    return get_model_state_dict(module, options=_OPTIONS)
+
+
+def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    return get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def save(checkpoint: dict[str, Any], path: Path, extra_sharded: dict[str, Any], global_rank: int) -> None:
+    """Write model/optimizer shards (and ``extra_sharded``) with DCP; the rest of Lightning's dict on rank 0."""
+    if path.is_file():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    sharded = {"model": checkpoint.pop("state_dict")}
+    for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+        sharded[f"optimizer_{i}"] = state
+    sharded.update(extra_sharded)
+    dcp.save(sharded, checkpoint_id=path)
+    if global_rank == 0:
+        torch.save(checkpoint, path / META_FILE)
+
+
+def load(path: Path, module: nn.Module, optimizers: list[Optimizer], extra_sharded: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """Load shards in place into ``module``/``optimizers``/``extra_sharded``; return Lightning's metadata."""
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(
+            f"{path} is not a lightning_3d checkpoint: expected a directory written by Compressed3DStrategy"
+            f" (with a .metadata file). Pass the checkpoint directory that ModelCheckpoint or"
+            f" trainer.save_checkpoint created."
+        )
+    state: dict[str, Any] = {"model": model_state(module)}
+    for i, opt in enumerate(optimizers):
+        state[f"optimizer_{i}"] = optimizer_state(module, opt)
+    state.update(extra_sharded)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
+    for i, opt in enumerate(optimizers):
+        set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIONS)
+    for key in extra_sharded:
+        extra_sharded[key] = state[key]
+    meta = torch.load(path / META_FILE, weights_only=False)
+    return meta
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

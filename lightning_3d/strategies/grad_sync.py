@@ -1,0 +1,212 @@
+"""Data-parallel gradient all-reduce, tied-embedding synchronisation and global-norm clipping.
+
+Written by hand rather than wrapping stages in DDP because (a) DDP does not take DTensor parameters on a
+multi-dimensional mesh, (b) pipeline stages must reduce only after their *last* micro-batch, and
+(c) selective stage compression and fused embedding synchronisation need to choose per bucket and per
+parameter what travels. Buckets follow DDP's idea: gradients in reverse registration order, launched as
+soon as every gradient of a bucket is final and all earlier buckets have launched (the same order on
+every replica), overlapping the rest of the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    stage: int | None
+    ready: set[int] = field(default_factory=set)
+    flat: Tensor | None = None
+    work: dist.Work | None = None
+
+
+class GradientSynchronizer:
+    """Averages gradients over the data-parallel group, bucket by bucket."""
+
+    def __init__(
+        self,
+        params_by_stage: dict[int | None, list[nn.Parameter]],
+        dp_group: dist.ProcessGroup | None,
+        dp_size: int,
+        bucket_size_mb: float = 25.0,
+        overlap: bool = True,
+    ) -> None:
+        self.dp_group, self.dp_size, self.overlap = dp_group, dp_size, overlap
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        self._armed: set[int | None] = set()
+        self._next_launch = 0
+        self._syncing = False
+        cap = bucket_size_mb * 2**20
+        # Later stages finish their backward first (interleaved schedules); within a stage, gradients arrive
+        # roughly in reverse registration order.
+        for stage in sorted(params_by_stage, key=lambda s: -1 if s is None else s, reverse=True):
+            current: list[nn.Parameter] = []
+            size = 0.0
+            for p in reversed([p for p in params_by_stage[stage] if p.requires_grad]):
+                if current and (size + _nbytes(p) > cap or local(p).dtype != local(current[0]).dtype):
+                    self._add_bucket(current, stage)
+                    current, size = [], 0.0
+                current.append(p)
+                size += _nbytes(p)
+            if current:
+                self._add_bucket(current, stage)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params]
+
+    def _add_bucket(self, params: list[nn.Parameter], stage: int | None) -> None:
+        bucket = Bucket(params, stage)
+        self.buckets.append(bucket)
+        for p in params:
+            self._bucket_of[id(p)] = bucket
+
+    # ----- step protocol ---------------------------------------------------------------------------------
+    def begin(self, sync: bool) -> None:
+        """Start a backward phase; ``sync`` is False while accumulating gradients over several batches."""
+        self._syncing = sync and self.dp_size > 1
+        self._armed.clear()
+        self._next_launch = 0
+        for b in self.buckets:
+            b.ready.clear()
+            b.flat, b.work = None, None
+
+    def arm(self, stage: int | None) -> None:
+        """The coming backward of ``stage`` is its last this step: its gradients become final during it."""
+        self._armed.add(stage)
+
+    def finish(self) -> None:
+        """Launch what is left (in order), wait for all buckets and write the averages back."""
+        for b in self.buckets:
+            for p in b.params:
+                align_grad_placement(p, allow_communication=True)
+        if not self._syncing:
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        for b in self.buckets:
+            b.work.wait()
+            offset = 0
+            for p in b.params:
+                n = local(p).numel()
+                reduced = b.flat[offset : offset + n].view_as(local(p))
+                if p.grad is None:
+                    p.grad = _like_param(p, reduced.clone())
+                else:
+                    local(p.grad).copy_(reduced)
+                offset += n
+            b.flat, b.work = None, None
+        self._syncing = False
+
+    # ----- internals ---------------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        final = bucket.stage in self._armed
+        align_grad_placement(param, allow_communication=final)
+        if not (self._syncing and final and self.overlap):
+            return
+        bucket.ready.add(id(param))
+        while self._next_launch < len(self.buckets):
+            nxt = self.buckets[self._next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(nxt)
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat.div_(self.dp_size)  # gloo has no AVG; dividing first also keeps bf16 sums in range
+        bucket.flat = flat
+        bucket.work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def align_grad_placement(param: nn.Parameter, allow_communication: bool) -> None:
+    """Give a DTensor gradient its parameter's placements.
+
+    DTensor autograd can produce a gradient laid out differently from its parameter: the vocab-parallel
+    embedding's comes back ``Replicate`` (full size) for a ``Shard(0)`` weight, sequence-parallel norms'
+    come back ``Partial``. Slicing a replicated gradient is local and done at once; reducing a partial one
+    is a tensor-parallel collective, done once, after the last accumulation.
+    """
+    grad = param.grad
+    if not isinstance(grad, DTensor) or grad.placements == param.placements:
+        return
+    if any(pl.is_partial() for pl in grad.placements) and not allow_communication:
+        return
+    param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _nbytes(p: Tensor) -> int:
+    t = local(p)
+    return t.numel() * t.element_size()
+
+
+def _like_param(param: nn.Parameter, local_grad: Tensor) -> Tensor:
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False)
+    return local_grad
+
+
+def sync_tied_gradients(pairs: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Sum the gradient of a tied weight held by two stages on different ranks (first and last stage)."""
+    if group is None:
+        return
+    for p in pairs:
+        grad = local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
+        dist.all_reduce(grad, group=group)
+        if p.grad is None:
+            p.grad = _like_param(p, grad)
+
+
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    model_parallel_group: dist.ProcessGroup | None,
+    tp_rank: int,
+    device: torch.device,
+    skip: set[int] = frozenset(),
+) -> Tensor:
+    """Clip by the global L2 norm over all pipeline stages and tensor-parallel shards.
+
+    A replica's gradients are spread over its pipeline and tensor ranks: sharded DTensor gradients add up
+    across tensor ranks; replicated ones (plain tensors, ``Replicate`` DTensors) are counted on tensor rank 0
+    only, and tied copies (``skip``) once. Same formula as ``torch.nn.utils.clip_grad_norm_``, no host sync.
+    """
+    params = [p for p in params if p.grad is not None]
+    # Every rank joins the all-reduce below, even one without gradients, or the others would hang.
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for p in params:
+        g = p.grad
+        if id(p) in skip:
+            continue
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            raise RuntimeError(f"A gradient has partial placements {g.placements}; it must be reduced before clipping.")
+        sharded = isinstance(g, DTensor) and any(not isinstance(pl, Replicate) for pl in g.placements)
+        if sharded or tp_rank == 0:
+            total += local(g).float().pow(2).sum()
+    if model_parallel_group is not None:
+        dist.all_reduce(total, group=model_parallel_group)
+    total_norm = total.sqrt()
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:  # tied copies are scaled too; they are only left out of the norm
+        local(p.grad).mul_(coef.to(local(p.grad).dtype))
+    return total_norm
+

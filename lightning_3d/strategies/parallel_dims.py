@@ -1,0 +1,95 @@
+"""The (dp, pp, tp) layout of a job and the device mesh built from it.
+
+Modelled on torchtitan's ``ParallelDims``: one small object that validates the sizes once, before any
+process group exists, and then hands out the mesh and per-dimension coordinates. The mesh order is
+("dp", "pp", "tp") with tp innermost so that tensor-parallel groups are consecutive ranks (one node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+def resolve_sizes(
+    world_size: int,
+    data_parallel_size: int | Literal["auto"],
+    pipeline_parallel_size: int,
+    tensor_parallel_size: int,
+) -> tuple[int, int, int]:
+    """Fill in ``"auto"`` for dp and check that dp * pp * tp equals the world size."""
+    for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}={value!r}` must be a positive integer.")
+    model_parallel = pipeline_parallel_size * tensor_parallel_size
+    if data_parallel_size == "auto":
+        if world_size % model_parallel != 0:
+            raise ValueError(
+                f"The world size {world_size} is not divisible by pipeline_parallel_size * tensor_parallel_size"
+                f" = {pipeline_parallel_size} * {tensor_parallel_size} = {model_parallel}, so `data_parallel_size='auto'`"
+                f" cannot be resolved. Choose pp and tp whose product divides the number of devices."
+            )
+        data_parallel_size = world_size // model_parallel
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"`data_parallel_size={data_parallel_size!r}` must be 'auto' or a positive integer.")
+    if data_parallel_size * model_parallel != world_size:
+        raise ValueError(
+            f"data_parallel_size * pipeline_parallel_size * tensor_parallel_size = {data_parallel_size} * "
+            f"{pipeline_parallel_size} * {tensor_parallel_size} = {data_parallel_size * model_parallel}, but the job has"
+            f" {world_size} processes (devices x nodes). Make the product equal {world_size}, or pass"
+            f" data_parallel_size='auto'."
+        )
+    return data_parallel_size, pipeline_parallel_size, tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the three parallel dimensions and this rank's coordinates in them."""
+
+    dp: int
+    pp: int
+    tp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.dp * self.pp * self.tp != self.world_size:
+            raise ValueError(f"dp * pp * tp = {self.dp * self.pp * self.tp} != world size {self.world_size}")
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a global rank in the ("dp", "pp", "tp") row-major mesh."""
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+    def pipeline_ranks(self, dp_rank: int, tp_rank: int) -> list[int]:
+        """Global ranks of one pipeline, ordered by pipeline rank."""
+        return [self.rank_of(dp_rank, p, tp_rank) for p in range(self.pp)]
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def new_subgroups(groups_ranks: list[list[int]], my_rank: int, backend: str | None = None) -> dist.ProcessGroup | None:
+    """Create every group in ``groups_ranks`` (all ranks must call this in the same order) and return mine.
+
+    ``dist.new_group`` is collective over the world, so each rank creates all groups of a family, then keeps
+    the one it belongs to.
+    """
+    mine = None
+    for ranks in groups_ranks:
+        group = dist.new_group(ranks=ranks, backend=backend)
+        if my_rank in ranks:
+            mine = group
+    return mine
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

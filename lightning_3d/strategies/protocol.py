@@ -1,0 +1,111 @@
+"""What a LightningModule implements so that Compressed3DStrategy can split it across pipeline and tensor ranks.
+
+A plain LightningModule needs none of this: with pp = tp = 1 it trains with (compressed) data parallelism
+like DDP. For pp > 1 or tp > 1 the module says how to cut itself into stages and how to shard a stage.
+The GPT recipe is the reference implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Stage ``index`` of ``num_stages`` holds the splittable layers ``layers`` (global indices)."""
+
+    index: int
+    num_stages: int
+    layers: range
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+@runtime_checkable
+class Parallel3DModule(Protocol):
+    """The protocol. Methods are called once at setup (stages, tensor parallel, init) or per micro-batch (loss).
+
+    - ``num_pipeline_layers()``: how many splittable layers (transformer blocks) the model has.
+    - ``build_pipeline_stages(layouts)``: delete everything this rank's stages do not need, keeping the
+      remaining parameter names unchanged, and return one ``nn.Module`` per layout. A stage is called as
+      ``stage(*received, microbatch=mb)``: the first stage gets no received tensors and reads its inputs from
+      the micro-batch; later stages get the previous stage's outputs. The last stage returns what
+      ``pipeline_loss`` consumes. Boundary shapes must depend only on the micro-batch's tensor shapes.
+    - ``parallelize_stage(stage, tp_mesh, sequence_parallel)``: apply a tensor-parallel plan to one stage
+      (``torch.distributed.tensor.parallel.parallelize_module``). With tp > 1 the last stage's loss and its
+      backward run inside torch's ``loss_parallel()`` context.
+    - ``pipeline_loss(output, microbatch)``: the *sum* of the loss terms of one micro-batch.
+    - ``pipeline_loss_terms(microbatch)``: how many terms that sum has (e.g. target tokens), computed from
+      the data alone so every rank knows the normaliser before the backward starts.
+    - ``pipeline_tied_parameters()``: ``{name on the first stage: name on the last stage}`` for weights that
+      are tied (input and output embeddings); their gradients are summed across the two stages.
+    - ``init_weights()``: materialise-time initialisation when the module was built on the meta device.
+    - ``log_pipeline_loss(loss, stage)`` (optional): log the step's mean loss (``stage`` is "train", "val" or
+      "test"); without it the strategy logs ``f"{stage}_loss"``.
+    """
+
+    def num_pipeline_layers(self) -> int: ...
+
+    def build_pipeline_stages(self, layouts: Sequence[StageLayout]) -> list[nn.Module]: ...
+
+    def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None: ...
+
+    def pipeline_loss(self, output: Any, microbatch: Any) -> Tensor: ...
+
+    def pipeline_loss_terms(self, microbatch: Any) -> Tensor | int: ...
+
+    def pipeline_tied_parameters(self) -> dict[str, str]: ...
+
+    def init_weights(self) -> None: ...
+
+
+def missing_protocol_methods(module: object) -> list[str]:
+    """Names of protocol methods the module lacks (for an error message that says what to implement)."""
+    required = [
+        "num_pipeline_layers",
+        "build_pipeline_stages",
+        "parallelize_stage",
+        "pipeline_loss",
+        "pipeline_loss_terms",
+        "pipeline_tied_parameters",
+        "init_weights",
+    ]
+    return [name for name in required if not callable(getattr(module, name, None))]
+
+
+def split_layers(num_layers: int, num_stages: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
+    """Contiguous layer ranges per stage: as even as possible, earlier stages taking the remainder.
+
+    ``layers_per_stage`` overrides the split (the planner uses it to balance embedding/head stages).
+    """
+    if layers_per_stage is not None:
+        if len(layers_per_stage) != num_stages or any(n < 1 for n in layers_per_stage):
+            raise ValueError(
+                f"`pipeline_layer_split={list(layers_per_stage)}` must list {num_stages} positive layer counts,"
+                f" one per pipeline stage."
+            )
+        if sum(layers_per_stage) != num_layers:
+            raise ValueError(
+                f"`pipeline_layer_split={list(layers_per_stage)}` sums to {sum(layers_per_stage)} but the model has"
+                f" {num_layers} layers."
+            )
+        counts = list(layers_per_stage)
+    else:
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges

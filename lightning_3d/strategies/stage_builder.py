@@ -1,0 +1,132 @@
+"""Turn a protocol LightningModule into this rank's pipeline stages: split, shard, materialise, initialise."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_3d.strategies.grad_sync import local
+from lightning_3d.strategies.protocol import StageLayout, missing_protocol_methods, split_layers
+
+
+@dataclass
+class PipelinePlan:
+    """Which layers every stage holds and which stages this pipeline rank runs."""
+
+    layouts: list[StageLayout]
+    local_stages: list[int]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layouts)
+
+
+def check_protocol(module: nn.Module, pp: int, tp: int) -> None:
+    missing = missing_protocol_methods(module)
+    if missing and (pp > 1 or tp > 1):
+        raise TypeError(
+            f"{type(module).__name__} cannot be split for pipeline_parallel_size={pp},"
+            f" tensor_parallel_size={tp}: it does not implement {', '.join(missing)}. Implement the"
+            f" `lightning_3d.Parallel3DModule` protocol (see the GPT recipe and the README), or train it with"
+            f" pipeline_parallel_size=1 and tensor_parallel_size=1 (pure data parallelism)."
+        )
+
+
+def plan_pipeline(
+    module: nn.Module,
+    pp: int,
+    pp_rank: int,
+    virtual_stages: int,
+    schedule: str,
+    layer_split: Sequence[int] | None,
+) -> PipelinePlan:
+    num_layers = module.num_pipeline_layers()
+    num_stages = pp * virtual_stages
+    if num_stages > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} x virtual_stages={virtual_stages} = {num_stages} stages, but the model has"
+            f" only {num_layers} layers: every stage needs at least one layer. Use fewer stages."
+        )
+    if schedule == "interleaved_1f1b" and layer_split is None and num_layers % num_stages != 0:
+        raise ValueError(
+            f"The interleaved schedule splits the {num_layers} layers into pipeline_parallel_size x virtual_stages ="
+            f" {num_stages} equal stages, which does not divide evenly. Choose virtual_stages so that"
+            f" {num_layers} is a multiple of {pp} x virtual_stages, or give pipeline_layer_split."
+        )
+    ranges = split_layers(num_layers, num_stages, layer_split)
+    layouts = [StageLayout(i, num_stages, r) for i, r in enumerate(ranges)]
+    return PipelinePlan(layouts, [s for s in range(num_stages) if s % pp == pp_rank])
+
+
+def check_tensor_parallel_shapes(module: nn.Module, tp: int) -> None:
+    """Heads and hidden sizes must split evenly over tp (checked when the module exposes a GPT-like config)."""
+    config = getattr(module, "config", None)
+    if tp == 1 or config is None:
+        return
+    for field in ("num_heads", "hidden_size", "ffn_size"):
+        value = getattr(config, field, None)
+        if value is not None and value % tp != 0:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's {field}={value}; every tensor-parallel rank"
+                f" must hold the same number of heads and columns. Choose a tensor_parallel_size that divides it."
+            )
+
+
+def build_stages(
+    module: nn.Module,
+    plan: PipelinePlan,
+    tp_mesh: DeviceMesh | None,
+    sequence_parallel: bool,
+    device: torch.device,
+    convert_module,
+) -> tuple[dict[int, nn.Module], bool]:
+    """Prune to this rank's stages, cast, shard over tp and materialise. Returns (stages, was_initialised)."""
+    stage_modules = module.build_pipeline_stages([plan.layouts[s] for s in plan.local_stages])
+    if len(stage_modules) != len(plan.local_stages):
+        raise RuntimeError(
+            f"{type(module).__name__}.build_pipeline_stages returned {len(stage_modules)} modules for"
+            f" {len(plan.local_stages)} stages."
+        )
+    convert_module(module)
+    on_meta = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+    if not on_meta:
+        module.to(device)
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        for stage in stage_modules:
+            module.parallelize_stage(stage, tp_mesh, sequence_parallel)
+    if on_meta:
+        materialize_(module, device)
+        module.init_weights()
+    return dict(zip(plan.local_stages, stage_modules)), on_meta
+
+
+def materialize_(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device)`` that keeps shared (tied) parameters shared.
+
+    Moving off the meta device replaces every parameter with a new ``Parameter`` per owning module, which
+    silently unties an embedding from its output projection; record the sharing first and restore it.
+    """
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((sub, name))
+    module.to_empty(device=device)
+    for places in owners.values():
+        first_module, first_name = places[0]
+        for sub, name in places[1:]:
+            setattr(sub, name, getattr(first_module, first_name))
+
+
+@torch.no_grad()
+def broadcast_parameters(module: nn.Module, group: dist.ProcessGroup | None, src: int) -> None:
+    """Make data-parallel replicas start equal (as DDP does): copy parameters and buffers from ``src``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    for t in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(local(t), src=src, group=group)

@@ -1,0 +1,214 @@
+"""Shared pieces of the distributed scenarios: a tiny GPT, deterministic data, and the single-process reference.
+
+The reference is plain PyTorch (no Lightning, no strategy): the same weights (layout-independent init),
+the same global batches, AdamW, gradient clipping and the recipe's LR schedule. Every process computes it
+itself (it is tiny), so a rank can compare its own shard of every parameter without gathering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lightning_3d.pipeline.microbatch import MicroBatches
+from lightning_3d.recipes import GPT
+
+VOCAB, SEQ = 300, 16
+# Lightning's environment teardown deletes WORLD_SIZE after each fit; remember the launch values.
+WORLD = int(os.environ.get("WORLD_SIZE", 1))
+LOCAL_WORLD = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))
+# adam_eps=1e-6 rather than 1e-8: different (dp, pp, tp) layouts sum in different orders, so gradients agree
+# to fp32 rounding (~1e-7 relative); where a zero-initialised bias has a near-zero gradient, Adam's
+# g / (|g| + eps) with eps=1e-8 turns that rounding into O(lr) differences. 1e-6 is still far below the
+# gradients' scale and keeps the comparison about the parallelism, not about Adam's conditioning.
+MODEL = dict(vocab_size=VOCAB, seq_length=SEQ, num_layers=12, hidden_size=48, num_heads=12, warmup_steps=2,
+             learning_rate=2e-3, min_learning_rate=2e-4, decay_steps=6, adam_eps=1e-6)
+CLIP = 0.5
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    parser.add_argument("--extra", default="")
+    return parser.parse_args()
+
+
+def make_model(**overrides) -> GPT:
+    return GPT("tiny", **{**MODEL, **overrides})
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int = 256, seq: int = SEQ, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.data[i, :-1], "labels": self.data[i, 1:]}
+
+
+class ReplicaSlices(Sampler):
+    """Global batch t is samples [t*G, (t+1)*G); replica r takes its r-th slice of size G/dp."""
+
+    def __init__(self, n: int, global_batch: int, dp: int, rank: int) -> None:
+        self.n, self.g, self.dp, self.rank = n, global_batch, dp, rank
+
+    def __iter__(self):
+        per = self.g // self.dp
+        for t in range(self.n // self.g):
+            yield from range(t * self.g + self.rank * per, t * self.g + (self.rank + 1) * per)
+
+    def __len__(self) -> int:
+        return (self.n // self.g) * (self.g // self.dp)
+
+
+class TestData(pl.LightningDataModule):
+    def __init__(self, global_batch: int = 8, n: int = 256, variable: bool = False) -> None:
+        super().__init__()
+        self.global_batch, self.n, self.variable = global_batch, n, variable
+
+    def train_dataloader(self) -> DataLoader:
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        if self.variable:
+            return DataLoader(VariableBatches(kw["num_replicas"], kw["rank"]), batch_size=None)
+        sampler = ReplicaSlices(self.n, self.global_batch, kw["num_replicas"], kw["rank"])
+        return DataLoader(Tokens(self.n), batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = ReplicaSlices(32, self.global_batch, kw["num_replicas"], kw["rank"])
+        return DataLoader(Tokens(32, seed=1), batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
+
+
+# Steps with a different number of micro-batches and different (batch, sequence) shapes each.
+VARIABLE_PLAN = [[(2, 16), (2, 8), (4, 12), (2, 16)], [(4, 8), (4, 8)], [(1, 16), (3, 12), (2, 4), (2, 8), (4, 16), (4, 16)]]
+
+
+def variable_step(step: int, dp: int, rank: int) -> list[dict]:
+    """The micro-batches of one replica at one step; micro-batch j of the global step is split over replicas."""
+    g = torch.Generator().manual_seed(100 + step)
+    mbs = []
+    for b, s in VARIABLE_PLAN[step % len(VARIABLE_PLAN)]:
+        x = torch.randint(0, VOCAB, (b * dp, s + 1), generator=g)[rank * b : (rank + 1) * b]
+        mbs.append({"input_ids": x[:, :-1], "labels": x[:, 1:]})
+    return mbs
+
+
+class VariableBatches(torch.utils.data.IterableDataset):
+    def __init__(self, dp: int, rank: int, steps: int = 6) -> None:
+        self.dp, self.rank, self.steps = dp, rank, steps
+
+    def __iter__(self):
+        for step in range(self.steps):
+            yield MicroBatches(variable_step(step, self.dp, self.rank))
+
+
+@lru_cache(maxsize=16)
+def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulate: int = 1) -> tuple:
+    """(losses per optimizer step, final named parameters) of plain single-process training."""
+    module = make_model()
+    module.configure_model()
+    model = module.model
+    hp = module.hparams
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "wpe" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "wpe" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay}, {"params": other, "weight_decay": 0.0}],
+                            lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps)
+    floor = hp.min_learning_rate / hp.learning_rate
+
+    def schedule(step: int) -> float:
+        if step < hp.warmup_steps:
+            return (step + 1) / hp.warmup_steps
+        progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.decay_steps - hp.warmup_steps))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    data = Tokens()
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        step_loss = 0.0
+        for micro in range(accumulate):
+            t = step * accumulate + micro
+            if variable_dp:
+                replicas = [variable_step(t, variable_dp, r) for r in range(variable_dp)]
+                mbs = [{k: torch.cat([rep[j][k] for rep in replicas]) for k in ("input_ids", "labels")}
+                       for j in range(len(replicas[0]))]
+                total = sum(mb["labels"].numel() for mb in mbs)
+                loss = sum(_ce(model(mb["input_ids"]), mb["labels"], "sum") for mb in mbs) / total
+            else:
+                batch = data[t * global_batch : (t + 1) * global_batch]
+                loss = _ce(model(batch["input_ids"]), batch["labels"], "mean")
+            (loss / accumulate).backward()
+            step_loss += loss.item() / accumulate
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        losses.append(step_loss)
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
+
+
+class LossRecorder(pl.Callback):
+    """The loss of every optimizer step (the mean over its accumulated batches), as every rank sees it."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self._window = 0.0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._window += float(outputs["loss"])  # Lightning already divided it by accumulate_grad_batches
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.losses.append(self._window)
+            self._window = 0.0
+
+
+def compare(module: GPT, losses: list[float], ref: tuple) -> dict:
+    """Worst relative errors of the step losses and of every parameter this rank holds (full tensors)."""
+    ref_losses, ref_params = ref
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    param_err = 0.0
+    for name, p in module.model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        expected = ref_params.get(name, ref_params["embed.wte.weight"] if name == "head.weight" else None)
+        full = full.detach()[: expected.shape[0]]
+        param_err = max(param_err, ((full - expected).norm() / expected.norm().clamp_min(1e-12)).item())
+    return {"loss_err": loss_err, "param_err": param_err}
+
+
+def all_max(value: float) -> float:
+    t = torch.tensor(value, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def trainer(strategy, steps: int, callbacks=(), accumulate: int = 1, **kw) -> pl.Trainer:
+    os.environ["WORLD_SIZE"] = str(WORLD)
+    return pl.Trainer(
+        accelerator="cpu", devices=LOCAL_WORLD, num_nodes=WORLD // LOCAL_WORLD,
+        strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, gradient_clip_val=CLIP, accumulate_grad_batches=accumulate,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=list(callbacks), use_distributed_sampler=False, **kw,
+    )
+
+
+def write_report(path: Path, report: dict) -> None:
+    if dist.get_rank() == 0:
+        path.write_text(json.dumps(report, indent=1))

@@ -1,0 +1,85 @@
+"""Every (dp, pp, tp) layout of one world size, with every schedule that applies, against the reference.
+
+One process group runs all of them in sequence (one Trainer each), so the suite pays the process start-up
+once per world size.
+"""
+
+from __future__ import annotations
+
+import time
+
+from lightning_3d import Compressed3DStrategy
+from tests.scenarios.common import (
+    LossRecorder, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report,
+)
+
+STEPS = 6
+
+
+def layouts(world: int) -> list[dict]:
+    if world == 8:  # the one 8-process layout: every kind of parallelism at once
+        return [dict(dp=2, pp=2, tp=2, schedule=s, m=4) for s in ("gpipe", "1f1b", "interleaved_1f1b")]
+    runs = []
+    for dp in range(1, world + 1):
+        for pp in range(1, world + 1):
+            if world % (dp * pp):
+                continue
+            tp = world // (dp * pp)
+            if pp == 1:
+                runs.append(dict(dp=dp, pp=pp, tp=tp, schedule="1f1b", m=2))
+                continue
+            m = 6 if pp == 3 else 4
+            for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+                runs.append(dict(dp=dp, pp=pp, tp=tp, schedule=schedule, m=m))
+    return runs
+
+
+def variants(world: int) -> list[dict]:
+    """Extra options checked against the same reference: sequence parallel, accumulation, variable shapes."""
+    extra = []
+    if world == 2:
+        extra += [dict(dp=1, pp=1, tp=2, schedule="1f1b", m=2, sp=True),
+                  dict(dp=1, pp=2, tp=1, schedule="1f1b", m=4, variable=True),
+                  dict(dp=2, pp=1, tp=1, schedule="1f1b", m=2, variable=True)]
+    if world == 8:
+        return []
+    if world == 4:
+        extra += [dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", m=4, sp=True),
+                  dict(dp=2, pp=2, tp=1, schedule="1f1b", m=2, accumulate=2),
+                  dict(dp=2, pp=2, tp=1, schedule="interleaved_1f1b", m=4, variable=True),
+                  dict(dp=1, pp=2, tp=2, schedule="gpipe", m=4, sp=True, variable=True)]
+    return extra
+
+
+def run(cfg: dict) -> dict:
+    accumulate = cfg.get("accumulate", 1)
+    variable = cfg.get("variable", False)
+    global_batch = cfg["dp"] * cfg["m"] * 2
+    virtual = None
+    if cfg["schedule"] == "interleaved_1f1b":
+        virtual = 3 if cfg["pp"] == 4 else 2
+    strategy = Compressed3DStrategy(
+        data_parallel_size=cfg["dp"], pipeline_parallel_size=cfg["pp"], tensor_parallel_size=cfg["tp"],
+        num_microbatches=cfg["m"], schedule=cfg["schedule"], virtual_stages=virtual,
+        sequence_parallel=cfg.get("sp", False),
+    )
+    recorder = LossRecorder()
+    model = make_model()
+    start = time.perf_counter()
+    trainer(strategy, STEPS, [recorder], accumulate=accumulate).fit(
+        model, datamodule=TestData(global_batch, variable=variable)
+    )
+    ref = reference(STEPS, global_batch, cfg["dp"] if variable else 0, accumulate)
+    result = compare(model, recorder.losses, ref)
+    return {**cfg, "loss_err": all_max(result["loss_err"]), "param_err": all_max(result["param_err"]),
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def main() -> None:
+    args = parse_args()
+    results = [run(cfg) for cfg in layouts(args.world) + variants(args.world)]
+    write_report(args.report, {"results": results})
+
+
+if __name__ == "__main__":
+    main()
