@@ -26,11 +26,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 META_FILE = "lightning_meta.pt"
-_OPTIONS = StateDictOptions(full_state_dict=False)
+# Flattened optimizer state keys every setting by parameter name ("param_groups.<fqn>.lr"); unflattened, all
+# stages would write a "param_groups" entry under the same key and DCP would keep only one of them.
+_OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
-    return get_model_state_dict(module, options=_OPTIONS)
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:

@@ -1,0 +1,299 @@
+"""Training throughput of the GPT recipe under Compressed3DStrategy for a list of (dp, pp, tp) layouts.
+
+The driver (this script without ``--worker``) starts fresh torchrun-style worker processes for every layout
+(a new process group, NCCL state and CUDA memory each), prints a table and writes JSON. See benchmarks/README.md.
+
+    python benchmarks/train_throughput.py --preset 350m --layouts 4,1,1 1,4,1 1,1,4 2,2,1 2,1,2 1,2,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PEAK_TFLOPS = 989.0  # dense bf16 peak of one H100/H200 SXM (see /work/shared/BENCHMARKING.md)
+FLOPS_FORMULA = ("model FLOPs/token = 6*N + 12*L*h*s (Megatron convention: N = parameters incl. embeddings, tied"
+                 " counted once, unpadded vocab; causal attention counted in full)")
+BATCH_NOTE = ("per-replica batch = micro_batch_size * num_microbatches for every layout (per-GPU work held"
+              " comparable); tokens/step = dp * per-replica batch * seq, so the global batch grows with dp")
+ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+REGIMES = {"nvlink": {}, "ib": {"NCCL_P2P_DISABLE": "1"},
+           "ethernet": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="350m")
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch, per replica")
+    p.add_argument("--num-microbatches", type=int, default=8)
+    p.add_argument("--layouts", nargs="+", default="4,1,1 1,4,1 1,1,4 2,2,1 2,1,2 1,2,2".split(), help="dp,pp,tp")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    p.add_argument("--virtual-stages", type=int, default=None, help="interleaved schedule only")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true", "32-true"))
+    p.add_argument("--steps", type=int, default=30, help="timed steps")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("results.json"))
+    p.add_argument("--regime", default="nvlink", choices=tuple(REGIMES), help="interconnect, see BENCHMARKING.md")
+    p.add_argument("--devices", type=int, default=None, help="GPUs to use at most (default: all visible)")
+    p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: smoke test only")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be at least 1 (the first step builds caches and is never timed)")
+    return args
+
+
+def parse_layout(text: str) -> tuple[int, int, int]:
+    dp, pp, tp = (int(x) for x in text.split(","))
+    if min(dp, pp, tp) < 1:
+        raise ValueError(f"layout {text!r} is not 'dp,pp,tp' with positive sizes")
+    return dp, pp, tp
+
+
+def layout_schedule(args: argparse.Namespace, pp: int) -> tuple[str, int | None]:
+    """(schedule, virtual_stages) a layout runs: interleaving needs pp >= 2, so one-stage layouts run 1F1B."""
+    return ("1f1b", None) if args.schedule == "interleaved_1f1b" and pp == 1 else (args.schedule, args.virtual_stages)
+
+
+# ----- worker ----------------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from lightning_3d import Compressed3DStrategy
+    from lightning_3d.recipes import GPT
+    from lightning_3d.recipes.data import SyntheticLMDataModule
+
+    dp, pp, tp = parse_layout(args.layout)
+    cuda = args.accelerator == "gpu"
+    per_replica = args.micro_batch_size * args.num_microbatches
+    max_steps = args.warmup + args.steps
+
+    class StepTimer(pl.Callback):
+        """Wall time of every step between GPU-synchronised batch start and end; rank 0 writes the result."""
+
+        def __init__(self) -> None:
+            self.step_s, self.loop_s = [], []  # loop: batch end to batch end, also data loading and H2D copy
+            self._start = self._last_end = 0.0
+            self.loss = float("nan")
+
+        def _now(self, trainer: pl.Trainer) -> float:
+            if cuda:
+                torch.cuda.synchronize(trainer.strategy.root_device)
+            return time.perf_counter()
+
+        def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
+            self._start = self._now(trainer)
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: Any, out: Any, batch: Any, idx: int) -> None:
+            end = self._now(trainer)
+            if trainer.global_step > args.warmup:  # global_step already counts this step
+                self.step_s.append(end - self._start)
+                self.loop_s.append(end - self._last_end)
+            self._last_end = end
+            self.loss = float(out["loss"]) if isinstance(out, dict) else float(out)
+
+        def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            device = trainer.strategy.root_device
+            # A step is as slow as its slowest rank: take the max over ranks, step by step.
+            times = torch.tensor([self.step_s, self.loop_s], dtype=torch.float64, device=device)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            mem = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)] if cuda else [0, 0]
+            mem = torch.tensor(mem, dtype=torch.float64, device=device)  # max over ranks, on the NCCL device
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            if trainer.global_rank == 0:
+                args.result.write_text(json.dumps({
+                    "step_s": times[0].tolist(), "loop_s": times[1].tolist(), "final_loss": self.loss,
+                    "peak_mem_gb": mem[0].item() / 1e9 if cuda else None,
+                    "peak_reserved_gb": mem[1].item() / 1e9 if cuda else None,
+                    "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}))
+
+    schedule, virtual_stages = layout_schedule(args, pp)
+    strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, schedule=schedule,
+                                    virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
+        precision=args.precision, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        use_distributed_sampler=True, callbacks=[StepTimer()],
+    )
+    model = GPT(preset_name=args.preset, seq_length=args.seq_length, vocab_size=args.vocab_size,
+                activation_checkpointing=args.activation_checkpointing)
+    data = SyntheticLMDataModule(vocab_size=args.vocab_size, seq_length=args.seq_length, batch_size=per_replica,
+                                 num_samples=per_replica * dp * (max_steps + 1))
+    trainer.fit(model, datamodule=data)
+
+
+# ----- driver ----------------------------------------------------------------------------------------------
+def launch(args: argparse.Namespace, layout: tuple[int, int, int], log_dir: Path, worker_argv: list[str]) -> dict:
+    """Run one layout in fresh processes; return the rank-0 result, or an error with the failing log's tail."""
+    world = layout[0] * layout[1] * layout[2]
+    name = "dp{}_pp{}_tp{}".format(*layout)
+    result_path = log_dir / f"{name}.json"
+    result_path.unlink(missing_ok=True)
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    inherited = {k: v for k, v in os.environ.items() if k not in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")}
+    env_base = {**inherited, **ALWAYS_ENV, **REGIMES[args.regime], "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                "PYTHONUNBUFFERED": "1"}
+    env_base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does; the host only feeds the GPUs
+    cmd = [sys.executable, str(Path(__file__).resolve()), *worker_argv, "--worker",
+           "--layout", ",".join(map(str, layout)), "--result", str(result_path)]
+    procs, logs = [], []
+    for rank in range(world):
+        logs.append(log_dir / f"{name}.rank{rank}.log")
+        env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", GROUP_RANK="0")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                          start_new_session=True))
+    start, failure = time.monotonic(), None
+    while any(p.poll() is None for p in procs):
+        bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if bad:
+            failure = (f"rank {bad[0]} exited with code {procs[bad[0]].returncode}", bad[0])
+            time.sleep(3)  # let the other ranks print their side, then stop them
+            break
+        if time.monotonic() - start > args.timeout:
+            failure = (f"timed out after {args.timeout:.0f}s", 0)
+            break
+        time.sleep(0.2)
+    for p in procs:  # each worker leads its own session: stop it and whatever it started, then reap it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    wall = round(time.monotonic() - start, 1)
+    if failure is None and any(p.returncode for p in procs):
+        failure = (f"exit codes {[p.returncode for p in procs]}", next(r for r, p in enumerate(procs) if p.returncode))
+    if failure is None and not result_path.exists():
+        failure = ("rank 0 wrote no result", 0)
+    if failure is not None:  # the reason, then the last lines of the failing rank's log
+        log_tail = "\n".join(logs[failure[1]].read_text(errors="replace").splitlines()[-25:])
+        return {"error": f"{failure[0]}; log {logs[failure[1]]}:\n{log_tail}", "wall_s": wall}
+    return {**json.loads(result_path.read_text()), "wall_s": wall}
+
+
+def summarize(args: argparse.Namespace, layout: tuple[int, int, int], raw: dict, flops_per_token: float) -> dict:
+    """One result row: throughput from the median step time (max over ranks), its spread, peak memory."""
+    world = layout[0] * layout[1] * layout[2]
+    row: dict[str, Any] = {"layout": list(layout), "world_size": world, "schedule": layout_schedule(args, layout[1])[0],
+                           "num_microbatches": args.num_microbatches, "micro_batch_size": args.micro_batch_size,
+                           "seq_length": args.seq_length, "tokens_per_step": layout[0] * args.micro_batch_size
+                           * args.num_microbatches * args.seq_length}
+    if "error" in raw:
+        return {**row, **raw}
+    step_s, loop_s = np.asarray(raw.pop("step_s")), np.asarray(raw.pop("loop_s"))
+    ms = np.percentile(step_s * 1e3, [50, 10, 90, 0, 100]).tolist()
+    tokens_s = row["tokens_per_step"] / np.median(step_s)
+    tflops = flops_per_token * tokens_s / world / 1e12
+    return {**row, "tokens_per_s": tokens_s, "tflops_per_gpu": tflops,
+            "mfu": tflops / PEAK_TFLOPS if args.accelerator == "gpu" else None,
+            "step_ms": {**dict(zip(("median", "p10", "p90", "min", "max"), ms)), "n": len(step_s)},
+            "loop_ms_median": float(np.median(loop_s)) * 1e3, **raw, "error": None}
+
+
+def environment(args: argparse.Namespace) -> dict:
+    import lightning
+
+    gpus: list[str] = []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # nvidia-smi: the driver makes no CUDA context
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        gpus = [line.strip() for line in out.stdout.splitlines() if line.strip()] if args.accelerator == "gpu" else []
+    nccl = str(torch.cuda.nccl.version()) if args.accelerator == "gpu" else None
+    return {"command": shlex.join(["python", *sys.argv]),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "python": sys.version.split()[0], "torch": torch.__version__, "lightning": lightning.__version__,
+            "cuda": torch.version.cuda, "nccl": nccl, "gpus": gpus, "accelerator": args.accelerator,
+            "regime": args.regime, "worker_env": {**ALWAYS_ENV, **REGIMES[args.regime]}}
+
+
+def table(rows: list[dict], header: str) -> str:
+    cols = ["layout (dp,pp,tp)", "schedule", "M", "mb", "seq", "tokens/s", "TFLOP/s/GPU", "MFU %",
+            "step ms median [p10-p90]", "peak mem GB", "error"]
+    lines = []
+    for r in rows:
+        ok = r.get("error") is None
+        lines.append([
+            ",".join(map(str, r["layout"])), r["schedule"], str(r["num_microbatches"]), str(r["micro_batch_size"]),
+            str(r["seq_length"]), f"{r['tokens_per_s']:,.0f}" if ok else "-",
+            f"{r['tflops_per_gpu']:.{1 if r['tflops_per_gpu'] >= 1 else 3}f}" if ok else "-",
+            (f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "n/a") if ok else "-",
+            "{median:.1f} [{p10:.1f}-{p90:.1f}]".format(**r["step_ms"]) if ok else "-",
+            f"{r['peak_mem_gb']:.2f}" if ok and r["peak_mem_gb"] is not None else ("n/a" if ok else "-"),
+            "" if ok else r["error"].strip().splitlines()[-1][:80],
+        ])
+    widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(cols)]
+    fmt = lambda cells: " | ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([header, fmt(cols), "-+-".join("-" * w for w in widths), *(fmt(line) for line in lines)])
+
+
+def driver(args: argparse.Namespace, argv: list[str]) -> None:
+    from lightning_3d.recipes.gpt.config import preset
+
+    layouts = [parse_layout(text) for text in args.layouts]
+    if args.devices is None:
+        args.devices = torch.cuda.device_count() if args.accelerator == "gpu" else max(a * b * c for a, b, c in layouts)
+    config = preset(args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length)
+    flops_per_token = config.flops_per_token(args.seq_length)
+    env = environment(args)
+    log_dir = args.out.resolve().with_name(args.out.stem + "_logs")  # workers run in the repo root
+    log_dir.mkdir(parents=True, exist_ok=True)
+    header = (f"GPT {args.preset} (N={config.num_parameters() / 1e6:.1f}M, {flops_per_token / 1e9:.3f} GFLOP/token),"
+              f" {args.precision}, regime={args.regime}, {args.steps} timed steps after {args.warmup}\n"
+              f"{FLOPS_FORMULA}; TFLOP/s/GPU = FLOPs/token * tokens/s / GPUs; MFU = that / {PEAK_TFLOPS:.0f}\n"
+              f"{BATCH_NOTE}; M = micro-batches per step, mb = micro-batch size; step time = max over ranks")
+    print(f"command: {env['command']}\n{env['date_utc']}  torch {env['torch']}  lightning {env['lightning']}  "
+          f"CUDA {env['cuda']}  NCCL {env['nccl']}  GPUs: {', '.join(env['gpus']) or args.accelerator}", flush=True)
+    report = {"environment": env, "flops_convention": FLOPS_FORMULA, "flops_per_token": flops_per_token,
+              "num_parameters": config.num_parameters(), "peak_tflops_per_gpu": PEAK_TFLOPS,
+              "batch_convention": BATCH_NOTE,
+              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                         if k not in ("worker", "layout", "result")},
+              "model": config.to_dict(), "results": []}
+    for layout in layouts:
+        world = layout[0] * layout[1] * layout[2]
+        print(f"layout dp={layout[0]} pp={layout[1]} tp={layout[2]} on {world} processes ...", flush=True)
+        too_big = {"error": f"needs {world} devices, {args.devices} available"}
+        raw = too_big if world > args.devices else launch(args, layout, log_dir, argv)
+        row = summarize(args, layout, raw, flops_per_token)
+        print("  " + (row["error"].strip().splitlines()[-1] if row["error"] else
+                      f"{row['tokens_per_s']:,.0f} tokens/s, median {row['step_ms']['median']:.1f} ms"), flush=True)
+        report["results"].append(row)
+        args.out.write_text(json.dumps(report, indent=1))  # after every layout, so a crash keeps what was measured
+    print("\n" + table(report["results"], header) + f"\n\nJSON: {args.out}  worker logs: {log_dir}")
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    worker(args) if args.worker else driver(args, sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

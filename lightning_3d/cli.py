@@ -1,0 +1,103 @@
+"""``lightning-3d fit|validate|test --config FILE``: Lightning's CLI with the GPT recipe and ``compressed_3d``.
+
+``--config`` takes a YAML path or the name of a config shipped in ``lightning_3d/recipes/configs``
+(``lightning-3d fit --config gpt_tiny``). The model's ``vocab_size`` and ``seq_length`` follow the data
+module (tokenizer) whenever both sides have them, so a config never has to repeat them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
+import lightning_3d  # noqa: F401  (registers the "compressed_3d" strategy name)
+
+DEFAULT_MODEL = "lightning_3d.recipes.GPT"
+DEFAULT_DATA = "lightning_3d.recipes.data.CausalLMDataModule"
+CONFIG_OPTIONS = ("-c", "--config")
+
+
+def packaged_configs() -> list[str]:
+    """Names of the configs shipped with the package (``lightning-3d fit --config NAME``)."""
+    folder = resources.files("lightning_3d.recipes").joinpath("configs")
+    if not folder.is_dir():
+        return []
+    return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+def resolve_config(value: str) -> str:
+    """A config path as given when it exists, else the packaged ``configs/<value>.yaml`` (``.yaml`` optional)."""
+    if os.path.isfile(value) or value.lstrip().startswith(("{", "[")) or "\n" in value:
+        return value  # a file, or jsonargparse's inline YAML/JSON
+    name = value[: -len(".yaml")] if value.endswith(".yaml") else value
+    if "/" not in name and os.sep not in name:
+        candidate = resources.files("lightning_3d.recipes").joinpath("configs", f"{name}.yaml")
+        if candidate.is_file():
+            return str(candidate)
+    available = ", ".join(packaged_configs()) or "(none)"
+    raise FileNotFoundError(
+        f"--config {value!r} is neither an existing file nor a config shipped with lightning_3d."
+        f" Packaged configs: {available} (e.g. `lightning-3d fit --config gpt_tiny`)."
+    )
+
+
+def resolve_config_args(args: Sequence[str]) -> list[str]:
+    """Rewrite every ``--config X`` / ``--config=X`` / ``-c X`` in ``args`` with :func:`resolve_config`."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg in CONFIG_OPTIONS and i + 1 < len(out):
+            out[i + 1] = resolve_config(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + resolve_config(arg[len("--config=") :])
+    return out
+
+
+class Lightning3DCLI(LightningCLI):
+    """LightningCLI whose model/data default to GPT on the offline corpus, any LightningModule allowed."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+        # The embedding must match the tokenizer: taken from the instantiated data module (the tokenizer may be
+        # a local file whose size is only known once loaded). Links are skipped when either side lacks the name.
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+        parser.link_arguments("data.init_args.seq_length", "model.init_args.seq_length", apply_on="parse")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        if args is not None and not isinstance(args, (list, tuple)):
+            return super().parse_arguments(parser, args)  # a dict or Namespace: nothing to resolve
+        given = args is not None
+        try:
+            args = resolve_config_args(args if given else sys.argv[1:])
+        except FileNotFoundError as err:
+            parser.error(str(err))
+        if given:
+            return super().parse_arguments(parser, args)
+        self.config = parser.parse_args(args)  # the (rewritten) command line, without the args-vs-argv warning
+
+
+def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
+    """The CLI object (runs the subcommand when ``run``); ``args`` replaces ``sys.argv[1:]``, e.g. in tests."""
+    return Lightning3DCLI(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        # Every rank builds the CLI; only rank 0 writes config.yaml, and reruns into the same log dir must not fail.
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of the ``lightning-3d`` console script (returns nothing: its result becomes the exit code)."""
+    build_cli(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Bad configuration is rejected with a message naming the value and the fix, before any process group exists."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.pipeline.microbatch import MicroBatches, split_batch
+from lightning_3d.recipes import GPT
+from lightning_3d.strategies.parallel_dims import ParallelDims, resolve_sizes
+from lightning_3d.strategies.protocol import split_layers
+
+
+def test_sizes_must_multiply_to_the_world() -> None:
+    assert resolve_sizes(8, "auto", 2, 2) == (2, 2, 2)
+    assert resolve_sizes(4, 1, 2, 2) == (1, 2, 2)
+    with pytest.raises(ValueError, match=r"2 \* 2 \* 2 = 8, but the job has 4 processes"):
+        resolve_sizes(4, 2, 2, 2)
+    with pytest.raises(ValueError, match="world size 6 is not divisible by .* = 4"):
+        resolve_sizes(6, "auto", 2, 2)
+    with pytest.raises(ValueError, match="`tensor_parallel_size=0` must be a positive integer"):
+        resolve_sizes(4, "auto", 1, 0)
+
+
+def test_mesh_coordinates_put_tensor_parallel_innermost() -> None:
+    dims = ParallelDims(2, 2, 2, 8)
+    assert [dims.coordinates(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert dims.pipeline_ranks(1, 1) == [5, 7]
+    assert all(dims.rank_of(*dims.coordinates(r)) == r for r in range(8))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(schedule="zero_bubble"), "Unknown schedule 'zero_bubble'"),
+        (dict(pipeline_parallel_size=4, num_microbatches=2), r"1F1B schedule with num_microbatches=2 < pipeline_parallel_size=4"),
+        (dict(pipeline_parallel_size=2, num_microbatches=3, schedule="interleaved_1f1b"), r"num_microbatches \(3\) to be a multiple"),
+        (dict(pipeline_parallel_size=1, schedule="interleaved_1f1b"), "needs pipeline_parallel_size >= 2"),
+        (dict(pipeline_parallel_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=1), "virtual_stages >= 2"),
+        (dict(virtual_stages=2), "virtual_stages=2 only applies"),
+        (dict(num_microbatches=0), "`num_microbatches=0` must be a positive integer"),
+    ],
+)
+def test_strategy_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Compressed3DStrategy(**kwargs)
+
+
+def test_layer_split() -> None:
+    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert split_layers(6, 2, [4, 2]) == [range(0, 4), range(4, 6)]
+    with pytest.raises(ValueError, match=r"sums to 5 but the model has 6 layers"):
+        split_layers(6, 2, [3, 2])
+    with pytest.raises(ValueError, match="must list 3 positive layer counts"):
+        split_layers(6, 3, [3, 3])
+
+
+def test_batches_must_split_evenly() -> None:
+    batch = {"input_ids": torch.zeros(6, 4, dtype=torch.long), "labels": torch.zeros(6, 4, dtype=torch.long)}
+    assert [mb["input_ids"].shape[0] for mb in split_batch(batch, 3)] == [2, 2, 2]
+    with pytest.raises(ValueError, match=r"batch of 6 samples cannot be split into num_microbatches=4"):
+        split_batch(batch, 4)
+    ragged = MicroBatches([{"input_ids": torch.zeros(2, 3)}, {"input_ids": torch.zeros(1, 5)}])
+    assert split_batch(ragged, 4) == list(ragged)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "16-true"])  # 16-mixed becomes bf16-mixed on CPU
+def test_unsupported_precision_is_rejected_before_any_process_group(precision: str) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(), precision=precision,
+                         max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=f"does not support precision='{precision}'; use one of 32-true, bf16-mixed, bf16-true"):
+        trainer.fit(GPT("tiny"))
+    assert not torch.distributed.is_initialized()
+
+
+def test_gpt_rejects_heads_that_do_not_divide_hidden() -> None:
+    with pytest.raises(ValueError, match="hidden_size=100 is not divisible by num_heads=3"):
+        GPT("tiny", hidden_size=100, num_heads=3)
+    with pytest.raises(ValueError, match="Unknown GPT preset 'huge'"):
+        GPT("huge")
