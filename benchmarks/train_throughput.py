@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=None, help="GPUs to use at most (default: all visible)")
     p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: smoke test only")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
+    p.add_argument("--profile", action="store_true", help="rank 0 prints a torch.profiler table of 2 steps")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -81,6 +82,10 @@ def layout_schedule(args: argparse.Namespace, pp: int) -> tuple[str, int | None]
 
 # ----- worker ----------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
+    if os.environ.get("L3D_HANG_DUMP"):  # diagnosis: print every thread's stack if the run is still going then
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["L3D_HANG_DUMP"]), exit=False)
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -107,6 +112,10 @@ def worker(args: argparse.Namespace) -> None:
             return time.perf_counter()
 
         def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
+            if args.profile and trainer.global_step == args.warmup and trainer.global_rank == 0:
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                   torch.profiler.ProfilerActivity.CUDA])
+                self.profiler.__enter__()
             self._start = self._now(trainer)
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: Any, out: Any, batch: Any, idx: int) -> None:
@@ -116,6 +125,12 @@ def worker(args: argparse.Namespace) -> None:
                 self.loop_s.append(end - self._last_end)
             self._last_end = end
             self.loss = float(out["loss"]) if isinstance(out, dict) else float(out)
+            if getattr(self, "profiler", None) is not None and trainer.global_step == args.warmup + 2:
+                self.profiler.__exit__(None, None, None)
+                averages = self.profiler.key_averages()
+                print("PROFILE (2 steps, rank 0) by device time\n" + averages.table(sort_by="self_device_time_total", row_limit=22),
+                      "\nPROFILE by CPU time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+                self.profiler = None
 
         def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             device = trainer.strategy.root_device

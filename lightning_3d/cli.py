@@ -11,7 +11,6 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib import resources
-from typing import Any
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 

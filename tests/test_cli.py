@@ -21,6 +21,9 @@ def offline(monkeypatch):
     monkeypatch.setattr("sys.argv", ["lightning-3d"])  # the CLI gets its arguments from `args`, not pytest's
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for key in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # written by the CLI's seed_everything; removed afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
 
 
 @pytest.fixture
@@ -31,8 +34,11 @@ def single_process(monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
+    # Lightning's launcher writes these into os.environ; set-then-delete makes monkeypatch
+    # remove them again afterwards, so a leftover LOCAL_RANK cannot make later tests look externally launched.
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     yield
     if dist.is_initialized():
         dist.destroy_process_group()

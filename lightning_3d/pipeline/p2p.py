@@ -33,7 +33,7 @@ class Channel:
     dst: int  # pipeline rank of the receiver
     peer: int  # global rank of the other end
     group: dist.ProcessGroup
-    meta_group: dist.ProcessGroup | None  # CPU group for shape headers (activation channels only)
+    meta_group: dist.ProcessGroup  # CPU group for shape headers (the same group when the backend is gloo)
 
 
 def channel_edges(pp: int, virtual_stages: int) -> list[tuple[str, int, int]]:
@@ -55,13 +55,15 @@ class PipelineChannels:
         pp = len(pipelines[0])
         if pp == 1:
             return
-        needs_cpu_meta = dist.get_backend() != "gloo"
+        # Shape headers travel on one CPU group spanning the world (point-to-point messages are matched per
+        # sender and receiver, so pipelines do not mix). It is created before the pair groups: with NCCL's
+        # eager initialisation every new NCCL group is a world-wide split, and a gloo group created between
+        # two splits can leave its members waiting for each other inside different calls.
+        meta_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         # Group creation is collective over the world: every rank creates every pipeline's groups in one order.
         for ranks in pipelines:
             for kind, src, dst in channel_edges(pp, virtual_stages):
-                pair = sorted([ranks[src], ranks[dst]])
-                group = dist.new_group(ranks=pair)
-                meta_group = dist.new_group(ranks=pair, backend="gloo") if kind == "F" and needs_cpu_meta else None
+                group = dist.new_group(ranks=sorted([ranks[src], ranks[dst]]))
                 if rank == ranks[src]:
                     self.outgoing[kind] = Channel(kind, src, dst, ranks[dst], group, meta_group or group)
                 if rank == ranks[dst]:

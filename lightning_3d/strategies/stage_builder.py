@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
 from lightning_3d.strategies.grad_sync import local
 from lightning_3d.strategies.protocol import StageLayout, missing_protocol_methods, split_layers
@@ -99,10 +101,38 @@ def build_stages(
     if tp_mesh is not None and tp_mesh.size() > 1:
         for stage in stage_modules:
             module.parallelize_stage(stage, tp_mesh, sequence_parallel)
+            replicate_plain_parameters(stage, tp_mesh)
     if on_meta:
         materialize_(module, device)
         module.init_weights()
     return dict(zip(plan.local_stages, stage_modules)), on_meta
+
+
+def replicate_plain_parameters(stage: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make parameters the tensor-parallel plan left alone (norms, position embeddings) ``Replicate`` DTensors.
+
+    Optimizers' foreach/fused kernels refuse a parameter group that mixes DTensors and plain tensors, and one
+    kind of parameter keeps clipping and checkpointing uniform. The owning module gets DTensor inputs and
+    hands back local tensors, so the code around it is unchanged.
+    """
+    for sub in list(stage.modules()):
+        if any(p is not None and not isinstance(p, DTensor) for p in sub._parameters.values()):
+            distribute_module(sub, tp_mesh, None, _replicated_inputs, _local_outputs)
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, Tensor) and not isinstance(x, DTensor) else x
+        for x in inputs
+    )
+
+
+def _local_outputs(module: nn.Module, outputs, mesh: DeviceMesh):
+    if isinstance(outputs, DTensor):
+        return outputs.to_local()
+    if isinstance(outputs, tuple):
+        return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+    return outputs
 
 
 def materialize_(module: nn.Module, device: torch.device) -> None:

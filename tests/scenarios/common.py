@@ -28,12 +28,16 @@ VOCAB, SEQ = 300, 16
 # Lightning's environment teardown deletes WORLD_SIZE after each fit; remember the launch values.
 WORLD = int(os.environ.get("WORLD_SIZE", 1))
 LOCAL_WORLD = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))
+# L3D_TEST_DEVICE=cuda runs the same scenarios on GPUs with NCCL (used on the lent GPU machines); the
+# reference is then built on the GPU too, because the seeded init draws from that device's generator.
+DEVICE = os.environ.get("L3D_TEST_DEVICE", "cpu")
 # adam_eps=1e-6 rather than 1e-8: different (dp, pp, tp) layouts sum in different orders, so gradients agree
 # to fp32 rounding (~1e-7 relative); where a zero-initialised bias has a near-zero gradient, Adam's
 # g / (|g| + eps) with eps=1e-8 turns that rounding into O(lr) differences. 1e-6 is still far below the
 # gradients' scale and keeps the comparison about the parallelism, not about Adam's conditioning.
 MODEL = dict(vocab_size=VOCAB, seq_length=SEQ, num_layers=12, hidden_size=48, num_heads=12, warmup_steps=2,
-             learning_rate=2e-3, min_learning_rate=2e-4, decay_steps=6, adam_eps=1e-6)
+             learning_rate=2e-3, min_learning_rate=2e-4, decay_steps=6, adam_eps=1e-6,
+             optimizer_foreach=True)  # the CUDA default path, which refuses mixed DTensor/Tensor groups
 CLIP = 0.5
 
 
@@ -121,8 +125,19 @@ class VariableBatches(torch.utils.data.IterableDataset):
 def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulate: int = 1) -> tuple:
     """(losses per optimizer step, final named parameters) of plain single-process training."""
     module = make_model()
-    module.configure_model()
+    if DEVICE == "cpu":
+        module.configure_model()
+    else:
+        from lightning_3d.recipes.gpt.model import GPTModel
+        from lightning_3d.strategies.stage_builder import materialize_
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with torch.device("meta"):
+            module.model = GPTModel(module.config, module.config.padded_vocab_size(1))
+        materialize_(module.model, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+        module.init_weights()
     model = module.model
+    device = next(model.parameters()).device
     hp = module.hparams
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "wpe" not in n]
     other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "wpe" not in n)]
@@ -146,12 +161,12 @@ def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulat
             t = step * accumulate + micro
             if variable_dp:
                 replicas = [variable_step(t, variable_dp, r) for r in range(variable_dp)]
-                mbs = [{k: torch.cat([rep[j][k] for rep in replicas]) for k in ("input_ids", "labels")}
+                mbs = [{k: torch.cat([rep[j][k] for rep in replicas]).to(device) for k in ("input_ids", "labels")}
                        for j in range(len(replicas[0]))]
                 total = sum(mb["labels"].numel() for mb in mbs)
                 loss = sum(_ce(model(mb["input_ids"]), mb["labels"], "sum") for mb in mbs) / total
             else:
-                batch = data[t * global_batch : (t + 1) * global_batch]
+                batch = {k: v.to(device) for k, v in data[t * global_batch : (t + 1) * global_batch].items()}
                 loss = _ce(model(batch["input_ids"]), batch["labels"], "mean")
             (loss / accumulate).backward()
             step_loss += loss.item() / accumulate
@@ -159,7 +174,7 @@ def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulat
         opt.step()
         sched.step()
         losses.append(step_loss)
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, {name: p.detach().clone().cpu() for name, p in model.named_parameters()}
 
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -188,13 +203,13 @@ def compare(module: GPT, losses: list[float], ref: tuple) -> dict:
     for name, p in module.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         expected = ref_params.get(name, ref_params["embed.wte.weight"] if name == "head.weight" else None)
-        full = full.detach()[: expected.shape[0]]
+        full = full.detach().cpu()[: expected.shape[0]]
         param_err = max(param_err, ((full - expected).norm() / expected.norm().clamp_min(1e-12)).item())
     return {"loss_err": loss_err, "param_err": param_err}
 
 
 def all_max(value: float) -> float:
-    t = torch.tensor(value, dtype=torch.float64)
+    t = torch.tensor(value, dtype=torch.float64, device="cuda" if DEVICE == "cuda" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -202,7 +217,7 @@ def all_max(value: float) -> float:
 def trainer(strategy, steps: int, callbacks=(), accumulate: int = 1, **overrides) -> pl.Trainer:
     os.environ["WORLD_SIZE"] = str(WORLD)
     settings = dict(
-        accelerator="cpu", devices=LOCAL_WORLD, num_nodes=WORLD // LOCAL_WORLD, strategy=strategy, max_steps=steps,
+        accelerator="gpu" if DEVICE == "cuda" else "cpu", devices=LOCAL_WORLD, num_nodes=WORLD // LOCAL_WORLD, strategy=strategy, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=CLIP, accumulate_grad_batches=accumulate, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=list(callbacks), use_distributed_sampler=False,

@@ -75,10 +75,18 @@ def run(cfg: dict) -> dict:
             "seconds": round(time.perf_counter() - start, 2)}
 
 
+GPU_SUBSET = [dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", m=4, sp=True), dict(dp=2, pp=2, tp=1, schedule="1f1b", m=4),
+              dict(dp=1, pp=4, tp=1, schedule="gpipe", m=4), dict(dp=4, pp=1, tp=1, schedule="1f1b", m=2),
+              dict(dp=1, pp=1, tp=4, schedule="1f1b", m=2), dict(dp=2, pp=2, tp=1, schedule="interleaved_1f1b", m=4, variable=True)]
+
+
 def main() -> None:
     args = parse_args()
-    results = [run(cfg) for cfg in layouts(args.world) + variants(args.world)]
-    write_report(args.report, {"results": results})
+    plan = GPU_SUBSET if args.extra == "gpu_subset" else layouts(args.world) + variants(args.world)
+    results = []
+    for cfg in plan:
+        results.append(run(cfg))
+        write_report(args.report, {"results": results})  # partial results survive a later failure
 
 
 if __name__ == "__main__":

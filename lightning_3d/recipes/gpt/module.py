@@ -46,6 +46,7 @@ class GPT(pl.LightningModule):
         weight_decay: float = 0.1,
         betas: Sequence[float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
+        optimizer_foreach: bool | None = None,
         warmup_steps: int = 100,
         decay_steps: int | None = None,
         init_seed: int = 1234,
@@ -155,7 +156,7 @@ class GPT(pl.LightningModule):
         hp = self.hparams
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps,
+            lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps, foreach=hp.optimizer_foreach,
         )
         total = hp.decay_steps or (self.trainer.max_steps if self.trainer.max_steps > 0 else 10_000)
         floor = hp.min_learning_rate / hp.learning_rate

@@ -64,16 +64,16 @@ def parallelize_gpt(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
             f"{prefix}.mlp.fc": ColwiseParallel(),
             f"{prefix}.mlp.proj": RowwiseParallel(output_layouts=seq),
         })
+        # q, k and v (and the MLP's one input) share one replicated DTensor input, so the backward sums their
+        # input gradients as one partial tensor and all-reduces it once (Megatron's "f"), not once per projection.
+        plan.update({
+            f"{prefix}.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            f"{prefix}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        })
         if sequence_parallel:
             plan.update({
                 f"{prefix}.ln1": SequenceParallel(use_local_output=True),
                 f"{prefix}.ln2": SequenceParallel(use_local_output=True),
-                f"{prefix}.attn": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                ),
-                f"{prefix}.mlp": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                ),
             })
     head = getattr(module, "head", None)
     if head is not None:
