@@ -165,6 +165,14 @@ def worker(args: argparse.Namespace) -> None:
 
 # ----- driver ----------------------------------------------------------------------------------------------
 def launch(args: argparse.Namespace, layout: tuple[int, int, int], log_dir: Path, worker_argv: list[str]) -> dict:
+    """Run one layout; once more if the rendezvous port was taken meanwhile (the free-port pick can race)."""
+    result = _launch_once(args, layout, log_dir, worker_argv)
+    if "EADDRINUSE" in result.get("error", ""):
+        result = _launch_once(args, layout, log_dir, worker_argv)
+    return result
+
+
+def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir: Path, worker_argv: list[str]) -> dict:
     """Run one layout in fresh processes; return the rank-0 result, or an error with the failing log's tail."""
     world = layout[0] * layout[1] * layout[2]
     name = "dp{}_pp{}_tp{}".format(*layout)
@@ -209,7 +217,10 @@ def launch(args: argparse.Namespace, layout: tuple[int, int, int], log_dir: Path
     if failure is None and not result_path.exists():
         failure = ("rank 0 wrote no result", 0)
     if failure is not None:  # the reason, then the last lines of the failing rank's log
-        log_tail = "\n".join(logs[failure[1]].read_text(errors="replace").splitlines()[-25:])
+        text = logs[failure[1]].read_text(errors="replace")
+        if "EADDRINUSE" in text:
+            failure = (f"{failure[0]} (EADDRINUSE)", failure[1])
+        log_tail = "\n".join(text.splitlines()[-25:])
         return {"error": f"{failure[0]}; log {logs[failure[1]]}:\n{log_tail}", "wall_s": wall}
     return {**json.loads(result_path.read_text()), "wall_s": wall}
 

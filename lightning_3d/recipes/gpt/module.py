@@ -16,7 +16,9 @@ from torch.distributed.tensor import DTensor
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.recipes.gpt.model import GPTModel, _copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
+from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
+from lightning_3d.strategies.stage_builder import materialize_
 
 IGNORE_INDEX = -100
 
@@ -74,9 +76,6 @@ class GPT(pl.LightningModule):
         padded = self.config.padded_vocab_size(self._tensor_parallel_size())
         with torch.device("meta"):
             self.model = GPTModel(self.config, padded, self.hparams.activation_checkpointing)
-        from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
-        from lightning_3d.strategies.stage_builder import materialize_
-
         if not (self._trainer and isinstance(self.trainer.strategy, Compressed3DStrategy)):
             # Other strategies (single device, DDP, benchmarks' peers) get a materialised model right away.
             device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
