@@ -34,6 +34,14 @@ FLOPS_FORMULA = ("model FLOPs/token = 6*N + 12*L*h*s (Megatron convention: N = p
 BATCH_NOTE = ("per-replica batch = micro_batch_size * num_microbatches for every layout (per-GPU work held"
               " comparable); tokens/step = dp * per-replica batch * seq, so the global batch grows with dp")
 ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+COMPRESSION_MODES = {
+    "off": dict(compression=False, fused_embedding_sync=False),
+    "fe": dict(compression=False, fused_embedding_sync=True),
+    "cb": dict(compression=True, compressed_stages=[], fused_embedding_sync=False),
+    "cb-nolep": dict(compression=True, compressed_stages=[], cb_lazy_error_propagation=False, fused_embedding_sync=False),
+    "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False),
+    "all": dict(compression=True),
+}
 REGIMES = {"nvlink": {}, "ib": {"NCCL_P2P_DISABLE": "1"},
            "ethernet": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
 
@@ -59,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: smoke test only")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
     p.add_argument("--profile", action="store_true", help="rank 0 prints a torch.profiler table of 2 steps")
+    p.add_argument("--compression", default="off", choices=tuple(COMPRESSION_MODES),
+                   help="off: exact baseline (two-collective tied sync); fe; cb (with LEP); cb-nolep; sc; all")
+    p.add_argument("--cb-rank", type=int, default=16)
+    p.add_argument("--sc-rank", type=int, default=128)
+    p.add_argument("--sc-warmup", type=int, default=2, help="plain all-reduce steps before PowerSGD")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -149,7 +162,9 @@ def worker(args: argparse.Namespace) -> None:
 
     schedule, virtual_stages = layout_schedule(args, pp)
     strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, schedule=schedule,
-                                    virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel)
+                                    virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel,
+                                    cb_rank=args.cb_rank, sc_rank=args.sc_rank, sc_warmup=args.sc_warmup,
+                                    **COMPRESSION_MODES[args.compression])
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
         precision=args.precision, max_steps=max_steps, logger=False, enable_checkpointing=False,

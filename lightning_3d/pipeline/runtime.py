@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_3d.compression.stats import CommunicationStats
 from lightning_3d.pipeline.codec import BoundaryKey, GradientCodec, IdentityCodec
 from lightning_3d.pipeline.microbatch import signature
 from lightning_3d.pipeline.p2p import PipelineChannels, TensorMeta
@@ -48,6 +49,7 @@ class PipelineRuntime:
         forward_context: ContextFactory = contextlib.nullcontext,
         loss_context: ContextFactory = contextlib.nullcontext,
         before_last_backward: Callable[[int], None] | None = None,
+        stats: CommunicationStats | None = None,
     ) -> None:
         self.stages = stages
         self.num_stages = num_stages
@@ -62,6 +64,7 @@ class PipelineRuntime:
         self.forward_context = forward_context
         self.loss_context = loss_context
         self.before_last_backward = before_last_backward
+        self.stats = stats
         self.codec: GradientCodec = IdentityCodec()
         self._shape_cache: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank receives
         self._announced: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank sends
@@ -148,6 +151,7 @@ class PipelineRuntime:
         channel = self.channels.outgoing["F"]
         for tensor in outputs:
             self._pending.append((self.channels.isend(channel, tensor.detach()), tensor))
+            self._count("forward_activations", tensor, [tensor])
         if train:
             self._saved[(stage, m)] = (inputs, outputs)
         return None
@@ -171,8 +175,10 @@ class PipelineRuntime:
                 if not t.is_floating_point():
                     continue
                 grad = t.grad if t.grad is not None else torch.zeros_like(t)
-                for part in self.codec.encode(grad, key):
+                parts = self.codec.encode(grad, key)
+                for part in parts:
                     self._pending.append((self.channels.isend(channel, part), part))
+                self._count("backward_activation_grads", grad, parts)
 
     # ----- receiving -------------------------------------------------------------------------------------
     def _take(self, kind: str, key: tuple[int, int]) -> list[Tensor]:
@@ -248,6 +254,10 @@ class PipelineRuntime:
             grads.append(self.codec.decode(buffers[pos : pos + count], meta, key))
             pos += count
         return grads
+
+    def _count(self, kind: str, original: Tensor, sent: list[Tensor]) -> None:
+        if self.stats is not None:
+            self.stats.add(kind, original.numel() * original.element_size(), sum(t.numel() * t.element_size() for t in sent))
 
     def _reap(self) -> None:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]

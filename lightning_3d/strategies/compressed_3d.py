@@ -22,12 +22,16 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 
+from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig
+from lightning_3d.compression.config import CompressionConfig
+from lightning_3d.compression.selective import DataParallelPowerSGD
+from lightning_3d.compression.stats import CommunicationStats
 from lightning_3d.pipeline.microbatch import split_batch
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.runtime import PipelineRuntime
@@ -75,6 +79,18 @@ class Compressed3DStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         pipeline_layer_split: Sequence[int] | None = None,
         bucket_size_mb: float = 25.0,
+        compression: bool = True,
+        compressed_backprop: bool = True,
+        cb_rank: int = 16,
+        cb_epilogue_only: bool = False,
+        cb_min_compression_ratio: float = 2.0,
+        cb_lazy_error_propagation: bool = True,
+        sc_rank: int = 128,
+        sc_warmup: int | float = 0.1,
+        sc_min_compression_ratio: float = 2.0,
+        compressed_stages: Sequence[int] | None = None,
+        fused_embedding_sync: bool = True,
+        compression_seed: int = 0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -110,6 +126,13 @@ class Compressed3DStrategy(ParallelStrategy):
                 f"{pipeline_parallel_size} leaves stages idle most of the step; use at least"
                 f" {pipeline_parallel_size} micro-batches (or schedule='gpipe')."
             )
+        self.compression = CompressionConfig(
+            compression, compressed_backprop, cb_rank, cb_epilogue_only, cb_min_compression_ratio, cb_lazy_error_propagation, sc_rank,
+            sc_warmup, sc_min_compression_ratio, list(compressed_stages) if compressed_stages is not None else None,
+            fused_embedding_sync, compression_seed,
+        )
+        self.compression.validate(pipeline_parallel_size)
+        self.comm_stats = CommunicationStats()
         self._sizes = (data_parallel_size, pipeline_parallel_size, tensor_parallel_size)
         self.num_microbatches = num_microbatches
         self.schedule = schedule
@@ -127,6 +150,9 @@ class Compressed3DStrategy(ParallelStrategy):
         self._sync_blocked = False
         self._stashed_grads: list[tuple[torch.nn.Parameter, Tensor | None]] | None = None
         self._tied: list[torch.nn.Parameter] = []
+        self._fused_tied = False
+        self._sc: DataParallelPowerSGD | None = None
+        self._warned_unused = False
 
     # ----- environment --------------------------------------------------------------------------------------
     @property
@@ -198,6 +224,10 @@ class Compressed3DStrategy(ParallelStrategy):
         # First and last pipeline rank of each (dp, tp) pipeline: where tied embedding gradients meet.
         tied_pairs = [[d.rank_of(dp, 0, t), d.rank_of(dp, d.pp - 1, t)] for dp in range(d.dp) for t in range(d.tp)]
         self.tied_group = new_subgroups(tied_pairs, rank) if d.pp > 1 else None
+        # Fused embedding sync: first and last stage of every replica, one group per tensor-parallel rank
+        # (a group spanning tensor ranks would add up different vocabulary shards).
+        fused = [[d.rank_of(dp, p, t) for dp in range(d.dp) for p in (0, d.pp - 1)] for t in range(d.tp)]
+        self.fused_tied_group = new_subgroups(fused, rank) if d.pp > 1 else None
         pipelines = [d.pipeline_ranks(dp, t) for dp in range(d.dp) for t in range(d.tp)]
         self.channels = PipelineChannels(pipelines, rank, self.virtual_stages, self.root_device)
 
@@ -211,6 +241,8 @@ class Compressed3DStrategy(ParallelStrategy):
         self.model = module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._check_optimizers_for_compression()
+            self._setup_selective_compression(trainer)
         self.setup_precision_plugin()
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -229,7 +261,10 @@ class Compressed3DStrategy(ParallelStrategy):
             self.precision_plugin.convert_module(module)
             broadcast_parameters(module, self.dp_group, src=dist.get_global_rank(self.dp_group, 0))
             params = {None: list(module.parameters())}
-            self._grad_sync = GradientSynchronizer(params, self.dp_group, dims.dp, self.bucket_size_mb)
+            compressed = {None} if self._compresses_dp() else set()
+            self._grad_sync = GradientSynchronizer(params, self.dp_group, dims.dp, self.bucket_size_mb,
+                                                   compressed_stages=compressed, stats=self.comm_stats)
+            self._warn_unused(tied=False)
             return
         check_tensor_parallel_shapes(module, dims.tp)
         plan = plan_pipeline(module, dims.pp, self.pp_rank, self.virtual_stages, self.schedule, self.pipeline_layer_split)
@@ -240,8 +275,14 @@ class Compressed3DStrategy(ParallelStrategy):
             broadcast_parameters(module, self.dp_group, src=dist.get_global_rank(self.dp_group, 0))
         self.channels.warmup()
         self._tied = self._tied_copies(module) if dims.pp > 1 else []
+        self._fused_tied = bool(self._tied) and self.compression.fused_embedding_sync
         params = {index: list(stage.parameters()) for index, stage in stages.items()}
-        self._grad_sync = GradientSynchronizer(params, self.dp_group, dims.dp, self.bucket_size_mb)
+        self._grad_sync = GradientSynchronizer(
+            params, self.dp_group, dims.dp, self.bucket_size_mb,
+            exclude={id(p) for p in self._tied} if self._fused_tied else set(),
+            compressed_stages=set(stages) if self._compresses_dp() else set(), stats=self.comm_stats,
+        )
+        self._warn_unused(tied=bool(module.pipeline_tied_parameters()))
         self._runtime = PipelineRuntime(
             stages=stages,
             num_stages=plan.num_stages,
@@ -255,7 +296,62 @@ class Compressed3DStrategy(ParallelStrategy):
             forward_context=self.precision_plugin.forward_context,
             loss_context=loss_parallel if dims.tp > 1 else contextlib.nullcontext,
             before_last_backward=self._grad_sync.arm,
+            stats=self.comm_stats,
         )
+        if self.compression.enabled and self.compression.compressed_backprop and dims.pp > 1:
+            cfg = self.compression
+            self._runtime.codec = CompressedBackprop(
+                CompressedBackpropConfig(cfg.cb_rank, cfg.cb_epilogue_only, cfg.cb_min_compression_ratio,
+                                         cfg.cb_lazy_error_propagation, cfg.seed),
+                tp_group=self.tp_mesh.get_group() if dims.tp > 1 else None,
+                split_over_tp=dims.tp > 1 and not self.sequence_parallel,
+            )
+
+    def _warn_unused(self, tied: bool) -> None:
+        notes = self.compression.unused_options(self.dims.dp, self.dims.pp, tied)
+        if notes and not self._warned_unused:
+            rank_zero_warn("Compressed3DStrategy: " + "; ".join(notes) + ".")
+        self._warned_unused = True
+
+    @property
+    def compressed_backprop(self) -> CompressedBackprop | None:
+        """The activation-gradient codec (CB + LEP) of this rank, if compressed backpropagation is active."""
+        codec = self._runtime.codec if self._runtime is not None else None
+        return codec if isinstance(codec, CompressedBackprop) else None
+
+    @property
+    def selective_compression(self) -> DataParallelPowerSGD | None:
+        """The PowerSGD state of this rank's data-parallel gradients (SC), if it compresses them."""
+        return self._sc
+
+    def communication_stats(self, which: Literal["total", "last_step"] = "total") -> dict[str, dict[str, int]]:
+        """Bytes this rank put on the wire per kind, before and after compression (see ``compression.stats``)."""
+        return self.comm_stats.as_dict(which)
+
+    def _compresses_dp(self) -> bool:
+        cfg = self.compression
+        return cfg.enabled and self.dims.dp > 1 and self.pp_rank in cfg.stages_to_compress(self.dims.pp)
+
+    def _setup_selective_compression(self, trainer: pl.Trainer) -> None:
+        if not self._compresses_dp() or self._sc is not None:
+            return
+        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        self._sc = DataParallelPowerSGD(
+            self.dp_group, self.compression.sc_rank, self.compression.warmup_steps(int(total)),
+            self.compression.sc_min_compression_ratio, self.compression.seed, self.comm_stats,
+        )
+        self._grad_sync.attach_compressor(self._sc)
+
+    def _check_optimizers_for_compression(self) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        sharded = [o for o in self.optimizers if isinstance(getattr(o, "_optimizer", o), ZeroRedundancyOptimizer)]
+        if sharded and self._compresses_dp():
+            raise TypeError(
+                "Selective stage compression averages full gradients with PowerSGD, which a sharded optimizer"
+                " (ZeroRedundancyOptimizer) cannot consume. Use a regular optimizer, or pass compression=False"
+                " (or compressed_stages=[] to keep compressed backpropagation only)."
+            )
 
     def _tied_copies(self, module: pl.LightningModule) -> list[torch.nn.Parameter]:
         named = dict(module.named_parameters())
@@ -280,9 +376,11 @@ class Compressed3DStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._runtime is None:
+            self._log_communication()
             return super().training_step(*args, **kwargs)
         batch, batch_idx = args[0], args[1]
         module = self.lightning_module
+        self._log_communication()
         if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
             module.zero_grad(set_to_none=True)  # what Lightning's zero_grad would do, before our backward runs
         microbatches = split_batch(batch, self.num_microbatches)
@@ -290,12 +388,27 @@ class Compressed3DStrategy(ParallelStrategy):
         loss = self._runtime.train_step(microbatches, loss_scale=1.0 / module.trainer.accumulate_grad_batches)
         self._grad_sync.finish()
         if not self._sync_blocked:
-            sync_tied_gradients(self._tied, self.tied_group)
+            if self._fused_tied:
+                sync_tied_gradients(self._tied, self.fused_tied_group, divide_by=self.dims.dp, stats=self.comm_stats)
+            else:
+                sync_tied_gradients(self._tied, self.tied_group, stats=self.comm_stats)
         # Lightning zeroes gradients between training_step and backward; keep ours out of its reach.
         self._stashed_grads = [(p, p.grad) for p in module.parameters()]
         for p in module.parameters():
             p.grad = None
         return self._report_loss(loss, "train")
+
+    def _log_communication(self) -> None:
+        """Close the previous step's byte counters and log them (host-side numbers, no synchronisation)."""
+        self.comm_stats.end_step()
+        last = self.comm_stats.as_dict("last_step")
+        before = sum(v["bytes_before"] for v in last.values())
+        after = sum(v["bytes_after"] for v in last.values())
+        if before:
+            self.lightning_module.log_dict(
+                {"comm/bytes_sent": float(after), "comm/compression_ratio": before / max(after, 1)},
+                on_step=True, on_epoch=False, sync_dist=False,
+            )
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._runtime is None:

@@ -18,6 +18,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_3d.compression.selective import DataParallelPowerSGD
+from lightning_3d.compression.stats import CommunicationStats
+
 
 def local(t: Tensor) -> Tensor:
     """The local shard of a DTensor, or the tensor itself."""
@@ -30,7 +33,8 @@ class Bucket:
     stage: int | None
     ready: set[int] = field(default_factory=set)
     flat: Tensor | None = None
-    work: dist.Work | None = None
+    work: dist.Work | torch.futures.Future | None = None
+    compressed: bool = False  # selective stage compression (SC) applies to this bucket
 
 
 class GradientSynchronizer:
@@ -43,8 +47,15 @@ class GradientSynchronizer:
         dp_size: int,
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
+        exclude: set[int] = frozenset(),
+        compressor: DataParallelPowerSGD | None = None,
+        compressed_stages: set[int | None] = frozenset(),
+        stats: CommunicationStats | None = None,
     ) -> None:
+        """``exclude``: ids of parameters synchronised elsewhere (fused embedding sync); ``compressed_stages``:
+        stages whose buckets go through ``compressor`` (SC)."""
         self.dp_group, self.dp_size, self.overlap = dp_group, dp_size, overlap
+        self.compressor, self.stats = compressor, stats
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         self._armed: set[int | None] = set()
@@ -56,7 +67,7 @@ class GradientSynchronizer:
         for stage in sorted(params_by_stage, key=lambda s: -1 if s is None else s, reverse=True):
             current: list[nn.Parameter] = []
             size = 0.0
-            for p in reversed([p for p in params_by_stage[stage] if p.requires_grad]):
+            for p in reversed([p for p in params_by_stage[stage] if p.requires_grad and id(p) not in exclude]):
                 if current and (size + _nbytes(p) > cap or local(p).dtype != local(current[0]).dtype):
                     self._add_bucket(current, stage)
                     current, size = [], 0.0
@@ -64,7 +75,19 @@ class GradientSynchronizer:
                 size += _nbytes(p)
             if current:
                 self._add_bucket(current, stage)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params]
+        self._compressed_stages = compressed_stages
+        self.attach_compressor(compressor)
+        # Every parameter, bucketed or synchronised elsewhere, gets its gradient placement aligned.
+        self._all = [p for params in params_by_stage.values() for p in params if p.requires_grad]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._all]
+
+    def attach_compressor(self, compressor: DataParallelPowerSGD | None) -> None:
+        """Route the buckets of the compressed stages through ``compressor`` (SC) from now on."""
+        self.compressor = compressor
+        for b in self.buckets:
+            b.compressed = compressor is not None and b.stage in self._compressed_stages
+        compressed = [i for i, b in enumerate(self.buckets) if b.compressed]
+        self._last_compressed = compressed[-1] if compressed else -1
 
     def _add_bucket(self, params: list[nn.Parameter], stage: int | None) -> None:
         bucket = Bucket(params, stage)
@@ -88,9 +111,8 @@ class GradientSynchronizer:
 
     def finish(self) -> None:
         """Launch what is left (in order), wait for all buckets and write the averages back."""
-        for b in self.buckets:
-            for p in b.params:
-                align_grad_placement(p, allow_communication=True)
+        for p in self._all:
+            align_grad_placement(p, allow_communication=True)
         if not self._syncing:
             return
         while self._next_launch < len(self.buckets):
@@ -98,6 +120,8 @@ class GradientSynchronizer:
             self._next_launch += 1
         for b in self.buckets:
             b.work.wait()
+            if b.compressed:  # the hook wrote the averaged, decompressed gradients into the flat buffer
+                b.flat = b.work.value()
             offset = 0
             for p in b.params:
                 n = local(p).numel()
@@ -112,8 +136,8 @@ class GradientSynchronizer:
 
     # ----- internals ---------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        bucket = self._bucket_of[id(param)]
-        final = bucket.stage in self._armed
+        bucket = self._bucket_of.get(id(param))
+        final = bucket is not None and bucket.stage in self._armed
         align_grad_placement(param, allow_communication=final)
         if not (self._syncing and final and self.overlap):
             return
@@ -128,8 +152,15 @@ class GradientSynchronizer:
     def _launch(self, bucket: Bucket) -> None:
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(self.dp_size)  # gloo has no AVG; dividing first also keeps bf16 sums in range
         bucket.flat = flat
+        if bucket.compressed:
+            index = self.buckets.index(bucket)
+            shapes = [g.shape for g in grads]
+            bucket.work = self.compressor.launch(index, flat, shapes, is_last=index == self._last_compressed)
+            return
+        if self.stats is not None:
+            self.stats.add("dp_gradients", flat.numel() * flat.element_size())
+        flat.div_(self.dp_size)  # gloo has no AVG; dividing first also keeps bf16 sums in range
         bucket.work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
 
     def remove_hooks(self) -> None:
@@ -165,13 +196,24 @@ def _like_param(param: nn.Parameter, local_grad: Tensor) -> Tensor:
     return local_grad
 
 
-def sync_tied_gradients(pairs: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Sum the gradient of a tied weight held by two stages on different ranks (first and last stage)."""
+def sync_tied_gradients(
+    tied: Sequence[nn.Parameter], group: dist.ProcessGroup | None, divide_by: int = 1, stats: CommunicationStats | None = None
+) -> None:
+    """Sum the gradient of a tied weight held by two stages on different ranks (first and last stage).
+
+    Baseline: ``group`` is {first, last} of one replica and the data-parallel average already happened.
+    Fused (FE): ``group`` is {first, last} x all replicas of one tensor-parallel rank, the weight was left out
+    of the data-parallel all-reduce, and ``divide_by`` = dp turns the sum into the same average-then-sum.
+    """
     if group is None:
         return
-    for p in pairs:
+    for p in tied:
         grad = local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
+        if stats is not None:
+            stats.add("embedding_sync", grad.numel() * grad.element_size())
         dist.all_reduce(grad, group=group)
+        if divide_by != 1:
+            grad.div_(divide_by)
         if p.grad is None:
             p.grad = _like_param(p, grad)
 

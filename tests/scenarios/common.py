@@ -65,6 +65,16 @@ class Tokens(Dataset):
         return {"input_ids": self.data[i, :-1], "labels": self.data[i, 1:]}
 
 
+class Progressions(Tokens):
+    """Learnable sequences: x_t = (a + d·t) mod VOCAB with random a and d in 1..4 (random tokens teach nothing)."""
+
+    def __init__(self, n: int = 256, seq: int = SEQ, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        step = torch.randint(1, 5, (n, 1), generator=g)
+        self.data = (start + step * torch.arange(seq + 1)) % VOCAB
+
+
 class ReplicaSlices(Sampler):
     """Global batch t is samples [t*G, (t+1)*G); replica r takes its r-th slice of size G/dp."""
 
@@ -81,16 +91,16 @@ class ReplicaSlices(Sampler):
 
 
 class TestData(pl.LightningDataModule):
-    def __init__(self, global_batch: int = 8, n: int = 256, variable: bool = False) -> None:
+    def __init__(self, global_batch: int = 8, n: int = 256, variable: bool = False, dataset: type = Tokens) -> None:
         super().__init__()
-        self.global_batch, self.n, self.variable = global_batch, n, variable
+        self.global_batch, self.n, self.variable, self.dataset = global_batch, n, variable, dataset
 
     def train_dataloader(self) -> DataLoader:
         kw = self.trainer.strategy.distributed_sampler_kwargs
         if self.variable:
             return DataLoader(VariableBatches(kw["num_replicas"], kw["rank"]), batch_size=None)
         sampler = ReplicaSlices(self.n, self.global_batch, kw["num_replicas"], kw["rank"])
-        return DataLoader(Tokens(self.n), batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
+        return DataLoader(self.dataset(self.n), batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         kw = self.trainer.strategy.distributed_sampler_kwargs

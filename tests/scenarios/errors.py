@@ -32,6 +32,22 @@ class PlainModule(pl.LightningModule):
         return DataLoader([{"x": torch.ones(4)}] * 8, batch_size=4)
 
 
+class ShardedOptimizerGPT:
+    """The GPT recipe with a ZeroRedundancyOptimizer, which selective stage compression cannot feed."""
+
+    @staticmethod
+    def make():
+        model = make_model()
+
+        def configure_optimizers():
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+
+        model.configure_optimizers = configure_optimizers
+        return model
+
+
 class OddMicroBatches(TestData):
     def train_dataloader(self):
         first = next(iter(super().train_dataloader()))
@@ -74,6 +90,8 @@ def main() -> None:
                lambda: fit(Compressed3DStrategy(pipeline_parallel_size=w, num_microbatches=w), PlainModule())),
         expect("plain module with tp", "Implement the `lightning_3d.Parallel3DModule` protocol",
                lambda: fit(Compressed3DStrategy(tensor_parallel_size=w), PlainModule())),
+        expect("sharded optimizer with SC", "cannot consume. Use a regular optimizer",
+               lambda: fit(Compressed3DStrategy(data_parallel_size=w), ShardedOptimizerGPT.make(), TestData(8))),
         expect("plain module with micro-batches", "num_microbatches=2 needs the `lightning_3d.Parallel3DModule` protocol",
                lambda: fit(Compressed3DStrategy(num_microbatches=2), PlainModule())),
     ]

@@ -54,7 +54,7 @@ class Regression(pl.LightningModule):
 
 def plain_data_parallel() -> dict:
     module = Regression()
-    trainer(Compressed3DStrategy(), 4).fit(module)
+    trainer(Compressed3DStrategy(compression=False), 4).fit(module)
     ref = Regression()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for t in range(4):
@@ -70,7 +70,7 @@ def evaluation(dp: int, pp: int, tp: int) -> dict:
     """Train 2 steps, then validate and test; every rank must log the reference loss of the trained model."""
     model = make_model()
     t = trainer(Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                                     num_microbatches=2), 2, limit_val_batches=1.0)
+                                     num_microbatches=2, compression=False), 2, limit_val_batches=1.0)
     data = TestData(8)
     t.fit(model, datamodule=data)
     val = t.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
@@ -106,7 +106,7 @@ def resumable_data(global_batch: int) -> pl.LightningDataModule:
 def resume(dp: int, pp: int, tp: int, schedule: str, workdir: Path) -> dict:
     def strategy():
         return Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                                    num_microbatches=4, schedule=schedule)
+                                    num_microbatches=4, schedule=schedule, compression=False)
 
     full, first, second = LossRecorder(), LossRecorder(), LossRecorder()
     straight = make_model()

@@ -46,6 +46,7 @@ def variants(world: int) -> list[dict]:
     if world == 4:
         extra += [dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", m=4, sp=True),
                   dict(dp=2, pp=2, tp=1, schedule="1f1b", m=2, accumulate=2),
+                  dict(dp=2, pp=2, tp=1, schedule="1f1b", m=4, fe=False),  # the two-collective tied-embedding sync
                   dict(dp=2, pp=2, tp=1, schedule="interleaved_1f1b", m=4, variable=True),
                   dict(dp=1, pp=2, tp=2, schedule="gpipe", m=4, sp=True, variable=True)]
     return extra
@@ -61,7 +62,7 @@ def run(cfg: dict) -> dict:
     strategy = Compressed3DStrategy(
         data_parallel_size=cfg["dp"], pipeline_parallel_size=cfg["pp"], tensor_parallel_size=cfg["tp"],
         num_microbatches=cfg["m"], schedule=cfg["schedule"], virtual_stages=virtual,
-        sequence_parallel=cfg.get("sp", False),
+        sequence_parallel=cfg.get("sp", False), compression=False, fused_embedding_sync=cfg.get("fe", True),
     )
     recorder = LossRecorder()
     model = make_model()

@@ -1,0 +1,155 @@
+"""CB: compressed backpropagation between pipeline stages, with LEP (lazy error propagation).
+
+The activation gradient a stage sends back, viewed as M (tokens x hidden), travels as a rank-r PowerSGD
+factorisation: one power step from the previous call's Q (warm start), P = M Q orthonormalised in fp32,
+Q = Mᵀ P; P and Q are sent and the receiver rebuilds P Qᵀ. With LEP the sender keeps e = M' - P Qᵀ (fp32)
+and adds it to the next gradient it compresses at that boundary, across steps too (M' = M + e).
+
+Micro-batch shapes may change (dynamic micro-batching). The error buffer of a boundary is a grid of the
+largest shape seen so far, indexed by position (sample, token, ...): a micro-batch of shape S adds and then
+replaces the error in the region [0:S) of the grid; error outside that region is kept for a later, larger
+micro-batch. With equal shapes this is exactly Optimus-CC's LEP; nothing is ever dropped.
+
+With tensor parallelism and no sequence parallelism every tensor rank holds the same gradient; each one
+compresses only its 1/tp of the sequence and the receiving ranks all-gather the rebuilt pieces, so the
+slow link carries no duplicates. When the sequence does not split evenly the whole tensor is sent by each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_3d.compression.stats import nbytes
+from lightning_3d.pipeline.codec import BoundaryKey
+from lightning_3d.pipeline.p2p import TensorMeta
+
+
+def orthonormalize(p: Tensor) -> Tensor:
+    """Orthonormal columns spanning ``p`` (fp32 reduced QR: stable, no host synchronisation)."""
+    return torch.linalg.qr(p.float(), mode="reduced").Q
+
+
+def compression_ratio(rows: int, cols: int, rank: int) -> float:
+    return rows * cols / ((rows + cols) * rank)
+
+
+@dataclass
+class CompressedBackpropConfig:
+    rank: int = 16
+    epilogue_only: bool = False
+    min_compression_ratio: float = 2.0
+    lazy_error_propagation: bool = True
+    seed: int = 0
+
+
+class CompressedBackprop:
+    """A ``GradientCodec`` for ``PipelineRuntime``: both ends call it with the same key and shape."""
+
+    def __init__(
+        self,
+        config: CompressedBackpropConfig,
+        tp_group: dist.ProcessGroup | None = None,
+        split_over_tp: bool = False,
+    ) -> None:
+        self.config = config
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if split_over_tp and tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if self.tp_size > 1 else 0
+        self.q_memory: dict[int, Tensor] = {}  # sender stage -> Q (hidden x rank), fp32
+        self.errors: dict[int, Tensor] = {}  # sender stage -> LEP error grid, fp32
+        self.compressed_sends: dict[int, int] = {}  # sender stage -> number of compressed sends
+
+    # ----- decisions both ends make alike ----------------------------------------------------------------
+    def _piece_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The part of the gradient this rank sends: its 1/tp of the sequence (dim 1) when that splits."""
+        if self.tp_size > 1 and len(shape) >= 3 and shape[1] % self.tp_size == 0:
+            return (shape[0], shape[1] // self.tp_size, *shape[2:])
+        return shape
+
+    def _plan(self, meta: TensorMeta, key: BoundaryKey) -> tuple[tuple[int, ...], int] | None:
+        """(piece shape, effective rank) if this gradient is compressed, else None."""
+        shape, dtype = meta
+        if not dtype.is_floating_point or len(shape) < 2 or (self.config.epilogue_only and not key.epilogue):
+            return None
+        piece = self._piece_shape(shape)
+        cols = piece[-1]
+        rows = max(1, nbytes(piece, 1) // cols)
+        rank = min(self.config.rank, rows, cols)
+        if compression_ratio(rows, cols, rank) < self.config.min_compression_ratio:
+            return None
+        return piece, rank
+
+    def message_metas(self, meta: TensorMeta, key: BoundaryKey) -> list[TensorMeta]:
+        plan = self._plan(meta, key)
+        if plan is None:
+            return [meta]
+        piece, rank = plan
+        rows = nbytes(piece, 1) // piece[-1]
+        return [((rows, rank), meta[1]), ((piece[-1], rank), meta[1])]
+
+    # ----- sender -------------------------------------------------------------------------------------
+    def encode(self, grad: Tensor, key: BoundaryKey) -> list[Tensor]:
+        meta = (tuple(grad.shape), grad.dtype)
+        plan = self._plan(meta, key)
+        if plan is None:
+            return [grad]
+        piece_shape, rank = plan
+        piece = grad if piece_shape == meta[0] else grad.chunk(self.tp_size, dim=1)[self.tp_rank]
+        m = piece.float().reshape(-1, piece_shape[-1])
+        error = self._error_region(key.stage, piece_shape, m.device) if self.config.lazy_error_propagation else None
+        if error is not None:
+            m = m + error.reshape(m.shape)
+        q = self.q_memory.get(key.stage)
+        if q is None or q.shape != (m.shape[1], rank):
+            q = self._initial_q(key.stage, m.shape[1], rank, m.device)
+        p = orthonormalize(m @ q)
+        q = m.t() @ p
+        self.q_memory[key.stage] = q
+        p_sent, q_sent = p.to(grad.dtype), q.to(grad.dtype)
+        if error is not None:  # what the receiver cannot rebuild, from the factors exactly as sent
+            error.copy_((m - p_sent.float() @ q_sent.float().t()).reshape(error.shape))
+        self.compressed_sends[key.stage] = self.compressed_sends.get(key.stage, 0) + 1
+        return [p_sent.contiguous(), q_sent.contiguous()]
+
+    def _initial_q(self, stage: int, cols: int, rank: int, device: torch.device) -> Tensor:
+        generator = torch.Generator(device="cpu").manual_seed(self.config.seed * 1_000_003 + stage)
+        return orthonormalize(torch.randn(cols, rank, generator=generator)).to(device)
+
+    def _error_region(self, stage: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        """A view of the LEP grid covering ``shape``, growing the grid (zero-filled) when needed."""
+        grid = self.errors.get(stage)
+        if grid is None or grid.dim() != len(shape) or any(s > g for s, g in zip(shape, grid.shape)):
+            same_rank = grid is not None and grid.dim() == len(shape)
+            bigger = tuple(max(a, b) for a, b in zip(shape, grid.shape)) if same_rank else shape
+            new = torch.zeros(bigger, dtype=torch.float32, device=device)
+            if same_rank:
+                new[tuple(slice(0, d) for d in grid.shape)] = grid
+            self.errors[stage] = grid = new
+        return grid[tuple(slice(0, d) for d in shape)]
+
+    # ----- receiver -----------------------------------------------------------------------------------
+    def decode(self, parts: list[Tensor], meta: TensorMeta, key: BoundaryKey) -> Tensor:
+        plan = self._plan(meta, key)
+        if plan is None:
+            return parts[0]
+        piece_shape, _ = plan
+        p, q = parts
+        piece = (p.float() @ q.float().t()).to(meta[1]).reshape(piece_shape)
+        if piece_shape == meta[0]:
+            return piece
+        gathered = [torch.empty_like(piece) for _ in range(self.tp_size)]
+        dist.all_gather(gathered, piece.contiguous(), group=self.tp_group)
+        return torch.cat(gathered, dim=1)
+
+    # ----- state (checkpointed with the compression state) ----------------------------------------------
+    def state_dict(self) -> dict:
+        return {"q_memory": dict(self.q_memory), "errors": dict(self.errors), "compressed_sends": dict(self.compressed_sends)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.q_memory = dict(state["q_memory"])
+        self.errors = dict(state["errors"])
+        self.compressed_sends = dict(state.get("compressed_sends", {}))

@@ -1,0 +1,80 @@
+"""The Optimus-CC options of Compressed3DStrategy, validated before any process group exists."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class CompressionConfig:
+    """Which communication is compressed, and how.
+
+    ``enabled=False`` is the one switch for exact, uncompressed 3D training (fused embedding
+    synchronisation stays on: it is exact). Each technique applies only where the topology has its traffic.
+    """
+
+    enabled: bool = True
+    # CB + LEP: activation gradients between pipeline stages (needs pp > 1).
+    compressed_backprop: bool = True
+    cb_rank: int = 16
+    cb_epilogue_only: bool = False
+    cb_min_compression_ratio: float = 2.0
+    cb_lazy_error_propagation: bool = True
+    # SC: PowerSGD of data-parallel gradients on the chosen pipeline ranks (needs dp > 1).
+    sc_rank: int = 128
+    sc_warmup: int | float = 0.1  # steps of plain all-reduce, or a fraction of the run's optimizer steps
+    sc_min_compression_ratio: float = 2.0
+    compressed_stages: Sequence[int] | None = None  # pipeline ranks; default all but the last (the only one if pp=1)
+    # FE: tied embedding gradients in one all-reduce over {first, last stage} x replicas (needs pp > 1).
+    fused_embedding_sync: bool = True
+    seed: int = 0
+
+    def validate(self, pipeline_parallel_size: int) -> None:
+        for name in ("cb_rank", "sc_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"`{name}={value!r}` must be a positive integer (the rank of the low-rank factors).")
+        for name in ("cb_min_compression_ratio", "sc_min_compression_ratio"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"`{name}={getattr(self, name)!r}` must be >= 0.")
+        warmup = self.sc_warmup
+        if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or warmup < 0 or (isinstance(warmup, float) and warmup >= 1):
+            raise ValueError(
+                f"`sc_warmup={warmup!r}` must be a number of steps (int >= 0) or a fraction of the run in [0, 1)."
+            )
+        if self.compressed_stages is not None:
+            bad = [s for s in self.compressed_stages if not isinstance(s, int) or not 0 <= s < pipeline_parallel_size]
+            if bad:
+                raise ValueError(
+                    f"`compressed_stages={list(self.compressed_stages)}` has {bad} outside [0, {pipeline_parallel_size}):"
+                    f" name pipeline ranks 0 .. pipeline_parallel_size - 1."
+                )
+
+    def stages_to_compress(self, pipeline_parallel_size: int) -> set[int]:
+        if self.compressed_stages is not None:
+            return set(self.compressed_stages)
+        # The last stage finishes its backward first and has slack for its all-reduce; with one stage there
+        # is no slack anywhere, so that stage is compressed.
+        return set(range(pipeline_parallel_size - 1)) if pipeline_parallel_size > 1 else {0}
+
+    def warmup_steps(self, total_steps: int) -> int:
+        return int(self.sc_warmup * total_steps) if isinstance(self.sc_warmup, float) else int(self.sc_warmup)
+
+    def explicitly_set(self) -> set[str]:
+        defaults = CompressionConfig()
+        return {f.name for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name)}
+
+    def unused_options(self, dp: int, pp: int, tied: bool) -> list[str]:
+        """Options the user set for traffic this topology does not have (reported once, not an error)."""
+        if not self.enabled:
+            return []
+        asked = self.explicitly_set()
+        notes = []
+        if pp == 1 and asked & {"cb_rank", "cb_epilogue_only", "cb_min_compression_ratio", "cb_lazy_error_propagation"}:
+            notes.append("compressed backpropagation (cb_*) has nothing to compress: pipeline_parallel_size is 1")
+        if dp == 1 and asked & {"sc_rank", "sc_warmup", "sc_min_compression_ratio", "compressed_stages"}:
+            notes.append("selective stage compression (sc_*, compressed_stages) has nothing to compress: data_parallel_size is 1")
+        if (pp == 1 or not tied) and "fused_embedding_sync" in asked:
+            notes.append("fused_embedding_sync has no effect: no tied embedding is split across pipeline stages")
+        return notes

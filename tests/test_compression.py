@@ -1,0 +1,161 @@
+"""Compression building blocks in one process: CB + LEP codec, SC bucket adapter, options and their errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig, compression_ratio, orthonormalize
+from lightning_3d.compression.config import CompressionConfig
+from lightning_3d.compression.selective import DataParallelPowerSGD, HookBucket
+from lightning_3d.compression.stats import CommunicationStats
+from lightning_3d.pipeline.codec import BoundaryKey
+
+
+def codec(**kw) -> CompressedBackprop:
+    return CompressedBackprop(CompressedBackpropConfig(**{"rank": 4, "min_compression_ratio": 0.0, **kw}))
+
+
+def roundtrip(c: CompressedBackprop, grad: torch.Tensor, key: BoundaryKey) -> torch.Tensor:
+    meta = (tuple(grad.shape), grad.dtype)
+    parts = c.encode(grad, key)
+    assert [tuple(p.shape) for p in parts] == [m[0] for m in c.message_metas(meta, key)]
+    return c.decode(parts, meta, key)
+
+
+def test_power_step_factors_and_warm_start() -> None:
+    g = torch.randn(2, 8, 16)
+    c = codec()
+    key = BoundaryKey(stage=1, microbatch=0, epilogue=False)
+    p, q = c.encode(g, key)
+    assert p.shape == (16, 4) and q.shape == (16, 4)
+    assert torch.allclose(p.t() @ p, torch.eye(4), atol=1e-5)  # P is orthonormal
+    assert torch.equal(c.q_memory[1], q)  # the next call starts from this Q
+    # P·Qᵀ is the projection of M (+ error) onto span(P): the best rank-4 fit in that subspace.
+    m = g.reshape(-1, 16)
+    assert torch.allclose(p @ q.t(), p @ (p.t() @ m), atol=1e-5)
+
+
+def test_full_rank_is_exact_and_low_rank_is_not() -> None:
+    g = torch.randn(3, 5, 8)
+    exact = roundtrip(codec(rank=8, lazy_error_propagation=False), g, BoundaryKey(1, 0, False))
+    assert ((exact - g).norm() / g.norm()).item() < 1e-5
+    lossy = roundtrip(codec(rank=2, lazy_error_propagation=False), g, BoundaryKey(1, 0, False))
+    assert ((lossy - g).norm() / g.norm()).item() > 0.1
+
+
+def test_lep_stores_exactly_the_residual_and_adds_it_to_the_next_microbatch() -> None:
+    c = codec()
+    g1, g2 = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    rebuilt1 = roundtrip(c, g1, BoundaryKey(1, 0, False))
+    e1 = c.errors[1].clone()
+    assert torch.equal(e1, g1 - rebuilt1)  # e = M' - P·Qᵀ (M' = M on the first call)
+    q_before = c.q_memory[1].clone()
+    p2, q2 = c.encode(g2, BoundaryKey(1, 1, False))
+    m2 = (g2 + e1).reshape(-1, 16)  # the second call compressed M + e
+    p_expected = orthonormalize(m2 @ q_before)
+    assert torch.allclose(p2, p_expected, atol=1e-5)
+    assert torch.allclose(c.errors[1].reshape(-1, 16), m2 - p2 @ q2.t(), atol=1e-6)
+
+
+def test_lep_grid_keeps_error_outside_a_smaller_microbatch() -> None:
+    c = codec()
+    big = torch.randn(2, 8, 16)
+    roundtrip(c, big, BoundaryKey(1, 0, False))
+    kept = c.errors[1][:, 4:].clone()  # positions the next, shorter micro-batch does not cover
+    small = torch.randn(2, 4, 16)
+    roundtrip(c, small, BoundaryKey(1, 1, False))
+    assert c.errors[1].shape == (2, 8, 16)
+    assert torch.equal(c.errors[1][:, 4:], kept)
+    larger = torch.randn(3, 8, 16)  # a bigger one grows the grid; old error stays in place, new rows start at zero
+    before = c.errors[1].clone()
+    c._error_region(1, (3, 8, 16), big.device)
+    assert torch.equal(c.errors[1][:2], before) and torch.equal(c.errors[1][2], torch.zeros(8, 16))
+    roundtrip(c, larger, BoundaryKey(1, 2, False))
+
+
+def test_epilogue_only_and_min_ratio_decide_on_both_ends() -> None:
+    g = torch.randn(2, 8, 16)
+    c = codec(epilogue_only=True)
+    assert c.encode(g, BoundaryKey(1, 0, epilogue=False)) == [g]
+    assert len(c.encode(g, BoundaryKey(1, 1, epilogue=True))) == 2
+    assert c.compressed_sends == {1: 1}
+    tiny = torch.randn(1, 2, 16)  # 2 x 16 at rank 2 saves nothing: sent as is when the ratio is below 2
+    strict = CompressedBackprop(CompressedBackpropConfig(rank=4, min_compression_ratio=2.0))
+    assert compression_ratio(2, 16, 2) < 2.0
+    assert strict.message_metas(((1, 2, 16), torch.float32), BoundaryKey(1, 0, False)) == [((1, 2, 16), torch.float32)]
+    assert strict.encode(tiny, BoundaryKey(1, 0, False)) == [tiny]
+
+
+def test_hook_bucket_gives_torch_powersgd_views_into_the_flat_buffer() -> None:
+    flat = torch.arange(10.0)
+    bucket = HookBucket(3, flat, [torch.Size([2, 3]), torch.Size([4])], is_last=True)
+    grads = bucket.gradients()
+    assert [g.shape for g in grads] == [(2, 3), (4,)]
+    grads[1].fill_(-1)
+    assert torch.equal(flat[6:], -torch.ones(4)) and bucket.index() == 3 and bucket.is_last()
+
+
+def test_powersgd_warmup_is_plain_averaging_then_compresses(tmp_path) -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    stats = CommunicationStats()
+    sc = DataParallelPowerSGD(dist.group.WORLD, rank=2, warmup_steps=2, min_compression_rate=1.0, stats=stats)
+    shapes = [torch.Size([16, 8]), torch.Size([8])]
+    for step in range(3):
+        flat = torch.randn(136)
+        original = flat.clone()
+        result = sc.launch(0, flat, shapes, is_last=True).wait()
+        if step < 2:
+            assert torch.equal(result, original)  # warm-up: an exact (one-rank) average
+        else:
+            assert not torch.equal(result[:128], original[:128])  # rank-2 approximation of the 16x8 matrix
+            assert torch.equal(result[128:], original[128:])  # 1-D tensors are sent exactly
+    last = stats.as_dict()["dp_gradients"]
+    assert last["bytes_before"] == 3 * 136 * 4
+    assert last["bytes_after"] == 2 * 136 * 4 + ((16 + 8) * 2 + 8) * 4
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(cb_rank=0), "`cb_rank=0` must be a positive integer"),
+        (dict(sc_rank=-3), "`sc_rank=-3` must be a positive integer"),
+        (dict(pipeline_parallel_size=2, num_microbatches=2, compressed_stages=[0, 2]), r"has \[2\] outside \[0, 2\)"),
+        (dict(compressed_stages=[-1]), r"has \[-1\] outside \[0, 1\)"),
+        (dict(sc_warmup=1.5), "`sc_warmup=1.5` must be a number of steps"),
+        (dict(cb_min_compression_ratio=-1.0), "must be >= 0"),
+    ],
+)
+def test_bad_compression_options(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Compressed3DStrategy(**kwargs)
+
+
+def test_defaults_and_options_without_traffic() -> None:
+    cfg = CompressionConfig()
+    assert cfg.enabled and cfg.stages_to_compress(4) == {0, 1, 2} and cfg.stages_to_compress(1) == {0}
+    assert cfg.warmup_steps(1000) == 100 and CompressionConfig(sc_warmup=7).warmup_steps(1000) == 7
+    assert CompressionConfig().unused_options(dp=1, pp=1, tied=True) == []  # defaults never nag
+    notes = CompressionConfig(cb_rank=8, sc_rank=64).unused_options(dp=1, pp=1, tied=True)
+    assert len(notes) == 2 and "pipeline_parallel_size is 1" in notes[0] and "data_parallel_size is 1" in notes[1]
+    assert CompressionConfig(enabled=False, cb_rank=8).unused_options(dp=1, pp=1, tied=True) == []
+
+
+def test_options_for_traffic_the_topology_lacks_warn_once(recwarn) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_3d.recipes import GPT
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(cb_rank=8, compressed_stages=[0]),
+                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    data = [{"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}]
+    trainer.fit(GPT("tiny", vocab_size=64, seq_length=8), torch.utils.data.DataLoader(data, batch_size=None))
+    messages = [str(w.message) for w in recwarn if "Compressed3DStrategy:" in str(w.message)]
+    assert len(messages) == 1
+    assert "pipeline_parallel_size is 1" in messages[0] and "data_parallel_size is 1" in messages[0]
+    torch.distributed.destroy_process_group()
