@@ -29,7 +29,7 @@ def run_scenario(world_size: int, name: str, args: list[str], report: Path, time
     port = free_port()
     per_node = world_size // nodes
     env_base = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")},
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import clean_env
 from tests.launch import ROOT, run_scenario
 
 TOLERANCE = 1e-5
@@ -65,7 +66,7 @@ def test_torchrun_across_two_nodes(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = clean_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     report = tmp_path / "report.json"
     nodes = []
     for node in range(2):
@@ -116,7 +117,7 @@ def test_optimus_cc_compression(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fail_rank", [0, 1])
 def test_a_failure_on_one_rank_ends_the_job_on_all_ranks(fail_rank: int) -> None:
     """Lightning's launcher starts the second process; whichever rank fails, nobody is left hanging."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = clean_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "tests/scenarios/crash_job.py", "--fail-rank", str(fail_rank)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=480)

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 META_FILE = "lightning_meta.pt"
+RANK_STATE_DIR = "rank_state"
 # Flattened optimizer state keys every setting by parameter name ("param_groups.<fqn>.lr"); unflattened, all
 # stages would write a "param_groups" entry under the same key and DCP would keep only one of them.
 _OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
@@ -77,6 +78,28 @@ def load(path: Path, module: nn.Module, optimizers: list[Optimizer], extra_shard
         extra_sharded[key] = state[key]
     meta = torch.load(path / META_FILE, weights_only=False)
     return meta
+
+
+def save_rank_state(path: Path, global_rank: int, layout: tuple, states: dict[str, Any]) -> None:
+    """State that differs on every rank and only makes sense in the same layout (compression error buffers).
+
+    Its shapes are data-dependent, so it is not a DCP entry (DCP loads into tensors of known shape) but one
+    ``torch.save`` file per rank inside the checkpoint directory.
+    """
+    if not states:
+        return
+    folder = path / RANK_STATE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"layout": layout, "states": states}, folder / f"rank{global_rank}.pt")
+
+
+def load_rank_state(path: Path, global_rank: int, layout: tuple, device: torch.device) -> dict[str, Any] | None:
+    """This rank's saved state, or None if there is none or it was saved under another layout."""
+    file = path / RANK_STATE_DIR / f"rank{global_rank}.pt"
+    if not file.is_file():
+        return None
+    saved = torch.load(file, map_location=device, weights_only=False)
+    return saved["states"] if tuple(saved["layout"]) == tuple(layout) else None
 
 
 def remove(path: Path) -> None:

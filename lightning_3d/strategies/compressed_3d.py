@@ -502,11 +502,45 @@ class Compressed3DStrategy(ParallelStrategy):
             raise TypeError("Compressed3DStrategy writes sharded checkpoints itself and takes no storage_options.")
         path = Path(self.broadcast(str(filepath)))
         ckpt.save(checkpoint, path, {}, self.global_rank)
+        ckpt.save_rank_state(path, self.global_rank, self._layout_key(), self.rank_state_dict())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return ckpt.load(path, self.lightning_module, optimizers, {}, strict=self.lightning_module.strict_loading)
+        meta = ckpt.load(path, self.lightning_module, optimizers, {}, strict=self.lightning_module.strict_loading)
+        states = ckpt.load_rank_state(path, self.global_rank, self._layout_key(), self.root_device)
+        if states is not None:
+            self.load_rank_state_dict(states)
+        elif self.rank_state_dict():
+            rank_zero_warn(
+                f"{path} holds no compression state for this layout {self._layout_key()}; error-feedback buffers"
+                " and warm-start factors start afresh."
+            )
+        return meta
+
+    def _layout_key(self) -> tuple:
+        return (self.dims.dp, self.dims.pp, self.dims.tp, self.virtual_stages, self.schedule)
+
+    def rank_states(self) -> dict[str, Any]:
+        """This rank's stateful compression objects (``state_dict``/``load_state_dict``), by name."""
+        states = {"communication": self.comm_stats}
+        if self.compressed_backprop is not None:
+            states["compressed_backprop"] = self.compressed_backprop
+        if self._sc is not None:
+            states["selective_compression"] = self._sc
+        return states
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """The compression state of this rank (LEP errors, warm-start factors, PowerSGD memories, counters)."""
+        states = self.rank_states()
+        if len(states) == 1:  # counters only: nothing that changes training
+            return {}
+        return {name: obj.state_dict() for name, obj in states.items()}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        for name, obj in self.rank_states().items():
+            if name in state:
+                obj.load_state_dict(state[name])
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -103,15 +103,18 @@ def resumable_data(global_batch: int) -> pl.LightningDataModule:
     return Data()
 
 
-def resume(dp: int, pp: int, tp: int, schedule: str, workdir: Path) -> dict:
+def resume(dp: int, pp: int, tp: int, schedule: str, workdir: Path, compressed: bool = False) -> dict:
+    # Compressed: CB + LEP at rank 4, SC at rank 4 compressing from step 3 on; its state rides in the checkpoint.
+    options = dict(cb_rank=4, cb_min_compression_ratio=0.0, sc_rank=4, sc_warmup=2) if compressed else dict(compression=False)
+
     def strategy():
         return Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                                    num_microbatches=4, schedule=schedule, compression=False)
+                                    num_microbatches=4, schedule=schedule, **options)
 
     full, first, second = LossRecorder(), LossRecorder(), LossRecorder()
     straight = make_model()
     trainer(strategy(), 6, [full]).fit(straight, datamodule=resumable_data(8))
-    ckpt_dir = workdir / f"ckpt_{dp}{pp}{tp}"
+    ckpt_dir = workdir / f"ckpt_{dp}{pp}{tp}{'c' if compressed else ''}"
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)
     trainer(strategy(), 3, [first, saver], enable_checkpointing=True).fit(make_model(), datamodule=resumable_data(8))
     path = str(next(ckpt_dir.glob("*.ckpt")))
@@ -122,7 +125,7 @@ def resume(dp: int, pp: int, tp: int, schedule: str, workdir: Path) -> dict:
         a = a.full_tensor() if isinstance(a, DTensor) else a
         b = b.full_tensor() if isinstance(b, DTensor) else b
         diff = max(diff, (a - b).abs().max().item())
-    return {"layout": [dp, pp, tp], "straight": full.losses, "resumed": first.losses + second.losses,
+    return {"layout": [dp, pp, tp], "compressed": compressed, "straight": full.losses, "resumed": first.losses + second.losses,
             "max_param_diff": all_max(diff), "checkpoint_is_dir": Path(path).is_dir() and (Path(path) / ".metadata").exists()}
 
 
@@ -131,7 +134,8 @@ def main() -> None:
     workdir = args.report.with_suffix(".work")
     report = {"plain": plain_data_parallel()}
     report["evaluation"] = evaluation(1, 2, WORLD // 2) if WORLD >= 2 else evaluation(1, 1, 1)
-    report["resume"] = [resume(1, 2, WORLD // 2, "interleaved_1f1b", workdir), resume(WORLD // 2, 2, 1, "gpipe", workdir)]
+    report["resume"] = [resume(1, 2, WORLD // 2, "interleaved_1f1b", workdir), resume(WORLD // 2, 2, 1, "gpipe", workdir),
+                        resume(WORLD // 2, 2, 1, "1f1b", workdir, compressed=True)]
     write_report(args.report, report)
     dist.barrier()
     if dist.get_rank() == 0:
