@@ -98,6 +98,12 @@ def test_hook_bucket_gives_torch_powersgd_views_into_the_flat_buffer() -> None:
     assert torch.equal(flat[6:], -torch.ones(4)) and bucket.index() == 3 and bucket.is_last()
 
 
+# PowerSGD's future callbacks run on gloo worker threads; if one of them dropped the last reference to the
+# process group, its destructor would join its own thread and abort. Training keeps these objects alive until
+# exit (the strategy holds them); the test does the same.
+_KEEP_ALIVE: list = []
+
+
 def test_powersgd_warmup_is_plain_averaging_then_compresses(tmp_path) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -113,6 +119,7 @@ def test_powersgd_warmup_is_plain_averaging_then_compresses(tmp_path) -> None:
         else:
             assert not torch.equal(result[:128], original[:128])  # rank-2 approximation of the 16x8 matrix
             assert torch.equal(result[128:], original[128:])  # 1-D tensors are sent exactly
+    _KEEP_ALIVE.append((sc, dist.group.WORLD))
     last = stats.as_dict()["dp_gradients"]
     assert last["bytes_before"] == 3 * 136 * 4
     assert last["bytes_after"] == 2 * 136 * 4 + ((16 + 8) * 2 + 8) * 4

@@ -18,6 +18,7 @@ slow link carries no duplicates. When the sequence does not split evenly the who
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,16 @@ def orthonormalize(p: Tensor) -> Tensor:
 
 def compression_ratio(rows: int, cols: int, rank: int) -> float:
     return rows * cols / ((rows + cols) * rank)
+
+
+class CodecObserver(Protocol):
+    """Sees the tensors of a compressed send (diagnostics); asked first so unsampled sends cost nothing."""
+
+    def wants(self, key: BoundaryKey) -> bool: ...
+
+    def __call__(self, key: BoundaryKey, tensors: dict[str, Tensor]) -> None:
+        """``tensors``: "grad" (this rank's piece, fp32), "error_in" (LEP error added, or absent),
+        "rebuilt" (P·Qᵀ as the receiver rebuilds it) and "error_out" (the error kept for the next send)."""
 
 
 @dataclass
@@ -62,6 +73,7 @@ class CompressedBackprop:
         self.q_memory: dict[int, Tensor] = {}  # sender stage -> Q (hidden x rank), fp32
         self.errors: dict[int, Tensor] = {}  # sender stage -> LEP error grid, fp32
         self.compressed_sends: dict[int, int] = {}  # sender stage -> number of compressed sends
+        self.observer: CodecObserver | None = None
 
     # ----- decisions both ends make alike ----------------------------------------------------------------
     def _piece_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -101,7 +113,11 @@ class CompressedBackprop:
         piece = grad if piece_shape == meta[0] else grad.chunk(self.tp_size, dim=1)[self.tp_rank]
         m = piece.float().reshape(-1, piece_shape[-1])
         error = self._error_region(key.stage, piece_shape, m.device) if self.config.lazy_error_propagation else None
+        watch = self.observer is not None and self.observer.wants(key)
+        seen = {"grad": m.clone()} if watch else {}
         if error is not None:
+            if watch:
+                seen["error_in"] = error.reshape(m.shape).clone()
             m = m + error.reshape(m.shape)
         q = self.q_memory.get(key.stage)
         if q is None or q.shape != (m.shape[1], rank):
@@ -110,8 +126,15 @@ class CompressedBackprop:
         q = m.t() @ p
         self.q_memory[key.stage] = q
         p_sent, q_sent = p.to(grad.dtype), q.to(grad.dtype)
+        if error is not None or watch:
+            rebuilt = p_sent.float() @ q_sent.float().t()
         if error is not None:  # what the receiver cannot rebuild, from the factors exactly as sent
-            error.copy_((m - p_sent.float() @ q_sent.float().t()).reshape(error.shape))
+            error.copy_((m - rebuilt).reshape(error.shape))
+        if watch:
+            seen["rebuilt"] = rebuilt
+            if error is not None:
+                seen["error_out"] = error.reshape(m.shape).clone()
+            self.observer(key, seen)
         self.compressed_sends[key.stage] = self.compressed_sends.get(key.stage, 0) + 1
         return [p_sent.contiguous(), q_sent.contiguous()]
 

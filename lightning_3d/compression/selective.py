@@ -8,7 +8,7 @@ which cannot be constructed from Python; it only calls ``buffer()``, ``index()``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,11 +69,20 @@ class DataParallelPowerSGD:
             compression_stats_logging_frequency=1 << 62,
         )
         self.stats = stats
+        # Diagnostics: ``observe_step(step) -> bool`` picks steps; ``observer(bucket, exact, compressed)`` then
+        # gets the exact average (one extra plain all-reduce on those steps only) and PowerSGD's result.
+        self.observe_step: Callable[[int], bool] | None = None
+        self.observer: Callable[[int, Tensor, Tensor], None] | None = None
+        self._exact: dict[int, Tensor] = {}
 
     def launch(self, index: int, flat: Tensor, shapes: Sequence[torch.Size], is_last: bool) -> torch.futures.Future:
         before = self.state.total_numel_before_compression
         after = self.state.total_numel_after_compression
         compressing = self.state.iter >= self.state.start_powerSGD_iter
+        if compressing and self.observer is not None and self.observe_step is not None and self.observe_step(self.state.iter):
+            exact = flat.clone()
+            dist.all_reduce(exact, group=self.state.process_group)
+            self._exact[index] = exact.div_(dist.get_world_size(self.state.process_group))
         future = powerSGD_hook(self.state, HookBucket(index, flat, shapes, is_last))
         if self.stats is not None:
             size = flat.element_size()
@@ -83,6 +92,12 @@ class DataParallelPowerSGD:
             else:
                 self.stats.add("dp_gradients", flat.numel() * size)
         return future
+
+    def finished(self, index: int, result: Tensor) -> None:
+        """Called with a bucket's averaged result once it is complete (hands it to the observer if sampled)."""
+        exact = self._exact.pop(index, None)
+        if exact is not None and self.observer is not None:
+            self.observer(index, exact, result)
 
     @property
     def compressing(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,19 @@ from lightning_3d.pipeline.p2p import PipelineChannels, TensorMeta
 from lightning_3d.pipeline.schedules import Action, build_forward_only, build_schedule, check_schedule, message_order
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
+
+
+class RuntimeObserver(Protocol):
+    """What diagnostics and timelines may watch; the runtime calls it only when one is attached."""
+
+    def on_step(self, phase: str, train: bool, num_microbatches: int) -> None:
+        """``phase`` is "begin" or "end" of one pipeline step."""
+
+    def span(self, name: str, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
+        """Wraps "forward", "backward" and "wait" (for a received tensor) of one (stage, micro-batch)."""
+
+    def on_received(self, stage: int, microbatch: int, tensors: list[Tensor]) -> None:
+        """The activations ``stage`` received for ``microbatch`` (the tensors whose gradient it sends back)."""
 
 
 @dataclass
@@ -66,6 +79,7 @@ class PipelineRuntime:
         self.before_last_backward = before_last_backward
         self.stats = stats
         self.codec: GradientCodec = IdentityCodec()
+        self.observer: RuntimeObserver | None = None
         self._shape_cache: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank receives
         self._announced: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank sends
         self._checked: set[tuple[str, int]] = set()
@@ -111,6 +125,8 @@ class PipelineRuntime:
             total_terms = sum(torch.as_tensor(self.loss_terms_fn(mb), device=self.device) for mb in mbs)
             self._loss_factor = loss_scale / total_terms
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self.observer is not None:
+            self.observer.on_step("begin", train, len(mbs))
         for kind in self._incoming:
             self._post_ahead(kind)
         for index, action in enumerate(mine):
@@ -126,6 +142,8 @@ class PipelineRuntime:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        if self.observer is not None:
+            self.observer.on_step("end", train, len(mbs))
         return loss_sum / total_terms if total_terms is not None else None
 
     # ----- compute ---------------------------------------------------------------------------------------
@@ -136,7 +154,9 @@ class PipelineRuntime:
             inputs = self._take("F", (stage - 1, m))
             if train:
                 inputs = [t.requires_grad_(True) if t.is_floating_point() else t for t in inputs]
-        with self.forward_context():
+            if self.observer is not None:
+                self.observer.on_received(stage, m, inputs)
+        with self.forward_context(), self._span("forward", stage, m):
             output = self.stages[stage](*inputs, microbatch=mb)
         if stage == self.num_stages - 1:
             with self.loss_context(), self.forward_context():
@@ -160,14 +180,15 @@ class PipelineRuntime:
         stage, m = action.stage, action.microbatch
         inputs, outputs = self._saved.pop((stage, m))
         if stage == self.num_stages - 1:
-            with self.loss_context():
+            with self.loss_context(), self._span("backward", stage, m):
                 torch.autograd.backward(outputs)
         else:
             grads = self._take("B", (stage + 1, m))  # one per floating-point output
             floating = [o for o in outputs if o.is_floating_point()]
             pairs = [(o, g) for o, g in zip(floating, grads, strict=True) if o.requires_grad]
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                with self._span("backward", stage, m):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if stage > 0:
             channel = self.channels.outgoing["B"]
             key = self._key(stage, m)
@@ -190,8 +211,9 @@ class PipelineRuntime:
             self._post(kind, queue.consumed, may_block=True)
         works, buffers = queue.posted.pop(queue.consumed)
         queue.consumed += 1
-        for work in works:
-            work.wait()
+        with self._span("wait", key[0] + (1 if kind == "F" else -1), key[1]):
+            for work in works:
+                work.wait()
         self._post_ahead(kind)
         if kind == "F":
             return buffers
@@ -254,6 +276,9 @@ class PipelineRuntime:
             grads.append(self.codec.decode(buffers[pos : pos + count], meta, key))
             pos += count
         return grads
+
+    def _span(self, name: str, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
+        return self.observer.span(name, stage, microbatch) if self.observer is not None else contextlib.nullcontext()
 
     def _count(self, kind: str, original: Tensor, sent: list[Tensor]) -> None:
         if self.stats is not None:

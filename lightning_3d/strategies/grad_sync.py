@@ -122,6 +122,7 @@ class GradientSynchronizer:
             b.work.wait()
             if b.compressed:  # the hook wrote the averaged, decompressed gradients into the flat buffer
                 b.flat = b.work.value()
+                self.compressor.finished(self.buckets.index(b), b.flat)
             offset = 0
             for p in b.params:
                 n = local(p).numel()

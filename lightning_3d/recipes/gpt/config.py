@@ -19,6 +19,9 @@ class GPTConfig:
     dropout: float = 0.0
     layer_norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    # GPT-2 checkpoints carry a key bias; it cannot change the output (softmax cancels it) and is off for
+    # models trained here, on only to import such weights exactly.
+    key_bias: bool = False
     init_std: float = 0.02
     vocab_multiple: int = 128
 
@@ -38,7 +41,7 @@ class GPTConfig:
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Trainable parameters of the unpadded model, the tied embedding counted once."""
         h, f, layers = self.hidden_size, self.ffn_size, self.num_layers
-        per_layer = 4 * h * h + 3 * h + 2 * h * f + f + h + 4 * h  # attention (no key bias), MLP, two LayerNorms
+        per_layer = 4 * h * h + (4 if self.key_bias else 3) * h + 2 * h * f + f + h + 4 * h  # attention, MLP, norms
         total = layers * per_layer + 2 * h  # final LayerNorm
         if include_embeddings:
             total += self.vocab_size * h + self.seq_length * h

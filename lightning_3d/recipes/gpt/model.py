@@ -27,9 +27,9 @@ class Attention(nn.Module):
         # Separate q/k/v projections so that column sharding splits whole heads (a fused qkv weight would
         # hand each tensor-parallel rank a slice that mixes q, k and v rows).
         self.q = nn.Linear(h, h)
-        # No key bias: it adds q·b to every score of a query, which softmax cancels, so its gradient is
-        # exactly zero and Adam would only amplify rounding noise into it (Whisper drops it too).
-        self.k = nn.Linear(h, h, bias=False)
+        # No key bias by default: it adds q·b to every score of a query, which softmax cancels, so its gradient
+        # is exactly zero and Adam would only amplify rounding noise into it (Whisper drops it too).
+        self.k = nn.Linear(h, h, bias=config.key_bias)
         self.v = nn.Linear(h, h)
         self.proj = nn.Linear(h, h)
         self.head_dim = config.head_dim

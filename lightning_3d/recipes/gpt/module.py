@@ -42,6 +42,7 @@ class GPT(pl.LightningModule):
         ffn_hidden_size: int | None = None,
         dropout: float | None = None,
         tie_embeddings: bool | None = None,
+        key_bias: bool | None = None,
         activation_checkpointing: bool = False,
         learning_rate: float = 3e-4,
         min_learning_rate: float = 3e-5,
@@ -58,6 +59,7 @@ class GPT(pl.LightningModule):
         self.config: GPTConfig = preset(
             preset_name, vocab_size=vocab_size, seq_length=seq_length, num_layers=num_layers, hidden_size=hidden_size,
             num_heads=num_heads, ffn_hidden_size=ffn_hidden_size, dropout=dropout, tie_embeddings=tie_embeddings,
+            key_bias=key_bias,
         )
         if self.config.hidden_size % self.config.num_heads != 0:
             raise ValueError(
