@@ -95,6 +95,22 @@ def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
 
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning-3d`` console script (returns nothing: its result becomes the exit code)."""
+    argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else None
+    if argv and argv[0] == "export":  # `lightning-3d export --checkpoint DIR --output DIR [--tokenizer PATH]`
+        import argparse
+
+        from lightning_3d.recipes.hf import export_checkpoint
+
+        parser = argparse.ArgumentParser(prog="lightning-3d export", description="GPT checkpoint -> HF GPT-2 directory")
+        parser.add_argument("--checkpoint", required=True, help="checkpoint directory (trainer.save_checkpoint)")
+        parser.add_argument("--output", required=True, help="directory for save_pretrained")
+        parser.add_argument("--tokenizer", default=None, help="tokenizer.json, tokenizer directory or 'bytes'")
+        ns = parser.parse_args(argv[1:])
+        try:
+            print(export_checkpoint(ns.checkpoint, ns.output, tokenizer=ns.tokenizer))
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(str(err))  # a one-line message and exit code 2, not a traceback
+        return
     build_cli(args)
 
 

@@ -32,7 +32,7 @@ def test_power_step_factors_and_warm_start() -> None:
     p, q = c.encode(g, key)
     assert p.shape == (16, 4) and q.shape == (16, 4)
     assert torch.allclose(p.t() @ p, torch.eye(4), atol=1e-5)  # P is orthonormal
-    assert torch.equal(c.q_memory[1], q)  # the next call starts from this Q
+    assert torch.equal(c.q_memory[(1, 0)], q)  # the next call starts from this Q
     # P·Qᵀ is the projection of M (+ error) onto span(P): the best rank-4 fit in that subspace.
     m = g.reshape(-1, 16)
     assert torch.allclose(p @ q.t(), p @ (p.t() @ m), atol=1e-5)
@@ -50,29 +50,29 @@ def test_lep_stores_exactly_the_residual_and_adds_it_to_the_next_microbatch() ->
     c = codec()
     g1, g2 = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
     rebuilt1 = roundtrip(c, g1, BoundaryKey(1, 0, False))
-    e1 = c.errors[1].clone()
+    e1 = c.errors[(1, 0)].clone()
     assert torch.equal(e1, g1 - rebuilt1)  # e = M' - P·Qᵀ (M' = M on the first call)
-    q_before = c.q_memory[1].clone()
+    q_before = c.q_memory[(1, 0)].clone()
     p2, q2 = c.encode(g2, BoundaryKey(1, 1, False))
     m2 = (g2 + e1).reshape(-1, 16)  # the second call compressed M + e
     p_expected = orthonormalize(m2 @ q_before)
     assert torch.allclose(p2, p_expected, atol=1e-5)
-    assert torch.allclose(c.errors[1].reshape(-1, 16), m2 - p2 @ q2.t(), atol=1e-6)
+    assert torch.allclose(c.errors[(1, 0)].reshape(-1, 16), m2 - p2 @ q2.t(), atol=1e-6)
 
 
 def test_lep_grid_keeps_error_outside_a_smaller_microbatch() -> None:
     c = codec()
     big = torch.randn(2, 8, 16)
     roundtrip(c, big, BoundaryKey(1, 0, False))
-    kept = c.errors[1][:, 4:].clone()  # positions the next, shorter micro-batch does not cover
+    kept = c.errors[(1, 0)][:, 4:].clone()  # positions the next, shorter micro-batch does not cover
     small = torch.randn(2, 4, 16)
     roundtrip(c, small, BoundaryKey(1, 1, False))
-    assert c.errors[1].shape == (2, 8, 16)
-    assert torch.equal(c.errors[1][:, 4:], kept)
+    assert c.errors[(1, 0)].shape == (2, 8, 16)
+    assert torch.equal(c.errors[(1, 0)][:, 4:], kept)
     larger = torch.randn(3, 8, 16)  # a bigger one grows the grid; old error stays in place, new rows start at zero
-    before = c.errors[1].clone()
-    c._error_region(1, (3, 8, 16), big.device)
-    assert torch.equal(c.errors[1][:2], before) and torch.equal(c.errors[1][2], torch.zeros(8, 16))
+    before = c.errors[(1, 0)].clone()
+    c._error_region((1, 0), (3, 8, 16), big.device)
+    assert torch.equal(c.errors[(1, 0)][:2], before) and torch.equal(c.errors[(1, 0)][2], torch.zeros(8, 16))
     roundtrip(c, larger, BoundaryKey(1, 2, False))
 
 

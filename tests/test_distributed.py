@@ -62,6 +62,21 @@ def test_plain_module_validation_test_and_exact_resume(tmp_path: Path) -> None:
         assert run["max_param_diff"] == 0.0
 
 
+def test_checkpoint_saved_at_222_resumes_in_other_layouts(tmp_path: Path) -> None:
+    """Same next-step loss after resuming a (2,2,2) checkpoint at (1,4,2), (2,1,1) and (1,1,1): DTensor shards,
+    pipeline stages, the tied head's optimizer state and the tp-dependent vocabulary padding all reshard."""
+    folder = tmp_path / "ckpt"
+    saved = run_scenario(8, "reshard", ["--world", "8", "--extra", f"save,{folder}"], tmp_path / "save.json", timeout=900)
+    expected = saved["straight"][2]
+    losses = {"1,4,2": saved["1,4,2"]}
+    for world, layout in ((2, "2,1,1"), (1, "1,1,1")):
+        report = run_scenario(world, "reshard", ["--world", str(world), "--extra", f"resume,{folder},{layout}"],
+                              tmp_path / f"resume{world}.json", timeout=600)
+        losses[layout] = report["loss"]
+    for layout, loss in losses.items():
+        assert abs(loss - expected) <= TOLERANCE * expected, (layout, loss, expected)
+
+
 def test_torchrun_across_two_nodes(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

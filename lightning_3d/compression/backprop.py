@@ -70,13 +70,13 @@ class CompressedBackprop:
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if split_over_tp and tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if self.tp_size > 1 else 0
-        self.q_memory: dict[int, Tensor] = {}  # sender stage -> Q (hidden x rank), fp32
-        self.errors: dict[int, Tensor] = {}  # sender stage -> LEP error grid, fp32
+        self.q_memory: dict[tuple[int, int], Tensor] = {}  # (sender stage, boundary tensor) -> Q (hidden x rank), fp32
+        self.errors: dict[tuple[int, int], Tensor] = {}  # (sender stage, boundary tensor) -> LEP error grid, fp32
         self.compressed_sends: dict[int, int] = {}  # sender stage -> number of compressed sends
         self.observer: CodecObserver | None = None
 
     # ----- decisions both ends make alike ----------------------------------------------------------------
-    def _piece_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def piece_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The part of the gradient this rank sends: its 1/tp of the sequence (dim 1) when that splits."""
         if self.tp_size > 1 and len(shape) >= 3 and shape[1] % self.tp_size == 0:
             return (shape[0], shape[1] // self.tp_size, *shape[2:])
@@ -87,7 +87,7 @@ class CompressedBackprop:
         shape, dtype = meta
         if not dtype.is_floating_point or len(shape) < 2 or (self.config.epilogue_only and not key.epilogue):
             return None
-        piece = self._piece_shape(shape)
+        piece = self.piece_shape(shape)
         cols = piece[-1]
         rows = max(1, nbytes(piece, 1) // cols)
         rank = min(self.config.rank, rows, cols)
@@ -112,19 +112,20 @@ class CompressedBackprop:
         piece_shape, rank = plan
         piece = grad if piece_shape == meta[0] else grad.chunk(self.tp_size, dim=1)[self.tp_rank]
         m = piece.float().reshape(-1, piece_shape[-1])
-        error = self._error_region(key.stage, piece_shape, m.device) if self.config.lazy_error_propagation else None
+        slot = (key.stage, key.tensor)
+        error = self._error_region(slot, piece_shape, m.device) if self.config.lazy_error_propagation else None
         watch = self.observer is not None and self.observer.wants(key)
         seen = {"grad": m.clone()} if watch else {}
         if error is not None:
             if watch:
                 seen["error_in"] = error.reshape(m.shape).clone()
             m = m + error.reshape(m.shape)
-        q = self.q_memory.get(key.stage)
+        q = self.q_memory.get(slot)
         if q is None or q.shape != (m.shape[1], rank):
-            q = self._initial_q(key.stage, m.shape[1], rank, m.device)
+            q = self._initial_q(slot, m.shape[1], rank, m.device)
         p = orthonormalize(m @ q)
         q = m.t() @ p
-        self.q_memory[key.stage] = q
+        self.q_memory[slot] = q
         p_sent, q_sent = p.to(grad.dtype), q.to(grad.dtype)
         if error is not None or watch:
             rebuilt = p_sent.float() @ q_sent.float().t()
@@ -138,20 +139,20 @@ class CompressedBackprop:
         self.compressed_sends[key.stage] = self.compressed_sends.get(key.stage, 0) + 1
         return [p_sent.contiguous(), q_sent.contiguous()]
 
-    def _initial_q(self, stage: int, cols: int, rank: int, device: torch.device) -> Tensor:
-        generator = torch.Generator(device="cpu").manual_seed(self.config.seed * 1_000_003 + stage)
+    def _initial_q(self, slot: tuple[int, int], cols: int, rank: int, device: torch.device) -> Tensor:
+        generator = torch.Generator(device="cpu").manual_seed(self.config.seed * 1_000_003 + slot[0] * 101 + slot[1])
         return orthonormalize(torch.randn(cols, rank, generator=generator)).to(device)
 
-    def _error_region(self, stage: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    def _error_region(self, slot: tuple[int, int], shape: tuple[int, ...], device: torch.device) -> Tensor:
         """A view of the LEP grid covering ``shape``, growing the grid (zero-filled) when needed."""
-        grid = self.errors.get(stage)
+        grid = self.errors.get(slot)
         if grid is None or grid.dim() != len(shape) or any(s > g for s, g in zip(shape, grid.shape)):
             same_rank = grid is not None and grid.dim() == len(shape)
             bigger = tuple(max(a, b) for a, b in zip(shape, grid.shape)) if same_rank else shape
             new = torch.zeros(bigger, dtype=torch.float32, device=device)
             if same_rank:
                 new[tuple(slice(0, d) for d in grid.shape)] = grid
-            self.errors[stage] = grid = new
+            self.errors[slot] = grid = new
         return grid[tuple(slice(0, d) for d in shape)]
 
     # ----- receiver -----------------------------------------------------------------------------------

@@ -16,11 +16,16 @@ from lightning_3d.pipeline.p2p import TensorMeta
 
 @dataclass(frozen=True)
 class BoundaryKey:
-    """The gradient sent by ``stage`` (to ``stage - 1``) for ``microbatch``; ``epilogue`` if in the drain."""
+    """The gradient sent by ``stage`` (to ``stage - 1``) for ``microbatch``; ``epilogue`` if in the drain.
+
+    ``tensor`` numbers the floating-point tensors of one boundary (an encoder-decoder boundary carries two),
+    so per-boundary state (error feedback, warm start) never mixes them.
+    """
 
     stage: int
     microbatch: int
     epilogue: bool
+    tensor: int = 0
 
 
 class GradientCodec(Protocol):

@@ -171,7 +171,8 @@ class PipelineRuntime:
         channel = self.channels.outgoing["F"]
         for tensor in outputs:
             self._pending.append((self.channels.isend(channel, tensor.detach()), tensor))
-            self._count("forward_activations", tensor, [tensor])
+            if train:  # the counters describe training steps
+                self._count("forward_activations", tensor, [tensor])
         if train:
             self._saved[(stage, m)] = (inputs, outputs)
         return None
@@ -191,12 +192,10 @@ class PipelineRuntime:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if stage > 0:
             channel = self.channels.outgoing["B"]
-            key = self._key(stage, m)
-            for t in inputs:
-                if not t.is_floating_point():
-                    continue
+            floating = [t for t in inputs if t.is_floating_point()]
+            for index, t in enumerate(floating):
                 grad = t.grad if t.grad is not None else torch.zeros_like(t)
-                parts = self.codec.encode(grad, key)
+                parts = self.codec.encode(grad, self._key(stage, m, index))
                 for part in parts:
                     self._pending.append((self.channels.isend(channel, part), part))
                 self._count("backward_activation_grads", grad, parts)
@@ -207,11 +206,11 @@ class PipelineRuntime:
         queue = self._incoming[kind]
         if queue.order[queue.consumed] != key:
             raise RuntimeError(f"pipeline rank {self.pp_rank}: expected {kind} message {queue.order[queue.consumed]}, schedule asks for {key}")
-        if queue.consumed not in queue.posted:
-            self._post(kind, queue.consumed, may_block=True)
-        works, buffers = queue.posted.pop(queue.consumed)
-        queue.consumed += 1
         with self._span("wait", key[0] + (1 if kind == "F" else -1), key[1]):
+            if queue.consumed not in queue.posted:  # a new shape: its header arrives first
+                self._post(kind, queue.consumed, may_block=True)
+            works, buffers = queue.posted.pop(queue.consumed)
+            queue.consumed += 1
             for work in works:
                 work.wait()
         self._post_ahead(kind)
@@ -219,7 +218,7 @@ class PipelineRuntime:
             return buffers
         sender_stage, m = key
         metas = self._float_metas(self._out_metas[(sender_stage - 1, m)])
-        return self._decode_grads(buffers, metas, self._key(sender_stage, m))
+        return self._decode_grads(buffers, metas, sender_stage, m)
 
     def _post_ahead(self, kind: str) -> None:
         queue = self._incoming[kind]
@@ -241,7 +240,8 @@ class PipelineRuntime:
             produced = self._out_metas.get((sender_stage - 1, m))
             if produced is None:
                 return  # our forward of that micro-batch has not run yet
-            metas = self._message_metas(self._float_metas(produced), self._key(sender_stage, m))
+            metas = [part for i, meta in enumerate(self._float_metas(produced))
+                     for part in self.codec.message_metas(meta, self._key(sender_stage, m, i))]
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
         queue.posted[index] = ([self.channels.irecv(channel, b) for b in buffers], buffers)
 
@@ -259,19 +259,17 @@ class PipelineRuntime:
                 f" input shapes produced {known}. Pipeline boundary shapes must depend only on the input shapes."
             )
 
-    def _key(self, sender_stage: int, m: int) -> BoundaryKey:
-        return BoundaryKey(sender_stage, m, self._epilogue[(sender_stage, m)])
+    def _key(self, sender_stage: int, m: int, tensor: int) -> BoundaryKey:
+        return BoundaryKey(sender_stage, m, self._epilogue[(sender_stage, m)], tensor)
 
     @staticmethod
     def _float_metas(metas: list[TensorMeta]) -> list[TensorMeta]:
         return [meta for meta in metas if meta[1].is_floating_point]
 
-    def _message_metas(self, metas: list[TensorMeta], key: BoundaryKey) -> list[TensorMeta]:
-        return [part for meta in metas for part in self.codec.message_metas(meta, key)]
-
-    def _decode_grads(self, buffers: list[Tensor], metas: list[TensorMeta], key: BoundaryKey) -> list[Tensor]:
+    def _decode_grads(self, buffers: list[Tensor], metas: list[TensorMeta], sender_stage: int, m: int) -> list[Tensor]:
         grads, pos = [], 0
-        for meta in metas:
+        for index, meta in enumerate(metas):
+            key = self._key(sender_stage, m, index)
             count = len(self.codec.message_metas(meta, key))
             grads.append(self.codec.decode(buffers[pos : pos + count], meta, key))
             pos += count

@@ -9,13 +9,19 @@ Everything Lightning adds (loops, schedulers, callbacks) goes into one file writ
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -58,7 +64,65 @@ def save(checkpoint: dict[str, Any], path: Path, extra_sharded: dict[str, Any], 
         torch.save(checkpoint, path / META_FILE)
 
 
-def load(path: Path, module: nn.Module, optimizers: list[Optimizer], extra_sharded: dict[str, Any], strict: bool) -> dict[str, Any]:
+class ReshardingLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus what a change of (dp, pp, tp) layout needs beyond DTensor resharding.
+
+    - Keys containing a name in ``padded`` may differ in their first dimension: the vocabulary is padded to a
+      multiple of 128 x tp, so a tp=2 embedding has more (all-zero, masked) rows than a tp=1 one. The rows
+      both have are read; extra rows keep their initial zeros.
+    - A key missing from the checkpoint is read from its tied partner (``aliases``): a one-stage run saves
+      optimizer state for the shared embedding only, a pipelined run needs it for the last stage's copy too.
+    This overrides ``create_local_plan``; ``_create_read_items`` is DCP's (private) helper for one entry.
+    """
+
+    def __init__(self, padded: Iterable[str], aliases: dict[str, str]) -> None:
+        super().__init__()
+        self.padded = tuple(padded)
+        self.aliases = aliases
+
+    def create_local_plan(self) -> LoadPlan:
+        from torch.distributed.checkpoint.planner_helpers import _create_read_items
+
+        saved = self.metadata.state_dict_metadata
+        requests = []
+        for fqn, obj in self.state_dict.items():
+            source = fqn if fqn in saved else self._alias(fqn, saved)
+            md = saved[source]
+            if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None and md.size != obj.size():
+                resizable = any(name in fqn for name in self.padded) and tuple(md.size[1:]) == tuple(obj.size()[1:])
+                if not resizable:
+                    raise ValueError(
+                        f"The checkpoint holds {source} with shape {tuple(md.size)}, but this model expects"
+                        f" {tuple(obj.size())}: it cannot be resharded into this model. Load it into a model of the same"
+                        f" size (only the vocabulary padding may differ between tensor-parallel sizes)."
+                    )
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue
+            items = _create_read_items(source, md, obj)
+            if source != fqn:
+                items = [dataclasses.replace(i, dest_index=dataclasses.replace(i.dest_index, fqn=fqn)) for i in items]
+            requests += items
+        return LoadPlan(requests)
+
+    def _alias(self, fqn: str, saved: dict) -> str:
+        for name, partner in self.aliases.items():
+            if name in fqn and fqn.replace(name, partner) in saved:
+                return fqn.replace(name, partner)
+        raise RuntimeError(
+            f"The checkpoint has no entry {fqn}: it was written by another model or is incomplete (pass a complete"
+            f" checkpoint of this model)."
+        )
+
+
+def load(
+    path: Path,
+    module: nn.Module,
+    optimizers: list[Optimizer],
+    extra_sharded: dict[str, Any],
+    strict: bool,
+    padded: Iterable[str] = (),
+    aliases: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Load shards in place into ``module``/``optimizers``/``extra_sharded``; return Lightning's metadata."""
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(
@@ -70,7 +134,7 @@ def load(path: Path, module: nn.Module, optimizers: list[Optimizer], extra_shard
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_state(module, opt)
     state.update(extra_sharded)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, planner=ReshardingLoadPlanner(padded, aliases or {}))
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIONS)

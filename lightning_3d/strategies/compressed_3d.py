@@ -314,6 +314,11 @@ class Compressed3DStrategy(ParallelStrategy):
         self._warned_unused = True
 
     @property
+    def pipeline_runtime(self) -> PipelineRuntime | None:
+        """This rank's pipeline executor (None for plain data parallelism); callbacks attach observers to it."""
+        return self._runtime
+
+    @property
     def compressed_backprop(self) -> CompressedBackprop | None:
         """The activation-gradient codec (CB + LEP) of this rank, if compressed backpropagation is active."""
         codec = self._runtime.codec if self._runtime is not None else None
@@ -398,9 +403,13 @@ class Compressed3DStrategy(ParallelStrategy):
             p.grad = None
         return self._report_loss(loss, "train")
 
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
+        return output
+
     def _log_communication(self) -> None:
-        """Close the previous step's byte counters and log them (host-side numbers, no synchronisation)."""
-        self.comm_stats.end_step()
+        """Log the byte counters of the previous optimizer step (host-side numbers, no synchronisation)."""
         last = self.comm_stats.as_dict("last_step")
         before = sum(v["bytes_before"] for v in last.values())
         after = sum(v["bytes_after"] for v in last.values())
@@ -507,7 +516,11 @@ class Compressed3DStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        meta = ckpt.load(path, self.lightning_module, optimizers, {}, strict=self.lightning_module.strict_loading)
+        module = self.lightning_module
+        padded = module.padded_parameters() if callable(getattr(module, "padded_parameters", None)) else []
+        tied = module.pipeline_tied_parameters() if callable(getattr(module, "pipeline_tied_parameters", None)) else {}
+        aliases = {**{last: first for first, last in tied.items()}, **tied}
+        meta = ckpt.load(path, module, optimizers, {}, strict=module.strict_loading, padded=padded, aliases=aliases)
         states = ckpt.load_rank_state(path, self.global_rank, self._layout_key(), self.root_device)
         if states is not None:
             self.load_rank_state_dict(states)

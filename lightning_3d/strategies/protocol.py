@@ -51,6 +51,8 @@ class Parallel3DModule(Protocol):
     - ``pipeline_tied_parameters()``: ``{name on the first stage: name on the last stage}`` for weights that
       are tied (input and output embeddings); their gradients are summed across the two stages.
     - ``init_weights()``: materialise-time initialisation when the module was built on the meta device.
+    - ``padded_parameters()`` (optional): names of parameters whose first dimension is padded to the tensor-
+      parallel size (the vocabulary); a checkpoint loads into another layout even though their shapes differ.
     - ``log_pipeline_loss(loss, stage)`` (optional): log the step's mean loss (``stage`` is "train", "val" or
       "test"); without it the strategy logs ``f"{stage}_loss"``.
     """

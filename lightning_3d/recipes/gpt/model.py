@@ -157,7 +157,7 @@ class GPTModel(nn.Module):
                 std = cfg.init_std
             if std is None:
                 full = torch.ones(param.shape) if name.endswith("weight") else torch.zeros(param.shape)
-                _copy_full_into(param, full.to(param.device, param.dtype))
+                copy_full_into(param, full.to(param.device, param.dtype))
                 continue
             shape = list(param.shape)
             if key in ("embed.wte.weight", "head.weight"):
@@ -166,7 +166,7 @@ class GPTModel(nn.Module):
             values = torch.empty(shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=generator)
             if shape[0] != param.shape[0]:
                 values = torch.cat([values, values.new_zeros(param.shape[0] - shape[0], *shape[1:])])
-            _copy_full_into(param, values.to(param.dtype))
+            copy_full_into(param, values.to(param.dtype))
 
 
 def run_layers(model: GPTModel, x: Tensor, layers: Iterable[nn.Module]) -> Tensor:
@@ -186,7 +186,7 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _copy_full_into(param: Tensor, full: Tensor) -> None:
+def copy_full_into(param: Tensor, full: Tensor) -> None:
     """Copy a full (unsharded) tensor into a parameter that may be a DTensor shard, without communication."""
     if isinstance(param, DTensor):
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

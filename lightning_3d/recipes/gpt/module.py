@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
-from lightning_3d.recipes.gpt.model import GPTModel, _copy_full_into
+from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
@@ -90,7 +90,7 @@ class GPT(pl.LightningModule):
         if head is not None and head.padding_mask is not None:
             mask = torch.zeros(head.out_features, device=head.weight.device)
             mask[self.config.vocab_size :] = float("-inf")
-            _copy_full_into(head.padding_mask, mask)
+            copy_full_into(head.padding_mask, mask)
 
     # ----- single-device / data-parallel path ----------------------------------------------------------------
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -144,6 +144,10 @@ class GPT(pl.LightningModule):
 
     def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
         return (microbatch["labels"] != IGNORE_INDEX).sum()
+
+    def padded_parameters(self) -> list[str]:
+        """Parameters whose first dimension is the padded vocabulary (it changes with the tensor-parallel size)."""
+        return ["model.embed.wte.weight", "model.head.weight"]
 
     def pipeline_tied_parameters(self) -> dict[str, str]:
         return {"model.embed.wte.weight": "model.head.weight"} if self.config.tie_embeddings else {}
