@@ -479,3 +479,22 @@ def test_package_and_synthetic_work_without_datasets(monkeypatch):
     with pytest.raises(ValueError, match="num_samples must be >= 1"):
         fresh.SyntheticLMDataModule(num_samples=0)
     assert (dm.vocab_size, dm.eos_token_id) == (100, 99)
+
+
+def test_extended_corpus_adds_installed_packages_docstrings(tmp_path, monkeypatch) -> None:
+    import sysconfig
+
+    from lightning_3d.recipes.data import corpus
+
+    stdlib, purelib = tmp_path / "stdlib", tmp_path / "site-packages"
+    (stdlib / "mod").mkdir(parents=True)
+    (stdlib / "mod" / "a.py").write_text('"""' + "standard library prose " * 20 + '"""\n')
+    (purelib / "pkg").mkdir(parents=True)
+    (purelib / "pkg" / "b.py").write_text('"""' + "installed package prose " * 20 + '"""\n')
+    (purelib / "pkg-1.0.dist-info").mkdir()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(stdlib), "purelib": str(purelib)})
+    monkeypatch.setattr(corpus, "iter_pydoc_topics", lambda: iter(()))
+    plain = [json.loads(line)["text"] for line in corpus.build_python_docs_corpus(tmp_path / "p.jsonl").read_text().splitlines()]
+    extended = corpus.build_python_docs_corpus(tmp_path / "e.jsonl", include_installed_packages=True).read_text().splitlines()
+    assert plain == ["standard library prose " * 20]
+    assert [json.loads(line)["text"] for line in extended] == plain + ["installed package prose " * 20]

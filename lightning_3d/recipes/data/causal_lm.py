@@ -52,7 +52,8 @@ class CausalLMDataModule(L.LightningDataModule):
     (:func:`build_python_docs_corpus`), built into the cache, so it works on any machine offline.
     Without ``val_files`` the LAST ``val_fraction`` of the packed blocks is held out (at least one
     block when ``val_fraction > 0``); ``val_fraction=0`` disables validation. ``max_corpus_bytes``
-    caps the training text (and the default corpus). Hub dataset names need ``allow_download=True``
+    caps the training text (and the default corpus); ``extended_corpus=True`` adds the docstrings of the
+    installed packages to it (tens of MB: enough for convergence runs). Hub dataset names need ``allow_download=True``
     and neither ``HF_HUB_OFFLINE`` nor ``HF_DATASETS_OFFLINE`` set. ``tokenizer`` is ``"bpe"``
     (trained on the training text with ``tokenizer_vocab_size`` entries at most), ``"bytes"``, or a
     local tokenizer path; see :func:`load_tokenizer`. ``vocab_size`` is then ``tokenizer_vocab_size``,
@@ -75,6 +76,7 @@ class CausalLMDataModule(L.LightningDataModule):
         seed: int = 1234,
         shuffle: bool = True,
         max_corpus_bytes: int | None = None,
+        extended_corpus: bool = False,
         allow_download: bool = False,
     ) -> None:
         super().__init__()
@@ -131,14 +133,15 @@ class CausalLMDataModule(L.LightningDataModule):
     def corpus_path(self) -> Path:
         """Where the default Python-docs corpus lives in the cache (depends on Python version and cap)."""
         cap = f"-max{self.hparams.max_corpus_bytes}" if self.hparams.max_corpus_bytes else ""
-        return self.cache_dir / "corpus" / f"python-docs-{sys.version_info[0]}.{sys.version_info[1]}{cap}.jsonl"
+        kind = "python-docs-extended" if self.hparams.extended_corpus else "python-docs"
+        return self.cache_dir / "corpus" / f"{kind}-{sys.version_info[0]}.{sys.version_info[1]}{cap}.jsonl"
 
     def _resolved_train_files(self) -> list[Path] | None:
         if self.train_files is not None or self.hparams.dataset_name is not None:
             return self.train_files
         path = self.corpus_path()
         if not path.exists():
-            build_python_docs_corpus(path, self.hparams.max_corpus_bytes)
+            build_python_docs_corpus(path, self.hparams.max_corpus_bytes, self.hparams.extended_corpus)
         return [path]
 
     def _train_identity(self) -> dict:

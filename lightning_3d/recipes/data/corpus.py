@@ -60,15 +60,23 @@ def iter_stdlib_docstrings(stdlib: Path | None = None, min_chars: int = MIN_DOCS
                     yield doc
 
 
-def iter_python_docs() -> Iterator[str]:
-    """All corpus documents: pydoc topics first, then standard-library docstrings."""
+def iter_python_docs(include_installed_packages: bool = False) -> Iterator[str]:
+    """All corpus documents: pydoc topics first, then standard-library docstrings, then (optionally) the
+    docstrings of the installed packages (``site-packages``, sorted by package)."""
     yield from iter_pydoc_topics()
     yield from iter_stdlib_docstrings()
+    if include_installed_packages:
+        root = Path(sysconfig.get_paths()["purelib"])
+        for package in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith((".dist-info", ".egg-info"))):
+            yield from iter_stdlib_docstrings(package)
 
 
-def build_python_docs_corpus(path: Path, max_bytes: int | None = None) -> Path:
+def build_python_docs_corpus(path: Path, max_bytes: int | None = None, include_installed_packages: bool = False) -> Path:
     """Write the Python-documentation corpus to ``path`` as JSON lines (``{"text": ...}`` per document).
 
+    ``include_installed_packages`` adds the docstrings of every installed package (tens of MB on a machine
+    with the scientific stack: enough text for convergence runs of a few thousand steps). Those texts keep
+    their packages' licences; the corpus is built on the machine that trains and never shipped.
     ``max_bytes`` caps the total UTF-8 size of the texts: whole documents are kept while they fit
     and the one that crosses the cap is cut, so small test corpora are cheap and exact. The file is
     written to a temporary name and renamed, so concurrent builders never see a partial file.
@@ -80,7 +88,7 @@ def build_python_docs_corpus(path: Path, max_bytes: int | None = None) -> Path:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     budget = max_bytes
     with tmp.open("w", encoding="utf-8") as f:
-        for text in iter_python_docs():
+        for text in iter_python_docs(include_installed_packages):
             if budget is not None:
                 data = text.encode("utf-8")
                 if len(data) > budget:

@@ -1,0 +1,170 @@
+"""Loss curves with and without Optimus-CC compression on real text (the paper's Table 2 in miniature).
+
+Step 1 (CPU, where `datasets` is installed) packs the extended offline corpus (Python documentation plus the
+installed packages' docstrings) into token blocks:
+
+    python benchmarks/convergence.py prepare --data benchmarks/.data --seq-length 512 --vocab 8192
+
+Step 2 (GPU machine, no `datasets` needed: it reads the packed blocks) trains once per compression mode in
+fresh processes started by torchrun, validating every --val-every steps, and writes curves, the final
+validation losses and a PNG:
+
+    python benchmarks/convergence.py run --data benchmarks/.data --layout 2,2,1 --steps 2000 --modes off all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODES = {"off": dict(compression=False, fused_embedding_sync=False), "all": dict(compression=True)}
+
+
+def prepare(args: argparse.Namespace) -> None:
+    from lightning_3d.recipes.data import CausalLMDataModule
+
+    cache = args.data / "cache"
+    data = CausalLMDataModule(extended_corpus=True, tokenizer="bpe", tokenizer_vocab_size=args.vocab,
+                              seq_length=args.seq_length, cache_dir=str(cache), val_fraction=0.01)
+    data.prepare_data()
+    data.setup("fit")
+    train = data.packed_path("train")
+    shutil.copy(train, args.data / "blocks.npy")
+    shutil.copy(train.with_suffix(".json"), args.data / "blocks.json")
+    data.load_text_tokenizer().save(args.data)
+    meta = {"vocab_size": data.vocab_size, "seq_length": args.seq_length, "num_blocks": data.meta["num_blocks"]}
+    (args.data / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(cache)
+    print(f"{meta['num_blocks']} blocks of {args.seq_length + 1} tokens, vocabulary {meta['vocab_size']} -> {args.data}")
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_3d import Compressed3DStrategy
+    from lightning_3d.recipes import GPT
+    from lightning_3d.recipes.data.loader import build_eval_loader, build_train_loader
+    from lightning_3d.recipes.data.packing import PackedBlocks
+
+    meta = json.loads((args.data / "meta.json").read_text())
+    dp, pp, tp = (int(x) for x in args.layout.split(","))
+    n, n_val = meta["num_blocks"], max(1, meta["num_blocks"] // 100)
+
+    class Blocks(pl.LightningDataModule):
+        def train_dataloader(self):
+            data = PackedBlocks(args.data / "blocks.npy", 0, n - n_val)
+            return build_train_loader(data, args.batch_size, trainer=self.trainer, seed=0, shuffle=True, num_workers=2)
+
+        def val_dataloader(self):
+            return build_eval_loader(PackedBlocks(args.data / "blocks.npy", n - n_val, n), args.batch_size,
+                                     trainer=self.trainer, num_workers=2)
+
+    class Curves(pl.Callback):
+        def __init__(self) -> None:
+            self.train, self.val = [], []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step % args.log_every == 0:
+                self.train.append((trainer.global_step, float(outputs["loss"])))
+
+        def on_validation_end(self, trainer, module) -> None:
+            if not trainer.sanity_checking:
+                self.val.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+
+        def on_train_end(self, trainer, module) -> None:
+            if trainer.global_rank == 0:
+                args.result.write_text(json.dumps({"train": self.train, "val": self.val}))
+
+    curves = Curves()
+    strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, sc_warmup=args.sc_warmup,
+                                    **MODES[args.mode])
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
+                         precision=args.precision, max_steps=args.steps, val_check_interval=args.val_every,
+                         check_val_every_n_epoch=None, limit_val_batches=args.val_batches, gradient_clip_val=1.0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                         callbacks=[curves], use_distributed_sampler=False)
+    torch.manual_seed(0)
+    model = GPT(args.preset, vocab_size=meta["vocab_size"], seq_length=meta["seq_length"], learning_rate=args.lr,
+                min_learning_rate=args.lr / 10, warmup_steps=args.steps // 20, decay_steps=args.steps)
+    trainer.fit(model, datamodule=Blocks())
+
+
+def run(args: argparse.Namespace) -> None:
+    dp, pp, tp = (int(x) for x in args.layout.split(","))
+    results = {}
+    for mode in args.modes:
+        result = args.out.with_name(f"{args.out.stem}_{mode}.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * pp * tp}", __file__, "worker",
+               "--mode", mode, "--result", str(result), *sys.argv[2:]]
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+        subprocess.run(cmd, env=env, check=True)
+        results[mode] = json.loads(result.read_text())
+        print(mode, "final val loss", results[mode]["val"][-1], flush=True)
+    finals = {m: r["val"][-1][1] for m, r in results.items()}
+    summary = {"command": " ".join(sys.argv), "layout": args.layout, "steps": args.steps, "final_val_loss": finals,
+               "relative_to_off": {m: v / finals["off"] - 1 for m, v in finals.items()} if "off" in finals else None,
+               "curves": results}
+    args.out.write_text(json.dumps(summary, indent=1))
+    plot(results, args.out.with_suffix(".png"))
+    print(json.dumps({k: summary[k] for k in ("final_val_loss", "relative_to_off")}, indent=1))
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot written (the JSON has the curves)")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, r in results.items():
+        steps, losses = zip(*r["train"])
+        ax.plot(steps, losses, alpha=0.35, label=f"{mode} train")
+        steps, losses = zip(*r["val"])
+        ax.plot(steps, losses, marker="o", label=f"{mode} validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("prepare", "run", "worker"))
+    parser.add_argument("--data", type=Path, default=Path("benchmarks/.data"))
+    parser.add_argument("--seq-length", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--layout", default="2,2,1")
+    parser.add_argument("--preset", default="125m")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
+    parser.add_argument("--num-microbatches", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--sc-warmup", type=float, default=0.1)
+    parser.add_argument("--val-every", type=int, default=250)
+    parser.add_argument("--log-every", type=int, default=10, help="record the training loss every N steps")
+    parser.add_argument("--val-batches", type=int, default=20)
+    parser.add_argument("--accelerator", default="gpu", help="cpu runs a gloo smoke test of the script")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--modes", nargs="+", default=["off", "all"], choices=tuple(MODES))
+    parser.add_argument("--out", type=Path, default=Path("convergence.json"))
+    parser.add_argument("--mode", default="off", choices=tuple(MODES))
+    parser.add_argument("--result", type=Path)
+    args = parser.parse_args()
+    {"prepare": prepare, "run": run, "worker": worker}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
