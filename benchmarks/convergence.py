@@ -99,13 +99,19 @@ def worker(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
     dp, pp, tp = (int(x) for x in args.layout.split(","))
-    results = {}
-    for mode in args.modes:
+    results, procs = {}, {}
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    for i, mode in enumerate(args.modes):
         result = args.out.with_name(f"{args.out.stem}_{mode}.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * pp * tp}", __file__, "worker",
-               "--mode", mode, "--result", str(result), *sys.argv[2:]]
-        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-        subprocess.run(cmd, env=env, check=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * pp * tp}",
+               f"--master-port={29500 + 17 * i}", __file__, "worker", "--mode", mode, "--result", str(result),
+               *sys.argv[2:]]
+        procs[mode] = (subprocess.Popen(cmd, env=env), result)
+        if not args.concurrent:  # one after the other; --concurrent shares the GPUs (loss curves only, no timing)
+            procs[mode][0].wait()
+    for mode, (proc, result) in procs.items():
+        if proc.wait() != 0:
+            raise SystemExit(f"mode {mode} failed with exit code {proc.returncode}")
         results[mode] = json.loads(result.read_text())
         print(mode, "final val loss", results[mode]["val"][-1], flush=True)
     finals = {m: r["val"][-1][1] for m, r in results.items()}
@@ -156,6 +162,8 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=250)
     parser.add_argument("--log-every", type=int, default=10, help="record the training loss every N steps")
     parser.add_argument("--val-batches", type=int, default=20)
+    parser.add_argument("--concurrent", action="store_true",
+                        help="train all modes at once on the same GPUs (each process group uses them all)")
     parser.add_argument("--accelerator", default="gpu", help="cpu runs a gloo smoke test of the script")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--modes", nargs="+", default=["off", "all"], choices=tuple(MODES))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import shlex
@@ -42,6 +43,18 @@ COMPRESSION_MODES = {
     "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False),
     "all": dict(compression=True),
 }
+# Callbacks attached for the overhead measurement, each at its most expensive useful setting.
+CALLBACK_VARIANTS = ("state", "diagnostics", "comm", "throughput", "timeline", "allcb")
+
+
+def parse_variant(text: str) -> str:
+    mode, _, callback = text.partition("+")
+    if mode not in COMPRESSION_MODES or (callback and callback not in CALLBACK_VARIANTS):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MODE[+CALLBACK] with MODE in {tuple(COMPRESSION_MODES)}"
+                                         f" and CALLBACK in {CALLBACK_VARIANTS}")
+    return text
+
+
 REGIMES = {"nvlink": {}, "ib": {"NCCL_P2P_DISABLE": "1"},
            "ethernet": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}}
 
@@ -67,8 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: smoke test only")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
     p.add_argument("--profile", action="store_true", help="rank 0 prints a torch.profiler table of 2 steps")
-    p.add_argument("--compression", default="off", choices=tuple(COMPRESSION_MODES),
-                   help="off: exact baseline (two-collective tied sync); fe; cb (with LEP); cb-nolep; sc; all")
+    p.add_argument("--compression", nargs="+", default=["off"], type=parse_variant, metavar="MODE[+CALLBACK]",
+                   help="one or more variants, each run in turn by the same worker processes of a layout (one process"
+                        " group, fresh model, trainer and strategy per variant). MODE: off (exact baseline, two-collective"
+                        " tied sync), fe, cb (with LEP), cb-nolep, sc, all; +CALLBACK attaches one of "
+                        + ", ".join(CALLBACK_VARIANTS) + " (callback overhead)")
     p.add_argument("--cb-rank", type=int, default=16)
     p.add_argument("--sc-rank", type=int, default=128)
     p.add_argument("--sc-warmup", type=int, default=2, help="plain all-reduce steps before PowerSGD")
@@ -101,8 +117,10 @@ def worker(args: argparse.Namespace) -> None:
         faulthandler.dump_traceback_later(float(os.environ["L3D_HANG_DUMP"]), exit=False)
     import lightning.pytorch as pl
     import torch.distributed as dist
+    from lightning.pytorch.loggers import CSVLogger
 
     from lightning_3d import Compressed3DStrategy
+    from lightning_3d.compression.stats import KINDS as TRAFFIC_KINDS
     from lightning_3d.recipes import GPT
     from lightning_3d.recipes.data import SyntheticLMDataModule
 
@@ -114,7 +132,8 @@ def worker(args: argparse.Namespace) -> None:
     class StepTimer(pl.Callback):
         """Wall time of every step between GPU-synchronised batch start and end; rank 0 writes the result."""
 
-        def __init__(self) -> None:
+        def __init__(self, result: Path) -> None:
+            self.result = result
             self.step_s, self.loop_s = [], []  # loop: batch end to batch end, also data loading and H2D copy
             self._start = self._last_end = 0.0
             self.loss = float("nan")
@@ -153,46 +172,85 @@ def worker(args: argparse.Namespace) -> None:
             mem = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)] if cuda else [0, 0]
             mem = torch.tensor(mem, dtype=torch.float64, device=device)  # max over ranks, on the NCCL device
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            # Bytes of the last step summed over ranks, per traffic kind (the strategy's own accounting).
+            stats, kinds = trainer.strategy.communication_stats("last_step"), list(TRAFFIC_KINDS)
+            sent = torch.tensor([[stats[k]["bytes_before"], stats[k]["bytes_after"]] for k in kinds],
+                                dtype=torch.float64, device=device)
+            dist.all_reduce(sent)
             if trainer.global_rank == 0:
-                args.result.write_text(json.dumps({
+                self.result.write_text(json.dumps({
+                    "comm_bytes_last_step": {k: {"before": int(b), "after": int(a)} for k, (b, a) in zip(kinds, sent.tolist())},
                     "step_s": times[0].tolist(), "loop_s": times[1].tolist(), "final_loss": self.loss,
                     "peak_mem_gb": mem[0].item() / 1e9 if cuda else None,
                     "peak_reserved_gb": mem[1].item() / 1e9 if cuda else None,
                     "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}))
 
     schedule, virtual_stages = layout_schedule(args, pp)
-    strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, schedule=schedule,
-                                    virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel,
-                                    cb_rank=args.cb_rank, sc_rank=args.sc_rank, sc_warmup=args.sc_warmup,
-                                    **COMPRESSION_MODES[args.compression])
-    trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
-        precision=args.precision, max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        use_distributed_sampler=True, callbacks=[StepTimer()],
-    )
-    model = GPT(preset_name=args.preset, seq_length=args.seq_length, vocab_size=args.vocab_size,
-                activation_checkpointing=args.activation_checkpointing)
-    data = SyntheticLMDataModule(vocab_size=args.vocab_size, seq_length=args.seq_length, batch_size=per_replica,
-                                 num_samples=per_replica * dp * (max_steps + 1))
-    trainer.fit(model, datamodule=data)
+    for variant in args.compression:  # one process group; a fresh strategy, trainer and model per variant
+        mode, _, callback = variant.partition("+")
+        if cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, schedule=schedule,
+                                        virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel,
+                                        cb_rank=args.cb_rank, sc_rank=args.sc_rank, sc_warmup=args.sc_warmup,
+                                        **COMPRESSION_MODES[mode])
+        timer = StepTimer(variant_result_path(args.result, variant))
+        log_dir = args.result.with_name(f"{args.result.stem}.{variant}.logs")
+        trainer = pl.Trainer(
+            accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
+            precision=args.precision, max_steps=max_steps, enable_checkpointing=False,
+            logger=CSVLogger(log_dir, name="", version=""), log_every_n_steps=1,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            use_distributed_sampler=True, callbacks=[timer, *benchmark_callbacks(callback, args, log_dir)],
+        )
+        torch.manual_seed(0)
+        model = GPT(preset_name=args.preset, seq_length=args.seq_length, vocab_size=args.vocab_size,
+                    activation_checkpointing=args.activation_checkpointing)
+        data = SyntheticLMDataModule(vocab_size=args.vocab_size, seq_length=args.seq_length, batch_size=per_replica,
+                                     num_samples=per_replica * dp * (max_steps + 1))
+        trainer.fit(model, datamodule=data)
+        del trainer, model, data, strategy, timer
+
+
+def variant_result_path(result: Path, variant: str) -> Path:
+    return result.with_name(f"{result.stem}.{variant}.json")
+
+
+def benchmark_callbacks(name: str, args: argparse.Namespace, log_dir: Path) -> list:
+    """The callbacks of one overhead variant, each at its most expensive useful setting (every step)."""
+    from lightning_3d.callbacks import (CommunicationMonitor, CompressionDiagnostics, CompressionStateMonitor,
+                                        PipelineTimeline, ThroughputMFUMonitor)
+
+    every = max(1, args.steps // 3)  # diagnostics sample every few steps: a few sampled steps fall in the window
+    make = {"state": lambda: [CompressionStateMonitor(log_every_n_steps=1)],
+            "diagnostics": lambda: [CompressionDiagnostics(every_n_steps=every, plot=True)],
+            "comm": lambda: [CommunicationMonitor(log_every_n_steps=1)],
+            "throughput": lambda: [ThroughputMFUMonitor(window_size=4)],
+            "timeline": lambda: [PipelineTimeline(step=args.warmup + 2, output_dir=str(log_dir))]}
+    if name == "allcb":
+        return [cb for key in ("state", "diagnostics", "comm", "throughput", "timeline") for cb in make[key]()]
+    return make[name]() if name else []
 
 
 # ----- driver ----------------------------------------------------------------------------------------------
 def launch(args: argparse.Namespace, layout: tuple[int, int, int], log_dir: Path, worker_argv: list[str]) -> dict:
-    """Run one layout; once more if the rendezvous port was taken meanwhile (the free-port pick can race)."""
-    result = _launch_once(args, layout, log_dir, worker_argv)
-    if "EADDRINUSE" in result.get("error", ""):
-        result = _launch_once(args, layout, log_dir, worker_argv)
-    return result
+    """Run one layout's variants: ``{variant: raw result}``. Once more if the rendezvous port was taken meanwhile
+    (the free-port pick can race)."""
+    results = _launch_once(args, layout, log_dir, worker_argv)
+    if any("EADDRINUSE" in r.get("error", "") for r in results.values()):
+        results = _launch_once(args, layout, log_dir, worker_argv)
+    return results
 
 
 def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir: Path, worker_argv: list[str]) -> dict:
-    """Run one layout in fresh processes; return the rank-0 result, or an error with the failing log's tail."""
+    """Run one layout in fresh processes; per variant the rank-0 result, or an error with the failing log's tail."""
     world = layout[0] * layout[1] * layout[2]
     name = "dp{}_pp{}_tp{}".format(*layout)
     result_path = log_dir / f"{name}.json"
-    result_path.unlink(missing_ok=True)
+    for variant in args.compression:
+        variant_result_path(result_path, variant).unlink(missing_ok=True)
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -229,21 +287,26 @@ def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir
     wall = round(time.monotonic() - start, 1)
     if failure is None and any(p.returncode for p in procs):
         failure = (f"exit codes {[p.returncode for p in procs]}", next(r for r, p in enumerate(procs) if p.returncode))
-    if failure is None and not result_path.exists():
+    done = {v: json.loads(variant_result_path(result_path, v).read_text()) for v in args.compression
+            if variant_result_path(result_path, v).exists()}
+    if failure is None and len(done) < len(args.compression):
         failure = ("rank 0 wrote no result", 0)
+    error = None
     if failure is not None:  # the reason, then the last lines of the failing rank's log
         text = logs[failure[1]].read_text(errors="replace")
         if "EADDRINUSE" in text:
             failure = (f"{failure[0]} (EADDRINUSE)", failure[1])
         log_tail = "\n".join(text.splitlines()[-25:])
-        return {"error": f"{failure[0]}; log {logs[failure[1]]}:\n{log_tail}", "wall_s": wall}
-    return {**json.loads(result_path.read_text()), "wall_s": wall}
+        error = {"error": f"{failure[0]}; log {logs[failure[1]]}:\n{log_tail}"}
+    # wall_s: the whole launch (process start, every variant), the same for all its rows
+    return {v: {**(done[v] if v in done else error), "wall_s": wall} for v in args.compression}
 
 
-def summarize(args: argparse.Namespace, layout: tuple[int, int, int], raw: dict, flops_per_token: float) -> dict:
+def summarize(args: argparse.Namespace, layout: tuple[int, int, int], variant: str, raw: dict,
+              flops_per_token: float) -> dict:
     """One result row: throughput from the median step time (max over ranks), its spread, peak memory."""
     world = layout[0] * layout[1] * layout[2]
-    row: dict[str, Any] = {"layout": list(layout), "world_size": world, "schedule": layout_schedule(args, layout[1])[0],
+    row: dict[str, Any] = {"layout": list(layout), "variant": variant, "world_size": world, "schedule": layout_schedule(args, layout[1])[0],
                            "num_microbatches": args.num_microbatches, "micro_batch_size": args.micro_batch_size,
                            "seq_length": args.seq_length, "tokens_per_step": layout[0] * args.micro_batch_size
                            * args.num_microbatches * args.seq_length}
@@ -255,7 +318,8 @@ def summarize(args: argparse.Namespace, layout: tuple[int, int, int], raw: dict,
     tflops = flops_per_token * tokens_s / world / 1e12
     return {**row, "tokens_per_s": tokens_s, "tflops_per_gpu": tflops,
             "mfu": tflops / PEAK_TFLOPS if args.accelerator == "gpu" else None,
-            "step_ms": {**dict(zip(("median", "p10", "p90", "min", "max"), ms)), "n": len(step_s)},
+            "step_ms": {**dict(zip(("median", "p10", "p90", "min", "max"), ms)), "mean": float(step_s.mean()) * 1e3,
+                        "n": len(step_s)},
             "loop_ms_median": float(np.median(loop_s)) * 1e3, **raw, "error": None}
 
 
@@ -276,13 +340,15 @@ def environment(args: argparse.Namespace) -> dict:
 
 
 def table(rows: list[dict], header: str) -> str:
-    cols = ["layout (dp,pp,tp)", "schedule", "M", "mb", "seq", "tokens/s", "TFLOP/s/GPU", "MFU %",
+    cols = ["layout (dp,pp,tp)", "variant", "vs first", "schedule", "M", "mb", "seq", "tokens/s", "TFLOP/s/GPU", "MFU %",
             "step ms median [p10-p90]", "peak mem GB", "error"]
     lines = []
     for r in rows:
         ok = r.get("error") is None
+        first = next(b for b in rows if b["layout"] == r["layout"])  # the layout's first variant: the baseline
+        speedup = (f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x" if ok and first.get("error") is None else "-")
         lines.append([
-            ",".join(map(str, r["layout"])), r["schedule"], str(r["num_microbatches"]), str(r["micro_batch_size"]),
+            ",".join(map(str, r["layout"])), r["variant"], speedup, r["schedule"], str(r["num_microbatches"]), str(r["micro_batch_size"]),
             str(r["seq_length"]), f"{r['tokens_per_s']:,.0f}" if ok else "-",
             f"{r['tflops_per_gpu']:.{1 if r['tflops_per_gpu'] >= 1 else 3}f}" if ok else "-",
             (f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "n/a") if ok else "-",
@@ -309,7 +375,8 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
     header = (f"GPT {args.preset} (N={config.num_parameters() / 1e6:.1f}M, {flops_per_token / 1e9:.3f} GFLOP/token),"
               f" {args.precision}, regime={args.regime}, {args.steps} timed steps after {args.warmup}\n"
               f"{FLOPS_FORMULA}; TFLOP/s/GPU = FLOPs/token * tokens/s / GPUs; MFU = that / {PEAK_TFLOPS:.0f}\n"
-              f"{BATCH_NOTE}; M = micro-batches per step, mb = micro-batch size; step time = max over ranks")
+              f"{BATCH_NOTE}; M = micro-batches per step, mb = micro-batch size; step time = max over ranks;"
+              f" 'vs first' = tokens/s relative to the layout's first variant (same processes, same run)")
     print(f"command: {env['command']}\n{env['date_utc']}  torch {env['torch']}  lightning {env['lightning']}  "
           f"CUDA {env['cuda']}  NCCL {env['nccl']}  GPUs: {', '.join(env['gpus']) or args.accelerator}", flush=True)
     report = {"environment": env, "flops_convention": FLOPS_FORMULA, "flops_per_token": flops_per_token,
@@ -320,13 +387,16 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
               "model": config.to_dict(), "results": []}
     for layout in layouts:
         world = layout[0] * layout[1] * layout[2]
-        print(f"layout dp={layout[0]} pp={layout[1]} tp={layout[2]} on {world} processes ...", flush=True)
+        print(f"layout dp={layout[0]} pp={layout[1]} tp={layout[2]} on {world} processes,"
+              f" variants {' '.join(args.compression)} ...", flush=True)
         too_big = {"error": f"needs {world} devices, {args.devices} available"}
-        raw = too_big if world > args.devices else launch(args, layout, log_dir, argv)
-        row = summarize(args, layout, raw, flops_per_token)
-        print("  " + (row["error"].strip().splitlines()[-1] if row["error"] else
-                      f"{row['tokens_per_s']:,.0f} tokens/s, median {row['step_ms']['median']:.1f} ms"), flush=True)
-        report["results"].append(row)
+        raws = {v: too_big for v in args.compression} if world > args.devices else launch(args, layout, log_dir, argv)
+        for variant, raw in raws.items():
+            row = summarize(args, layout, variant, raw, flops_per_token)
+            print(f"  {variant}: " + (row["error"].strip().splitlines()[-1] if row["error"] else
+                                      f"{row['tokens_per_s']:,.0f} tokens/s, median {row['step_ms']['median']:.1f} ms"),
+                  flush=True)
+            report["results"].append(row)
         args.out.write_text(json.dumps(report, indent=1))  # after every layout, so a crash keeps what was measured
     print("\n" + table(report["results"], header) + f"\n\nJSON: {args.out}  worker logs: {log_dir}")
 
