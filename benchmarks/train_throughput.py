@@ -195,7 +195,7 @@ def worker(args: argparse.Namespace) -> None:
         strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, schedule=schedule,
                                         virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel,
                                         cb_rank=args.cb_rank, sc_rank=args.sc_rank, sc_warmup=args.sc_warmup,
-                                        **COMPRESSION_MODES[mode])
+                                        **COMPRESSION_MODES[mode], **diagnosis_timeout())
         timer = StepTimer(variant_result_path(args.result, variant))
         log_dir = args.result.with_name(f"{args.result.stem}.{variant}.logs")
         trainer = pl.Trainer(
@@ -212,6 +212,13 @@ def worker(args: argparse.Namespace) -> None:
                                      num_samples=per_replica * dp * (max_steps + 1))
         trainer.fit(model, datamodule=data)
         del trainer, model, data, strategy, timer
+
+
+def diagnosis_timeout() -> dict:
+    """``L3D_PG_TIMEOUT=seconds``: a short collective timeout, so NCCL's watchdog names a stuck operation (and its
+    element count) instead of waiting the default 30 minutes."""
+    seconds = os.environ.get("L3D_PG_TIMEOUT")
+    return {"timeout": datetime.timedelta(seconds=float(seconds))} if seconds else {}
 
 
 def variant_result_path(result: Path, variant: str) -> Path:

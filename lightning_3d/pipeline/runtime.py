@@ -8,6 +8,8 @@ the first time is learned from the sender's header at the point of need (see ``p
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -196,8 +198,10 @@ class PipelineRuntime:
             for index, t in enumerate(floating):
                 grad = t.grad if t.grad is not None else torch.zeros_like(t)
                 parts = self.codec.encode(grad, self._key(stage, m, index))
-                for part in parts:
-                    self._pending.append((self.channels.isend(channel, part), part))
+                message = _pack(parts)
+                if CHECK_MESSAGES:
+                    self._pending.append((self.channels.send_header(channel, [(tuple(message.shape), message.dtype)]), None))
+                self._pending.append((self.channels.isend(channel, message), message))
                 self._count("backward_activation_grads", grad, parts)
 
     # ----- receiving -------------------------------------------------------------------------------------
@@ -240,8 +244,26 @@ class PipelineRuntime:
             produced = self._out_metas.get((sender_stage - 1, m))
             if produced is None:
                 return  # our forward of that micro-batch has not run yet
-            metas = [part for i, meta in enumerate(self._float_metas(produced))
-                     for part in self.codec.message_metas(meta, self._key(sender_stage, m, i))]
+            if not may_block and (CHECK_MESSAGES or not isinstance(self.codec, IdentityCodec)):
+                # Compressed gradients are received just in time, never ahead. Measured on NCCL (H200, 2026-11-22):
+                # with a receive posted ahead, the compressing sender and this rank hang in the first step (both
+                # hosts stuck in CUDA calls; the codec's kernels appear to synchronise the device while the
+                # posted receive waits for a send that only follows them). Compressed messages are small, so
+                # receiving late costs little.
+                return
+            # One message per boundary tensor: a codec's parts (e.g. P and Q) travel packed in one flat buffer.
+            works, views = [], []
+            for i, meta in enumerate(self._float_metas(produced)):
+                message, parts = _packed_buffer(self.codec.message_metas(meta, self._key(sender_stage, m, i)), self.device)
+                if CHECK_MESSAGES:  # blocking, on the CPU group: compare what the sender packed with this buffer
+                    sent = self.channels.recv_header(channel)
+                    if sent != [(tuple(message.shape), message.dtype)]:
+                        raise RuntimeError(f"pipeline rank {self.pp_rank}: gradient message {(sender_stage, m, i)} is {sent}"
+                                           f" on the sender but {(tuple(message.shape), message.dtype)} here")
+                works.append(self.channels.irecv(channel, message))
+                views += parts
+            queue.posted[index] = (works, views)
+            return
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
         queue.posted[index] = ([self.channels.irecv(channel, b) for b in buffers], buffers)
 
@@ -284,3 +306,29 @@ class PipelineRuntime:
 
     def _reap(self) -> None:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+
+
+# Debugging aid: ``L3D_CHECK_MESSAGES=1`` sends every gradient message's shape and dtype ahead on the CPU group and
+# checks it on the receiver (a mismatch raises instead of hanging NCCL). Costs a host round trip per message.
+CHECK_MESSAGES = os.environ.get("L3D_CHECK_MESSAGES", "0") == "1"
+
+
+def _pack(parts: list[Tensor]) -> Tensor:
+    """A codec's parts as one contiguous message: one point-to-point operation per boundary tensor, like an
+    uncompressed send (fewer, larger NCCL operations; the receiver splits the same way, see ``_packed_buffer``)."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({t.dtype for t in parts}) != 1:
+        raise TypeError(f"codec parts must share one dtype to travel as one message, got {[t.dtype for t in parts]}")
+    return torch.cat([t.reshape(-1) for t in parts])
+
+
+def _packed_buffer(metas: list[TensorMeta], device: torch.device) -> tuple[Tensor, list[Tensor]]:
+    """The receive buffer of one packed message and the views of its parts (shapes from ``metas``)."""
+    if len(metas) == 1:
+        buffer = torch.empty(metas[0][0], dtype=metas[0][1], device=device)
+        return buffer, [buffer]
+    sizes = [math.prod(shape) for shape, _ in metas]
+    buffer = torch.empty(sum(sizes), dtype=metas[0][1], device=device)
+    return buffer, [part.view(shape) for part, (shape, _) in zip(buffer.split(sizes), metas)]
+
