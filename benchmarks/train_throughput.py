@@ -134,6 +134,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def __init__(self, result: Path) -> None:
             self.result = result
+            self.start_mem = torch.cuda.memory_allocated(int(os.environ["LOCAL_RANK"])) if cuda else 0
             self.step_s, self.loop_s = [], []  # loop: batch end to batch end, also data loading and H2D copy
             self._start = self._last_end = 0.0
             self.loss = float("nan")
@@ -169,7 +170,11 @@ def worker(args: argparse.Namespace) -> None:
             # A step is as slow as its slowest rank: take the max over ranks, step by step.
             times = torch.tensor([self.step_s, self.loop_s], dtype=torch.float64, device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            mem = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)] if cuda else [0, 0]
+            # Peak over the fit, and what was still allocated when this variant started (left by earlier variants of
+            # the same processes: measured 1.6 GB per variant for 350M on 2 stages, so compare peaks across variants
+            # as peak - start, or run one variant per launch).
+            mem = ([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), self.start_mem]
+                   if cuda else [0, 0, 0])
             mem = torch.tensor(mem, dtype=torch.float64, device=device)  # max over ranks, on the NCCL device
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             # Bytes of the last step summed over ranks, per traffic kind (the strategy's own accounting).
@@ -183,6 +188,7 @@ def worker(args: argparse.Namespace) -> None:
                     "step_s": times[0].tolist(), "loop_s": times[1].tolist(), "final_loss": self.loss,
                     "peak_mem_gb": mem[0].item() / 1e9 if cuda else None,
                     "peak_reserved_gb": mem[1].item() / 1e9 if cuda else None,
+                    "start_mem_gb": mem[2].item() / 1e9 if cuda else None,
                     "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}))
 
     schedule, virtual_stages = layout_schedule(args, pp)

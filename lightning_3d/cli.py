@@ -1,8 +1,10 @@
-"""``lightning-3d fit|validate|test --config FILE``: Lightning's CLI with the GPT recipe and ``compressed_3d``.
+"""``lightning-3d fit|validate|test --config FILE``: Lightning's CLI with the GPT recipe and ``compressed_3d``
+(any model, e.g. ``lightning_3d.recipes.T5``, by class path), and ``lightning-3d export`` to Hugging Face.
 
 ``--config`` takes a YAML path or the name of a config shipped in ``lightning_3d/recipes/configs``
-(``lightning-3d fit --config gpt_tiny``). The model's ``vocab_size`` and ``seq_length`` follow the data
-module (tokenizer) whenever both sides have them, so a config never has to repeat them.
+(``lightning-3d fit --config gpt_tiny``). The model's ``vocab_size`` and ``seq_length`` (and a seq2seq model's
+``pad_token_id`` / ``eos_token_id``) follow the data module (tokenizer) whenever both sides have them, so a config
+never has to repeat them.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class Lightning3DCLI(LightningCLI):
         # The embedding must match the tokenizer: taken from the instantiated data module (the tokenizer may be
         # a local file whose size is only known once loaded). Links are skipped when either side lacks the name.
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+        # Seq2seq data (T5): the special ids the tokenizer layout gives (the GPT recipe has no such arguments).
+        parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
+        parser.link_arguments("data.eos_token_id", "model.init_args.eos_token_id", apply_on="instantiate")
         parser.link_arguments("data.init_args.seq_length", "model.init_args.seq_length", apply_on="parse")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
@@ -99,9 +104,10 @@ def main(args: ArgsType = None) -> None:
     if argv and argv[0] == "export":  # `lightning-3d export --checkpoint DIR --output DIR [--tokenizer PATH]`
         import argparse
 
-        from lightning_3d.recipes.hf import export_checkpoint
+        from lightning_3d.recipes.export import export_checkpoint
 
-        parser = argparse.ArgumentParser(prog="lightning-3d export", description="GPT checkpoint -> HF GPT-2 directory")
+        parser = argparse.ArgumentParser(prog="lightning-3d export", description="GPT or T5 checkpoint -> Hugging Face"
+                                         " directory (GPT2LMHeadModel or T5ForConditionalGeneration, by the checkpoint's model)")
         parser.add_argument("--checkpoint", required=True, help="checkpoint directory (trainer.save_checkpoint)")
         parser.add_argument("--output", required=True, help="directory for save_pretrained")
         parser.add_argument("--tokenizer", default=None, help="tokenizer.json, tokenizer directory or 'bytes'")

@@ -6,6 +6,7 @@ Tolerances: fp32 losses and final parameters within 1e-5 relative of the single-
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -139,3 +140,92 @@ def test_a_failure_on_one_rank_ends_the_job_on_all_ranks(fail_rank: int) -> None
     assert proc.returncode != 0
     assert f"simulated failure on rank {fail_rank}" in proc.stdout + proc.stderr
     assert time.monotonic() - start < 450  # a hang would run into the timeout; ~20 s on an idle 2-core machine
+
+
+def _tiny_hf_t5(path: Path):
+    """A random transformers T5 (v1.1: gated-GELU, untied) with 2 + 2 blocks, saved with save_pretrained."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                      tie_word_embeddings=False, relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    model = T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # transformers 5 ties it anyway
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def _t5_logits_check(ckpt: Path, tmp_path: Path) -> float:
+    """Export a sharded T5 checkpoint with the CLI; return the largest logit difference to our model holding the
+    checkpoint's full state (DCP's own converter), relative as in the other tests."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import T5ForConditionalGeneration
+
+    from lightning_3d.cli import main
+    from lightning_3d.recipes.hf_t5 import t5_config_from_hparams
+    from lightning_3d.recipes.t5.model import T5Model
+    from lightning_3d.strategies.checkpoint import META_FILE
+    from tests.scenarios.t5_layouts import Pairs
+
+    out = tmp_path / f"{ckpt.name}_hf"
+    main(["export", "--checkpoint", str(ckpt), "--output", str(out)])
+    dcp_to_torch_save(ckpt, tmp_path / f"{ckpt.name}.pt")
+    state = {k.removeprefix("model."): v for k, v in torch.load(tmp_path / f"{ckpt.name}.pt", weights_only=False)["model"].items()}
+    config = t5_config_from_hparams(torch.load(ckpt / META_FILE, weights_only=False)["hyper_parameters"])
+    ours = T5Model(config, state["shared.weight"].shape[0]).eval()
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    batch = Pairs(16, seed=1)[0:4]
+    inputs = (batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        expected = ours(*inputs)[..., : config.vocab_size]
+        exported = T5ForConditionalGeneration.from_pretrained(out).eval()(*inputs[:1], decoder_input_ids=inputs[1],
+                                                                        attention_mask=inputs[2]).logits
+    return ((exported - expected).abs() / (1 + expected.abs())).max().item()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_t5_layouts_match_single_process_training(world: int, tmp_path: Path) -> None:
+    """T5 (v1.0 tied + ReLU, v1.1 untied + gated-GELU) under the foundation layouts, every schedule, sequence
+    parallelism, a stage spanning encoder and decoder, and CB + LEP / FE / SC at full rank (exact); on 2 ranks also
+    export of sharded (1,2,1) / (1,1,2) checkpoints and import of a transformers T5 under (1,2,1) and (1,1,2)."""
+    hf_dir = tmp_path / "hf_t5"
+    hf = _tiny_hf_t5(hf_dir) if world == 2 else None
+    report = run_scenario(world, "t5_layouts", ["--world", str(world), "--extra", str(hf_dir)], tmp_path / "report.json",
+                          timeout=900)
+    results = report["results"]
+    _check(results)
+    trained = [r for r in results if not r.get("pretrained")]
+    layouts = {(r["dp"], r["pp"], r["tp"]) for r in trained}
+    schedules = {r["schedule"] for r in trained if (r["dp"], r["pp"], r["tp"]) == ((1, 2, 1) if world == 2 else (1, 4, 1))}
+    if world == 2:
+        assert layouts == {(1, 2, 1), (2, 1, 1), (1, 1, 2)} and schedules == {"gpipe", "1f1b", "interleaved_1f1b"}
+        (validated,) = [r for r in results if r.get("validate")]
+        assert abs(validated["val_loss"] - validated["ref_val_loss"]) <= TOLERANCE * validated["ref_val_loss"]
+        assert abs(validated["val_ppl"] - math.exp(validated["val_loss"])) <= TOLERANCE * validated["val_ppl"]
+        for run in (r for r in results if r.get("save")):
+            assert _t5_logits_check(Path(run["path"]), tmp_path) <= TOLERANCE, run
+        import torch
+        import torch.nn.functional as F
+
+        from tests.scenarios.t5_layouts import Pairs
+
+        batch = Pairs()[0:4]
+        with torch.no_grad():
+            logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        decoder_input_ids=batch["decoder_input_ids"]).logits
+        expected = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).item()
+        for run in (r for r in results if r.get("pretrained")):
+            assert run["weight_err"] == 0.0 and run["checked"] > 0, run
+            assert abs(run["first_loss"] - expected) <= TOLERANCE * expected, (run, expected)
+            assert _t5_logits_check(Path(run["path"]), tmp_path) <= TOLERANCE, run
+    else:
+        assert {(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)} <= layouts and schedules == {"1f1b", "interleaved_1f1b"}
+        compressed = [r for r in results if r.get("compressed")]
+        assert compressed and all(r["compressed_sends"] > 0 for r in compressed)
+    assert any(r.get("sp") for r in results)

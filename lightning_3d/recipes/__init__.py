@@ -1,5 +1,6 @@
-"""Ready-made LightningModules (GPT) and data modules that implement the 3D protocol."""
+"""Ready-made LightningModules (GPT, T5) and data modules that implement the 3D protocol."""
 
 from lightning_3d.recipes.gpt import GPT, GPTConfig
+from lightning_3d.recipes.t5 import T5, T5Config
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "T5", "T5Config"]

@@ -138,23 +138,43 @@ def config_from_hparams(hparams: dict | None, source: str = "The checkpoint") ->
     return replace(config, layer_norm_eps=hp.get("layer_norm_eps") or config.layer_norm_eps)
 
 
-def _check_checkpoint(path: Path) -> tuple[GPTConfig, dict[str, tuple[str, Any]]]:
-    """(config, our name -> (DCP name, tensor metadata)) of a complete GPT checkpoint directory, else an error."""
+def checkpoint_hparams(path: Path) -> dict | None:
+    """The module hyper-parameters a lightning_3d checkpoint directory records; an error for anything else."""
     if not (path.is_dir() and (path / ".metadata").is_file() and (path / META_FILE).is_file()):
         raise FileNotFoundError(f"{path} is not a lightning_3d checkpoint: expected a directory with .metadata and "
                                 f"{META_FILE}, as Compressed3DStrategy's trainer.save_checkpoint writes.")
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-    config = config_from_hparams(meta.get("hyper_parameters"), f"Checkpoint {path}")
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=False).get("hyper_parameters")
+
+
+def checkpoint_entries(path: Path, names: list[str], what: str) -> dict[str, tuple[str, Any]]:
+    """Our name -> (DCP name, tensor metadata) of the model tensors of a checkpoint that must hold all ``names``
+    (and all its shard files); ``what`` names the model in the error."""
     md = dcp.FileSystemReader(str(path)).read_metadata()
     found = {where[1].removeprefix("model."): (where[1], md.state_dict_metadata[key])
              for key, where in md.planner_data.items() if len(where) == 2 and where[0] == "model"}
-    missing = [n for n in gpt_param_names(config) if n not in found]
+    missing = [n for n in names if n not in found]
     if missing:
-        raise ValueError(f"Checkpoint {path} is incomplete for its {config.num_layers}-layer GPT: missing "
+        raise ValueError(f"Checkpoint {path} is incomplete for its {what}: missing "
                          f"{missing[:5]}{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}.")
     absent = sorted({i.relative_path for i in md.storage_data.values()} - {f.name for f in path.iterdir()})
     if absent:
         raise ValueError(f"Checkpoint {path} is incomplete: shard files {absent[:5]} are missing.")
+    return found
+
+
+def load_model_tensors(path: Path, entries: dict[str, tuple[str, Any]], names: list[str]) -> dict[str, Tensor]:
+    """Full tensors of ``names`` (no optimizer state), shards merged by DCP, without a process group."""
+    state = {entries[n][0]: torch.empty(entries[n][1].size, dtype=entries[n][1].properties.dtype) for n in names}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    return {n: state[entries[n][0]] for n in names}
+
+
+def _check_checkpoint(path: Path) -> tuple[GPTConfig, dict[str, tuple[str, Any]]]:
+    """(config, our name -> (DCP name, tensor metadata)) of a complete GPT checkpoint directory, else an error."""
+    config = config_from_hparams(checkpoint_hparams(path), f"Checkpoint {path}")
+    found = checkpoint_entries(path, gpt_param_names(config), f"{config.num_layers}-layer GPT")
     if (shape := found["embed.wte.weight"][1].size)[0] < config.vocab_size or shape[1] != config.hidden_size:
         raise ValueError(f"Checkpoint {path}: embed.wte.weight is {list(shape)}, not [>={config.vocab_size}, {config.hidden_size}].")
     return config, found
@@ -206,13 +226,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     tok = None if tokenizer is None else hf_tokenizer(tokenizer, config.seq_length)
     if tok is not None and len(tok) > config.vocab_size:
         raise ValueError(f"The tokenizer has {len(tok)} tokens but the model only vocab_size={config.vocab_size}.")
-    # Only the model's tensors (no optimizer state), shards merged by DCP, without a process group.
-    names = gpt_param_names(config)
-    state = {entries[n][0]: torch.empty(entries[n][1].size, dtype=entries[n][1].properties.dtype) for n in names}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": state}, checkpoint_id=str(checkpoint_dir), no_dist=True)
-    state = gpt_to_hf_state_dict({n: state[entries[n][0]] for n in names}, config)
+    state = gpt_to_hf_state_dict(load_model_tensors(checkpoint_dir, entries, gpt_param_names(config)), config)
     with torch.device("meta"):  # no random init: every weight is assigned
         model = GPT2LMHeadModel(hf_config_for(config, None if tok is None else tok.eos_token_id))
     model.load_state_dict(state, assign=True, strict=True)
@@ -225,8 +239,12 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
 
 
 # ----- import for fine-tuning --------------------------------------------------------------------------------
-def _hf_weights(path: Path):
-    """``get(GPT-2 name)`` over a ``save_pretrained`` directory, reading one tensor at a time from safetensors."""
+def _hf_weights(path: Path, rename=None, fallbacks: dict[str, str] | None = None):
+    """``get(name)`` over a ``save_pretrained`` directory, reading one tensor at a time from safetensors. Names are the
+    files' keys through ``rename`` (default: GPT-2's, with the ``transformer.`` prefix); a missing name is read as its
+    ``fallbacks`` entry (a tied weight stored once). ``get.names`` is the set of stored names."""
+    rename = rename or _hf_name
+    fallbacks = {"lm_head.weight": "transformer.wte.weight"} if fallbacks is None else fallbacks
     from safetensors import safe_open
 
     index, single, pickled = (path / n for n in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"))
@@ -239,16 +257,17 @@ def _hf_weights(path: Path):
         files = dict.fromkeys(state := torch.load(pickled, map_location="cpu", weights_only=True, mmap=True))
     else:
         raise FileNotFoundError(f"{path} has no model.safetensors(.index.json) or pytorch_model.bin.")
-    files = {_hf_name(k): (k, v) for k, v in files.items()}
+    files = {rename(k): (k, v) for k, v in files.items()}
 
     @lru_cache(maxsize=4)  # q, k and v are slices of one c_attn tensor
     def get(name: str) -> Tensor:
-        raw, file = files[name if name in files or name != "lm_head.weight" else "transformer.wte.weight"]
+        raw, file = files[name if name in files or name not in fallbacks else fallbacks[name]]
         if file is None:
             return state[raw]
         with safe_open(str(file), "pt") as f:
             return f.get_tensor(raw)
 
+    get.names = set(files)
     return get
 
 

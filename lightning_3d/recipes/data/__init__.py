@@ -1,4 +1,5 @@
-"""Data for causal-LM training: packed real text (offline by default) and synthetic tokens.
+"""Data for causal-LM and seq2seq training: packed real text (offline by default), span corruption, (input,
+target) pairs and synthetic tokens.
 
 Importing this package does not import ``datasets``; only reading data files does.
 """
@@ -6,6 +7,7 @@ Importing this package does not import ``datasets``; only reading data files doe
 from lightning_3d.recipes.data.causal_lm import CausalLMDataModule
 from lightning_3d.recipes.data.corpus import build_python_docs_corpus
 from lightning_3d.recipes.data.loader import ResumableDataLoader, ResumableDistributedSampler
+from lightning_3d.recipes.data.seq2seq import Seq2SeqDataModule
 from lightning_3d.recipes.data.synthetic import SyntheticLMDataModule
 from lightning_3d.recipes.data.tokenizer import load_tokenizer
 
@@ -13,6 +15,7 @@ __all__ = [
     "CausalLMDataModule",
     "ResumableDataLoader",
     "ResumableDistributedSampler",
+    "Seq2SeqDataModule",
     "SyntheticLMDataModule",
     "build_python_docs_corpus",
     "load_tokenizer",

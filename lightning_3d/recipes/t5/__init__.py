@@ -1,0 +1,5 @@
+from lightning_3d.recipes.t5.config import PRESETS, T5Config, preset
+from lightning_3d.recipes.t5.model import T5Model
+from lightning_3d.recipes.t5.module import T5
+
+__all__ = ["PRESETS", "T5", "T5Config", "T5Model", "preset"]

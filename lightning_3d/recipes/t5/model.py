@@ -1,0 +1,295 @@
+"""Our T5 encoder-decoder, written so that pipeline stages keep the full model's parameter names.
+
+The pipeline sees ``num_layers + num_decoder_layers`` splittable layers: the encoder blocks, then the decoder
+blocks, held in two ``nn.ModuleDict`` keyed by their index within their stack, so a pruned rank keeps names like
+``decoder.3.cross_attn.q.weight`` exactly as in the full model (checkpoints, optimizer state, export).
+
+Every stage runs :func:`run_stage` on the tensors it received. The first stage owns the shared embedding and
+both relative-attention-bias tables; it embeds the encoder *and* the decoder input and passes the two tables on
+as boundary tensors (tiny: buckets x heads), so each stage computes its position bias locally and the tables'
+gradients flow back through the pipeline to their one owner: no weight is tied across more than two stages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_3d.recipes.gpt.model import LMHead, _seed_for, copy_full_into
+from lightning_3d.recipes.t5.config import T5Config
+from lightning_3d.strategies.grad_sync import local
+
+IGNORE_INDEX = -100
+# Added to masked attention scores: finite in fp32 and bf16 alike (finfo(float32).min becomes -inf in bf16).
+MASK_VALUE = torch.finfo(torch.bfloat16).min
+
+
+class RMSNorm(nn.Module):
+    """T5's layer norm: scale only, no mean subtraction, statistics in fp32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return self.weight * x
+
+
+class Attention(nn.Module):
+    """Unscaled multi-head attention (T5 folds 1/sqrt(d) into the init); ``memory`` makes it cross-attention."""
+
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        h, inner = config.hidden_size, config.inner_size
+        # Separate q/k/v so that column sharding hands every tensor-parallel rank whole heads.
+        self.q = nn.Linear(h, inner, bias=False)
+        self.k = nn.Linear(h, inner, bias=False)
+        self.v = nn.Linear(h, inner, bias=False)
+        self.o = nn.Linear(inner, h, bias=False)
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+
+    def forward(self, x: Tensor, bias: Tensor | None, memory: Tensor | None = None) -> Tensor:
+        """``bias``: position bias plus mask, (1 or batch, heads or 1, queries, keys), or None."""
+        source = x if memory is None else memory
+        b, s, t = x.shape[0], x.shape[1], source.shape[1]
+        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them (and of the bias).
+        q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k(source).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(source).view(b, t, -1, self.head_dim).transpose(1, 2)
+        scores = q @ k.transpose(-1, -2)
+        if bias is not None:
+            scores = scores + bias
+        # Explicit rather than SDPA: its fused CPU/GPU kernels are slow (or fall back) with a bias that needs a gradient.
+        probs = F.dropout(scores.float().softmax(-1).to(v.dtype), self.dropout, self.training)
+        y = probs @ v
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """v1.0: ``wo(relu(wi x))``; v1.1: ``wo(gelu_tanh(wi_0 x) * wi_1 x)`` (Hugging Face's names)."""
+
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_size
+        self.gated = config.gated
+        if self.gated:
+            self.wi_0 = nn.Linear(h, f, bias=False)
+            self.wi_1 = nn.Linear(h, f, bias=False)
+        else:
+            self.wi = nn.Linear(h, f, bias=False)
+        self.wo = nn.Linear(f, h, bias=False)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x) if self.gated else F.relu(self.wi(x))
+        return self.wo(self.drop(hidden))
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        self.self_attn_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
+        self.self_attn = Attention(config)
+        self.ff_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
+        self.ff = FeedForward(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
+        x = x + self.drop(self.self_attn(self.self_attn_norm(x), bias))
+        return x + self.drop(self.ff(self.ff_norm(x)))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        self.self_attn_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
+        self.self_attn = Attention(config)
+        self.cross_attn_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
+        self.cross_attn = Attention(config)
+        self.ff_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
+        self.ff = FeedForward(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, y: Tensor, memory: Tensor, bias: Tensor, cross_bias: Tensor | None) -> Tensor:
+        y = y + self.drop(self.self_attn(self.self_attn_norm(y), bias))
+        y = y + self.drop(self.cross_attn(self.cross_attn_norm(y), cross_bias, memory))
+        return y + self.drop(self.ff(self.ff_norm(y)))
+
+
+def relative_position_bucket(relative: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
+    """T5's bucketing of ``key - query`` offsets (exact for small offsets, logarithmic up to ``max_distance``)."""
+    buckets = torch.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative > 0).long() * num_buckets
+        relative = relative.abs()
+    else:
+        relative = -torch.min(relative, torch.zeros_like(relative))
+    max_exact = num_buckets // 2
+    large = max_exact + (
+        torch.log(relative.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).long()
+    large = torch.min(large, torch.full_like(large, num_buckets - 1))
+    return buckets + torch.where(relative < max_exact, relative, large)
+
+
+def position_bias(table: Tensor, queries: int, keys: int, bidirectional: bool, config: T5Config) -> Tensor:
+    """(1, heads, queries, keys) bias from a (buckets, heads) table (a tensor-parallel rank's head slice)."""
+    positions = torch.arange(keys, device=table.device)[None, :] - torch.arange(queries, device=table.device)[:, None]
+    buckets = relative_position_bucket(positions, bidirectional, config.relative_attention_num_buckets,
+                                       config.relative_attention_max_distance)
+    return F.embedding(buckets, table).permute(2, 0, 1).unsqueeze(0)
+
+
+def decoder_inputs(mb: Mapping[str, Tensor], config: T5Config) -> Tensor:
+    """``decoder_input_ids`` of the micro-batch, or its labels shifted right behind the start token."""
+    if "decoder_input_ids" in mb:
+        return mb["decoder_input_ids"]
+    labels = mb["labels"]
+    shifted = torch.full_like(labels, config.start_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == IGNORE_INDEX, config.pad_token_id)
+
+
+def _key_mask(mb: Mapping[str, Tensor]) -> Tensor | None:
+    """(batch, 1, 1, keys) True where an encoder token must be ignored, or None without an attention mask."""
+    mask = mb.get("attention_mask")
+    return None if mask is None else ~mask.bool()[:, None, None, :]
+
+
+def run_stage(m: nn.Module, received: tuple[Tensor, ...], mb: Mapping[str, Tensor]) -> Tensor | tuple[Tensor, ...]:
+    """The computation of a T5Model or of one pipeline stage ``m`` (same attribute names, absent parts None).
+
+    Boundaries: (encoder hidden, decoder embeddings, encoder table, decoder table) while the encoder runs, then
+    (decoder hidden, encoder output, decoder table); the last stage returns the (padded-vocabulary) logits.
+    """
+    cfg: T5Config = m.config
+    dec_ids = decoder_inputs(mb, cfg)
+    sp = getattr(m, "sequence_parallel_size", 1)
+    if sp > 1 and (mb["input_ids"].shape[1] % sp or dec_ids.shape[1] % sp):
+        raise ValueError(f"Sequence parallelism over {sp} ranks needs input and target lengths divisible by {sp}; got"
+                         f" {mb['input_ids'].shape[1]} and {dec_ids.shape[1]}. Pad the batches to a multiple of {sp}.")
+    x = memory = None
+    if not received:
+        enc_table, dec_table = local(m.encoder_relative_bias.weight), local(m.decoder_relative_bias.weight)
+        x, y = m.drop(m.shared(mb["input_ids"])), m.drop(m.shared(dec_ids))
+    elif len(received) == 4:
+        x, y, enc_table, dec_table = received
+    else:
+        y, memory, dec_table = received
+    if len(m.encoder):
+        s = mb["input_ids"].shape[1]
+        bias = position_bias(enc_table, s, s, True, cfg)
+        if (padding := _key_mask(mb)) is not None:
+            bias = bias.masked_fill(padding, MASK_VALUE)
+        for block in m.encoder.values():
+            x = _call(m, block, x, bias)
+    if m.encoder_norm is not None:
+        memory, x = m.drop(m.encoder_norm(x)), None
+    if len(m.decoder):
+        t = dec_ids.shape[1]
+        future = torch.ones(t, t, dtype=torch.bool, device=dec_table.device).triu(1)
+        bias = position_bias(dec_table, t, t, False, cfg).masked_fill(future, MASK_VALUE)
+        padding = _key_mask(mb)
+        cross = None if padding is None else torch.zeros(padding.shape, device=padding.device).masked_fill(padding, MASK_VALUE)
+        for block in m.decoder.values():
+            y = _call(m, block, y, memory, bias, cross)
+    if m.lm_head is not None:
+        y = m.drop(m.decoder_norm(y))
+        if cfg.tie_embeddings:
+            y = y * cfg.hidden_size**-0.5  # v1.0's tied head sees a rescaled decoder output (as in transformers)
+        return m.lm_head(y)
+    # Tensors only passed along become views, so their gradients flow through autograd like any output's.
+    if memory is None:
+        return x, y.view_as(y), enc_table.view_as(enc_table), dec_table.view_as(dec_table)
+    return y, memory.view_as(memory), dec_table.view_as(dec_table)
+
+
+def _call(m: nn.Module, block: nn.Module, *args: Tensor | None) -> Tensor:
+    if m.activation_checkpointing and torch.is_grad_enabled():
+        return checkpoint(block, *args, use_reentrant=False)
+    return block(*args)
+
+
+class T5Model(nn.Module):
+    """The full model; ``prune`` sets the parts a pipeline rank does not own to None (or deletes blocks)."""
+
+    def __init__(self, config: T5Config, padded_vocab: int | None = None, activation_checkpointing: bool = False):
+        super().__init__()
+        self.config = config
+        self.padded_vocab = padded_vocab or config.padded_vocab_size(1)
+        self.activation_checkpointing = activation_checkpointing
+        h, heads, buckets = config.hidden_size, config.num_heads, config.relative_attention_num_buckets
+        self.shared: nn.Embedding | None = nn.Embedding(self.padded_vocab, h)
+        self.encoder_relative_bias: nn.Embedding | None = nn.Embedding(buckets, heads)
+        self.decoder_relative_bias: nn.Embedding | None = nn.Embedding(buckets, heads)
+        self.encoder = nn.ModuleDict({str(i): EncoderBlock(config) for i in range(config.num_layers)})
+        self.encoder_norm: RMSNorm | None = RMSNorm(h, config.layer_norm_eps)
+        self.decoder = nn.ModuleDict({str(i): DecoderBlock(config) for i in range(config.decoder_layers)})
+        self.decoder_norm: RMSNorm | None = RMSNorm(h, config.layer_norm_eps)
+        self.lm_head: LMHead | None = LMHead(h, config.vocab_size, self.padded_vocab)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.shared.weight
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor, decoder_input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor:
+        """Logits over the padded vocabulary (padding columns are -inf)."""
+        mb = {"input_ids": input_ids, "decoder_input_ids": decoder_input_ids, "attention_mask": attention_mask,
+              "labels": labels}
+        return run_stage(self, (), {k: v for k, v in mb.items() if v is not None})
+
+    # ----- pipeline support -------------------------------------------------------------------------
+    def prune(self, keep_layers: Iterable[int], keep_first: bool, keep_last: bool) -> None:
+        """Delete what this pipeline rank does not own; names of what remains are unchanged."""
+        keep, n_enc = set(keep_layers), self.config.num_layers
+        for name in list(self.encoder.keys()):
+            if int(name) not in keep:
+                del self.encoder[name]
+        for name in list(self.decoder.keys()):
+            if int(name) + n_enc not in keep:
+                del self.decoder[name]
+        if n_enc - 1 not in keep:
+            self.encoder_norm = None
+        if not keep_first:
+            self.shared = self.encoder_relative_bias = self.decoder_relative_bias = None
+        if not keep_last:
+            self.decoder_norm = self.lm_head = None
+        elif self.config.tie_embeddings and self.shared is None:
+            # This stage's own copy of the embedding, kept equal by the tied-gradient sync with the first stage.
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().clone())
+
+    # ----- initialisation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Transformers' T5 init, seeded by parameter name: every (dp, pp, tp) layout starts from the same weights."""
+        cfg, f = self.config, self.config.init_factor
+        h, inner = cfg.hidden_size, cfg.inner_size
+        stds = {"q": f * (h * cfg.head_dim) ** -0.5, "k": f * h**-0.5, "v": f * h**-0.5, "o": f * inner**-0.5,
+                "wi": f * h**-0.5, "wi_0": f * h**-0.5, "wi_1": f * h**-0.5, "wo": f * cfg.ffn_size**-0.5}
+        for name, param in self.named_parameters():
+            key = "shared.weight" if name == "lm_head.weight" and cfg.tie_embeddings else name
+            module = key.rsplit(".", 2)[-2]
+            if "norm" in module:
+                copy_full_into(param, torch.ones(param.shape, device=param.device, dtype=param.dtype))
+                continue
+            std = f if key in ("shared.weight", "lm_head.weight") else f * h**-0.5 if "relative_bias" in key else stds[module]
+            shape = list(param.shape)
+            if key in ("shared.weight", "lm_head.weight"):
+                shape[0] = cfg.vocab_size  # only real rows are random; padding rows are zero
+            generator = torch.Generator(device=param.device).manual_seed(_seed_for(seed, key))
+            values = torch.empty(shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            if shape[0] != param.shape[0]:
+                values = torch.cat([values, values.new_zeros(param.shape[0] - shape[0], *shape[1:])])
+            copy_full_into(param, values.to(param.dtype))

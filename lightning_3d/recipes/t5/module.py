@@ -1,0 +1,216 @@
+"""The T5 recipe as a LightningModule implementing the ``Parallel3DModule`` protocol."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torchmetrics.aggregation import MeanMetric
+
+from lightning_3d.recipes.gpt.model import copy_full_into
+from lightning_3d.recipes.t5.config import T5Config, preset
+from lightning_3d.recipes.t5.model import IGNORE_INDEX, T5Model
+from lightning_3d.recipes.t5.parallelize import T5Stage, parallelize_t5
+from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
+from lightning_3d.strategies.protocol import StageLayout
+from lightning_3d.strategies.stage_builder import materialize_
+
+
+class Perplexity(MeanMetric):
+    """exp of the mean loss: a ``MeanMetric`` whose states sync (and reset) exactly like the loss's."""
+
+    def compute(self) -> Tensor:
+        return torch.exp(super().compute())
+
+
+class T5(pl.LightningModule):
+    """T5 (v1.0 or v1.1) encoder-decoder; presets tiny to 11B, trainable in any (dp, pp, tp) layout.
+
+    Batches are ``{"input_ids", "attention_mask" (optional), "decoder_input_ids" (optional: else the labels
+    shifted right), "labels"}`` (``-100`` labels are ignored), as :class:`~lightning_3d.recipes.data.Seq2SeqDataModule`
+    makes them. The pipeline cuts the encoder blocks followed by the decoder blocks; the model is built on the
+    meta device and initialised by parameter name, so every layout starts from the single-device weights.
+    Validation and test log ``{val,test}_loss`` and ``{val,test}_ppl`` (torchmetrics, averaged over the epoch).
+    """
+
+    def __init__(
+        self,
+        preset_name: str = "tiny",
+        vocab_size: int | None = None,
+        num_layers: int | None = None,
+        num_decoder_layers: int | None = None,
+        hidden_size: int | None = None,
+        num_heads: int | None = None,
+        head_dim: int | None = None,
+        ffn_hidden_size: int | None = None,
+        feed_forward: str | None = None,
+        tie_embeddings: bool | None = None,
+        relative_attention_num_buckets: int | None = None,
+        relative_attention_max_distance: int | None = None,
+        dropout: float | None = None,
+        layer_norm_eps: float | None = None,
+        pad_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        decoder_start_token_id: int | None = None,
+        activation_checkpointing: bool = False,
+        learning_rate: float = 1e-3,
+        min_learning_rate: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: Sequence[float] = (0.9, 0.999),
+        adam_eps: float = 1e-8,
+        optimizer_foreach: bool | None = None,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        init_seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config: T5Config = preset(
+            preset_name, vocab_size=vocab_size, num_layers=num_layers, num_decoder_layers=num_decoder_layers,
+            hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim, ffn_hidden_size=ffn_hidden_size,
+            feed_forward=feed_forward, tie_embeddings=tie_embeddings,
+            relative_attention_num_buckets=relative_attention_num_buckets,
+            relative_attention_max_distance=relative_attention_max_distance, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+            decoder_start_token_id=decoder_start_token_id,
+        )
+        self.model: T5Model | None = None
+        # Created on first use, outside the module tree: materialising the model (to_empty) would wipe their states.
+        self._metrics: dict[str, MeanMetric] = {}
+
+    # ----- building -----------------------------------------------------------------------------------------
+    def _tensor_parallel_size(self) -> int:
+        dims = getattr(getattr(self._trainer, "strategy", None), "dims", None) if self._trainer else None
+        return dims.tp if dims is not None else 1
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        padded = self.config.padded_vocab_size(self._tensor_parallel_size())
+        with torch.device("meta"):
+            self.model = T5Model(self.config, padded, self.hparams.activation_checkpointing)
+        if not (self._trainer and isinstance(self.trainer.strategy, Compressed3DStrategy)):
+            device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
+            materialize_(self.model, device)
+            self.init_weights()
+
+    def init_weights(self) -> None:
+        self.model.init_weights(self.hparams.init_seed)
+        self._reset_padding_mask()
+
+    def _reset_padding_mask(self) -> None:
+        """The LM head's -inf mask over padded vocabulary columns (a buffer, so not set by ``init_weights``)."""
+        head = self.model.lm_head
+        if head is not None and head.padding_mask is not None:
+            mask = torch.zeros(head.out_features, device=head.weight.device)
+            mask[self.config.vocab_size :] = float("-inf")
+            copy_full_into(head.padding_mask, mask)
+
+    # ----- single-device / data-parallel path ----------------------------------------------------------------
+    def forward(self, input_ids: Tensor, decoder_input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor:
+        return self.model(input_ids, decoder_input_ids, attention_mask, labels)
+
+    def _step_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        logits = self.model(batch["input_ids"], batch.get("decoder_input_ids"), batch.get("attention_mask"), batch["labels"])
+        return self.pipeline_loss(logits, batch) / self.pipeline_loss_terms(batch)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log_pipeline_loss(loss, "train")
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log_pipeline_loss(loss, "val")
+        return loss
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._step_loss(batch)
+        self.log_pipeline_loss(loss, "test")
+        return loss
+
+    def log_pipeline_loss(self, loss: Tensor, stage: str) -> None:
+        """Training: the step's loss. Evaluation: torchmetrics means of the loss and of its perplexity, whose
+        states are synchronised across ranks when the epoch's value is computed."""
+        if stage == "train":
+            self.log("train_loss", loss, prog_bar=True)
+            return
+        for name, kind in ((f"{stage}_loss", MeanMetric), (f"{stage}_ppl", Perplexity)):
+            if name not in self._metrics:
+                self._metrics[name] = kind().to(loss.device)
+            self._metrics[name].update(loss.detach().float())
+
+    def _log_epoch(self, stage: str) -> None:
+        for name in (f"{stage}_loss", f"{stage}_ppl"):
+            if name in self._metrics:  # every rank logged the same steps, so every rank joins the sync
+                # compute() already synchronised the states; sync_dist only averages equal values (and quiets Lightning).
+                self.log(name, self._metrics[name].compute(), prog_bar=name.endswith("loss"), sync_dist=True)
+                self._metrics[name].reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
+
+    # ----- Parallel3DModule protocol -------------------------------------------------------------------------
+    def num_pipeline_layers(self) -> int:
+        return self.config.num_layers + self.config.decoder_layers
+
+    def build_pipeline_stages(self, layouts: Sequence[StageLayout]) -> list[nn.Module]:
+        keep = [i for layout in layouts for i in layout.layers]
+        self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
+        return [T5Stage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+
+    def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+        parallelize_t5(stage, tp_mesh, sequence_parallel)
+
+    def pipeline_loss(self, output: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
+        """Summed token cross-entropy; vocab-parallel when the logits are a vocabulary-sharded DTensor."""
+        logits = output.flatten(0, 1)
+        labels = microbatch["labels"].flatten()
+        if not isinstance(logits, DTensor):
+            logits = logits.float()
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
+        return (microbatch["labels"] != IGNORE_INDEX).sum()
+
+    def padded_parameters(self) -> list[str]:
+        """Parameters whose first dimension is the padded vocabulary (it changes with the tensor-parallel size)."""
+        return ["model.shared.weight", "model.lm_head.weight"]
+
+    def pipeline_tied_parameters(self) -> dict[str, str]:
+        return {"model.shared.weight": "model.lm_head.weight"} if self.config.tie_embeddings else {}
+
+    # ----- optimisation --------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (no decay on norms and bias tables); warmup then cosine decay."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            (decay if p.ndim >= 2 and "relative_bias" not in name else no_decay).append(p)
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps, foreach=hp.optimizer_foreach,
+        )
+        total = hp.decay_steps or (self.trainer.max_steps if self.trainer.max_steps > 0 else 10_000)
+        floor = hp.min_learning_rate / hp.learning_rate
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
