@@ -106,12 +106,14 @@ def run(args: argparse.Namespace) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * pp * tp}",
                f"--master-port={29500 + 17 * i}", __file__, "worker", "--mode", mode, "--result", str(result),
                *sys.argv[2:]]
-        procs[mode] = (subprocess.Popen(cmd, env=env), result)
+        log = open(args.out.with_name(f"{args.out.stem}_{mode}.log"), "w")  # kept next to the results
+        procs[mode] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), result)
         if not args.concurrent:  # one after the other; --concurrent shares the GPUs (loss curves only, no timing)
             procs[mode][0].wait()
     for mode, (proc, result) in procs.items():
         if proc.wait() != 0:
-            raise SystemExit(f"mode {mode} failed with exit code {proc.returncode}")
+            tail = "\n".join(args.out.with_name(f"{args.out.stem}_{mode}.log").read_text(errors="replace").splitlines()[-40:])
+            raise SystemExit(f"mode {mode} failed with exit code {proc.returncode}; last lines of its log:\n{tail}")
         results[mode] = json.loads(result.read_text())
         print(mode, "final val loss", results[mode]["val"][-1], flush=True)
     finals = {m: r["val"][-1][1] for m, r in results.items()}
