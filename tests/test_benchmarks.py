@@ -1,0 +1,42 @@
+"""The benchmark scripts on CPU (gloo, tiny model): they must keep working, because GPU time is scarce and a
+broken script wastes a lease. Timings are not checked (never timed assertions in tests); results are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_train_throughput_runs_variants_in_one_process_group(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--accelerator", "cpu", "--preset", "tiny",
+           "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "4", "--layouts", "1,2,1",
+           "--steps", "2", "--warmup", "1", "--precision", "32-true", "--timeout", "300",
+           "--compression", "off", "cb", "all+allcb", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["off", "cb", "all+allcb"]
+    assert all(r["error"] is None and r["step_ms"]["n"] == 2 for r in rows.values()), rows
+    bytes_ = {v: r["comm_bytes_last_step"] for v, r in rows.items()}
+    grads = 4 * 2 * 32 * 128 * 4  # micro-batches x samples x tokens x hidden x fp32: one stage sends them back
+    assert bytes_["off"]["backward_activation_grads"] == {"before": grads, "after": grads}
+    for variant in ("cb", "all+allcb"):  # CB shrinks exactly the backward gradients; the forward is unchanged
+        assert bytes_[variant]["backward_activation_grads"]["before"] == grads
+        assert bytes_[variant]["backward_activation_grads"]["after"] < grads / 2
+        assert bytes_[variant]["forward_activations"] == bytes_["off"]["forward_activations"]
+
+
+def test_compression_kernels_report(tmp_path: Path) -> None:
+    out = tmp_path / "k.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/compression_kernels.py"), "--device", "cpu", "--hidden", "64",
+           "--tokens", "128", "--ranks", "4", "8", "--repeats", "3", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["hidden"], r["tokens"], r["rank"]) for r in rows] == [(64, 128, 4), (64, 128, 8)]
+    for r in rows:  # sent = P (tokens x rank) + Q (hidden x rank), fp32
+        assert abs(r["sent_MB"] - (128 + 64) * r["rank"] * 4 / 1e6) < 1e-12
+        assert abs(r["ratio"] - 128 * 64 / ((128 + 64) * r["rank"])) < 1e-9
