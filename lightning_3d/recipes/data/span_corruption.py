@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-IGNORE_INDEX = -100
+from lightning_3d.recipes.training import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

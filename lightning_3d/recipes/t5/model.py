@@ -22,9 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.recipes.gpt.model import LMHead, _seed_for, copy_full_into
 from lightning_3d.recipes.t5.config import T5Config
+from lightning_3d.recipes.training import IGNORE_INDEX
 from lightning_3d.strategies.grad_sync import local
 
-IGNORE_INDEX = -100
 # Added to masked attention scores: finite in fp32 and bf16 alike (finfo(float32).min becomes -inf in bf16).
 MASK_VALUE = torch.finfo(torch.bfloat16).min
 

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
 from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.t5.config import T5Config, preset
-from lightning_3d.recipes.t5.model import IGNORE_INDEX, T5Model
+from lightning_3d.recipes.t5.model import T5Model
 from lightning_3d.recipes.t5.parallelize import T5Stage, parallelize_t5
+from lightning_3d.recipes.training import adamw_warmup_cosine, count_target_tokens, summed_token_cross_entropy
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
 from lightning_3d.strategies.stage_builder import materialize_
@@ -174,16 +172,10 @@ class T5(pl.LightningModule):
         parallelize_t5(stage, tp_mesh, sequence_parallel)
 
     def pipeline_loss(self, output: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
-        """Summed token cross-entropy; vocab-parallel when the logits are a vocabulary-sharded DTensor."""
-        logits = output.flatten(0, 1)
-        labels = microbatch["labels"].flatten()
-        if not isinstance(logits, DTensor):
-            logits = logits.float()
-        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return summed_token_cross_entropy(output, microbatch["labels"])
 
     def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
-        return (microbatch["labels"] != IGNORE_INDEX).sum()
+        return count_target_tokens(microbatch["labels"])
 
     def padded_parameters(self) -> list[str]:
         """Parameters whose first dimension is the padded vocabulary (it changes with the tensor-parallel size)."""
@@ -195,22 +187,4 @@ class T5(pl.LightningModule):
     # ----- optimisation --------------------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (no decay on norms and bias tables); warmup then cosine decay."""
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():
-            (decay if p.ndim >= 2 and "relative_bias" not in name else no_decay).append(p)
-        hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps, foreach=hp.optimizer_foreach,
-        )
-        total = hp.decay_steps or (self.trainer.max_steps if self.trainer.max_steps > 0 else 10_000)
-        floor = hp.min_learning_rate / hp.learning_rate
-
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_warmup_cosine(self, lambda name, p: p.ndim >= 2 and "relative_bias" not in name)
