@@ -1,9 +1,10 @@
-"""Training throughput of the GPT recipe under Compressed3DStrategy for a list of (dp, pp, tp) layouts.
+"""Training throughput of the GPT or T5 recipe under Compressed3DStrategy for a list of (dp, pp, tp) layouts.
 
 The driver (this script without ``--worker``) starts fresh torchrun-style worker processes for every layout
 (a new process group, NCCL state and CUDA memory each), prints a table and writes JSON. See benchmarks/README.md.
 
     python benchmarks/train_throughput.py --preset 350m --layouts 4,1,1 1,4,1 1,1,4 2,2,1 2,1,2 1,2,2
+    python benchmarks/train_throughput.py --model t5 --preset 770m --seq-length 512 --target-length 128 --layouts 1,2,2 2,2,1
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ sys.path.insert(0, str(ROOT))
 PEAK_TFLOPS = 989.0  # dense bf16 peak of one H100/H200 SXM (see /work/shared/BENCHMARKING.md)
 FLOPS_FORMULA = ("model FLOPs/token = 6*N + 12*L*h*s (Megatron convention: N = parameters incl. embeddings, tied"
                  " counted once, unpadded vocab; causal attention counted in full)")
+T5_FLOPS_FORMULA = ("model FLOPs per (input+target) token = T5Config.flops_per_sample(s, t) / (s + t): 6 x the matmul"
+                    " weights each token passes (source: encoder + decoder cross-attention k/v; target: rest of the"
+                    " decoder + head, unpadded vocab) + attention in full 12*inner*(L_enc*s^2 + L_dec*(t^2 + t*s));"
+                    " s = --seq-length (encoder), t = --target-length (decoder); tokens = inputs + targets")
+# --model: per-model defaults of the options whose default is None (GPT's are the ones the script always had).
+MODEL_DEFAULTS = {"gpt": dict(preset="350m", vocab_size=50257, seq_length=1024),
+                  "t5": dict(preset="770m", vocab_size=32128, seq_length=512, target_length=128)}
 BATCH_NOTE = ("per-replica batch = micro_batch_size * num_microbatches for every layout (per-GPU work held"
               " comparable); tokens/step = dp * per-replica batch * seq, so the global batch grows with dp")
 ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -61,9 +69,11 @@ REGIMES = {"nvlink": {}, "ib": {"NCCL_P2P_DISABLE": "1"},
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="350m")
-    p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--model", default="gpt", choices=tuple(MODEL_DEFAULTS), help="recipe: GPT (causal LM) or T5")
+    p.add_argument("--preset", default=None, help="a preset of the model's recipe (default: gpt 350m, t5 770m)")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: gpt 50257, t5 32128")
+    p.add_argument("--seq-length", type=int, default=None, help="gpt: sequence length (1024); t5: input length (512)")
+    p.add_argument("--target-length", type=int, default=None, help="t5 only: target (decoder) length (128)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch, per replica")
     p.add_argument("--num-microbatches", type=int, default=8)
     p.add_argument("--layouts", nargs="+", default="4,1,1 1,4,1 1,1,4 2,2,1 2,1,2 1,2,2".split(), help="dp,pp,tp")
@@ -92,6 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.model == "gpt" and args.target_length is not None:
+        p.error("--target-length is for --model t5 (GPT trains on --seq-length tokens)")
+    for key, value in MODEL_DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be at least 1 (the first step builds caches and is never timed)")
     return args
@@ -121,8 +136,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from lightning_3d import Compressed3DStrategy
     from lightning_3d.compression.stats import KINDS as TRAFFIC_KINDS
-    from lightning_3d.recipes import GPT
-    from lightning_3d.recipes.data import SyntheticLMDataModule
+    from lightning_3d.recipes import GPT, T5
+    from lightning_3d.recipes.data import SyntheticLMDataModule, SyntheticSeq2SeqDataModule
 
     dp, pp, tp = parse_layout(args.layout)
     cuda = args.accelerator == "gpu"
@@ -212,10 +227,18 @@ def worker(args: argparse.Namespace) -> None:
             use_distributed_sampler=True, callbacks=[timer, *benchmark_callbacks(callback, args, log_dir)],
         )
         torch.manual_seed(0)
-        model = GPT(preset_name=args.preset, seq_length=args.seq_length, vocab_size=args.vocab_size,
-                    activation_checkpointing=args.activation_checkpointing)
-        data = SyntheticLMDataModule(vocab_size=args.vocab_size, seq_length=args.seq_length, batch_size=per_replica,
-                                     num_samples=per_replica * dp * (max_steps + 1))
+        if args.model == "t5":
+            data = SyntheticSeq2SeqDataModule(vocab_size=args.vocab_size, input_length=args.seq_length,
+                                              target_length=args.target_length, batch_size=per_replica,
+                                              num_samples=per_replica * dp * (max_steps + 1))
+            # The special ids from the data, as the CLI links them (Lightning's logger refuses differing hparams).
+            model = T5(preset_name=args.preset, vocab_size=args.vocab_size, pad_token_id=data.pad_token_id,
+                       eos_token_id=data.eos_token_id, activation_checkpointing=args.activation_checkpointing)
+        else:
+            model = GPT(preset_name=args.preset, seq_length=args.seq_length, vocab_size=args.vocab_size,
+                        activation_checkpointing=args.activation_checkpointing)
+            data = SyntheticLMDataModule(vocab_size=args.vocab_size, seq_length=args.seq_length, batch_size=per_replica,
+                                         num_samples=per_replica * dp * (max_steps + 1))
         trainer.fit(model, datamodule=data)
         del trainer, model, data, strategy, timer
 
@@ -322,7 +345,9 @@ def summarize(args: argparse.Namespace, layout: tuple[int, int, int], variant: s
     row: dict[str, Any] = {"layout": list(layout), "variant": variant, "world_size": world, "schedule": layout_schedule(args, layout[1])[0],
                            "num_microbatches": args.num_microbatches, "micro_batch_size": args.micro_batch_size,
                            "seq_length": args.seq_length, "tokens_per_step": layout[0] * args.micro_batch_size
-                           * args.num_microbatches * args.seq_length}
+                           * args.num_microbatches * sample_tokens(args)}
+    if args.model == "t5":
+        row["target_length"] = args.target_length
     if "error" in raw:
         return {**row, **raw}
     step_s, loop_s = np.asarray(raw.pop("step_s")), np.asarray(raw.pop("loop_s"))
@@ -334,6 +359,24 @@ def summarize(args: argparse.Namespace, layout: tuple[int, int, int], variant: s
             "step_ms": {**dict(zip(("median", "p10", "p90", "min", "max"), ms)), "mean": float(step_s.mean()) * 1e3,
                         "n": len(step_s)},
             "loop_ms_median": float(np.median(loop_s)) * 1e3, **raw, "error": None}
+
+
+def sample_tokens(args: argparse.Namespace) -> int:
+    """Tokens of one sample: GPT's sequence, T5's input plus target (the count its FLOPs per token refer to)."""
+    return args.seq_length + (args.target_length if args.model == "t5" else 0)
+
+
+def model_config(args: argparse.Namespace) -> tuple[Any, float, str]:
+    """(recipe config, training FLOPs per token, the FLOPs convention) of the benchmarked model."""
+    if args.model == "t5":
+        from lightning_3d.recipes.t5.config import preset as t5_preset
+
+        config = t5_preset(args.preset, vocab_size=args.vocab_size)
+        return config, config.flops_per_token(args.seq_length, args.target_length), T5_FLOPS_FORMULA
+    from lightning_3d.recipes.gpt.config import preset
+
+    config = preset(args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length)
+    return config, config.flops_per_token(args.seq_length), FLOPS_FORMULA
 
 
 def environment(args: argparse.Namespace) -> dict:
@@ -362,7 +405,8 @@ def table(rows: list[dict], header: str) -> str:
         speedup = (f"{r['tokens_per_s'] / first['tokens_per_s']:.2f}x" if ok and first.get("error") is None else "-")
         lines.append([
             ",".join(map(str, r["layout"])), r["variant"], speedup, r["schedule"], str(r["num_microbatches"]), str(r["micro_batch_size"]),
-            str(r["seq_length"]), f"{r['tokens_per_s']:,.0f}" if ok else "-",
+            f"{r['seq_length']}+{r['target_length']}" if "target_length" in r else str(r["seq_length"]),
+            f"{r['tokens_per_s']:,.0f}" if ok else "-",
             f"{r['tflops_per_gpu']:.{1 if r['tflops_per_gpu'] >= 1 else 3}f}" if ok else "-",
             (f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "n/a") if ok else "-",
             "{median:.1f} [{p10:.1f}-{p90:.1f}]".format(**r["step_ms"]) if ok else "-",
@@ -375,24 +419,21 @@ def table(rows: list[dict], header: str) -> str:
 
 
 def driver(args: argparse.Namespace, argv: list[str]) -> None:
-    from lightning_3d.recipes.gpt.config import preset
-
     layouts = [parse_layout(text) for text in args.layouts]
     if args.devices is None:
         args.devices = torch.cuda.device_count() if args.accelerator == "gpu" else max(a * b * c for a, b, c in layouts)
-    config = preset(args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length)
-    flops_per_token = config.flops_per_token(args.seq_length)
+    config, flops_per_token, flops_formula = model_config(args)
     env = environment(args)
     log_dir = args.out.resolve().with_name(args.out.stem + "_logs")  # workers run in the repo root
     log_dir.mkdir(parents=True, exist_ok=True)
-    header = (f"GPT {args.preset} (N={config.num_parameters() / 1e6:.1f}M, {flops_per_token / 1e9:.3f} GFLOP/token),"
+    header = (f"{args.model.upper()} {args.preset} (N={config.num_parameters() / 1e6:.1f}M, {flops_per_token / 1e9:.3f} GFLOP/token),"
               f" {args.precision}, regime={args.regime}, {args.steps} timed steps after {args.warmup}\n"
-              f"{FLOPS_FORMULA}; TFLOP/s/GPU = FLOPs/token * tokens/s / GPUs; MFU = that / {PEAK_TFLOPS:.0f}\n"
+              f"{flops_formula}; TFLOP/s/GPU = FLOPs/token * tokens/s / GPUs; MFU = that / {PEAK_TFLOPS:.0f}\n"
               f"{BATCH_NOTE}; M = micro-batches per step, mb = micro-batch size; step time = max over ranks;"
               f" 'vs first' = tokens/s relative to the layout's first variant (same processes, same run)")
     print(f"command: {env['command']}\n{env['date_utc']}  torch {env['torch']}  lightning {env['lightning']}  "
           f"CUDA {env['cuda']}  NCCL {env['nccl']}  GPUs: {', '.join(env['gpus']) or args.accelerator}", flush=True)
-    report = {"environment": env, "flops_convention": FLOPS_FORMULA, "flops_per_token": flops_per_token,
+    report = {"environment": env, "model_name": args.model, "flops_convention": flops_formula, "flops_per_token": flops_per_token,
               "num_parameters": config.num_parameters(), "peak_tflops_per_gpu": PEAK_TFLOPS,
               "batch_convention": BATCH_NOTE,
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()

@@ -30,6 +30,32 @@ def test_train_throughput_runs_variants_in_one_process_group(tmp_path: Path) -> 
         assert bytes_[variant]["forward_activations"] == bytes_["off"]["forward_activations"]
 
 
+def test_train_throughput_of_t5_on_synthetic_pairs(tmp_path: Path) -> None:
+    """--model t5: synthetic (input, target) pairs through a 2-stage pipeline; tokens are inputs + targets and the
+    FLOPs T5's per (input + target) token; the +throughput variant's monitor counts the same tokens in the real run."""
+    import csv
+
+    from lightning_3d.recipes.t5.config import preset
+
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--model", "t5", "--accelerator", "cpu",
+           "--preset", "tiny", "--vocab-size", "512", "--seq-length", "32", "--target-length", "8",
+           "--micro-batch-size", "2", "--num-microbatches", "2", "--layouts", "1,2,1", "--steps", "2", "--warmup", "1",
+           "--precision", "32-true", "--timeout", "300", "--compression", "off", "off+throughput", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
+    report = json.loads(out.read_text())
+    flops_per_token = preset("tiny", vocab_size=512).flops_per_token(32, 8)
+    assert report["model_name"] == "t5" and report["flops_per_token"] == flops_per_token
+    for row in report["results"]:
+        assert row["error"] is None and row["step_ms"]["n"] == 2, row
+        assert row["tokens_per_step"] == 2 * 2 * (32 + 8) and row["target_length"] == 8
+        assert abs(row["tflops_per_gpu"] - flops_per_token * row["tokens_per_s"] / 2 / 1e12) <= 1e-9 * row["tflops_per_gpu"]
+        assert row["final_loss"] == row["final_loss"]  # not NaN
+    logged = out.with_name("r_logs") / "dp1_pp2_tp1.off+throughput.logs" / "metrics.csv"
+    rows = [r for r in csv.DictReader(logged.open()) if r.get("train/tokens")]
+    assert rows and all(float(r["train/tokens"]) == float(r["train/samples"]) * (32 + 8) for r in rows)
+
+
 def test_compression_kernels_report(tmp_path: Path) -> None:
     out = tmp_path / "k.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/compression_kernels.py"), "--device", "cpu", "--hidden", "64",

@@ -64,18 +64,21 @@ def test_plain_module_validation_test_and_exact_resume(tmp_path: Path) -> None:
 
 
 def test_checkpoint_saved_at_222_resumes_in_other_layouts(tmp_path: Path) -> None:
-    """Same next-step loss after resuming a (2,2,2) checkpoint at (1,4,2), (2,1,1) and (1,1,1): DTensor shards,
-    pipeline stages, the tied head's optimizer state and the tp-dependent vocabulary padding all reshard."""
+    """Same next-step loss after resuming a (2,2,2) checkpoint at (1,4,2), (2,1,1) and (1,1,1), for GPT and T5:
+    DTensor shards, pipeline stages, the tied head's optimizer state and the tp-dependent vocabulary padding all
+    reshard; for T5 also the relative-bias tables (head-sharded) and stage cuts inside and between the two stacks."""
     folder = tmp_path / "ckpt"
     saved = run_scenario(8, "reshard", ["--world", "8", "--extra", f"save,{folder}"], tmp_path / "save.json", timeout=900)
-    expected = saved["straight"][2]
-    losses = {"1,4,2": saved["1,4,2"]}
+    losses = {recipe: {"1,4,2": saved[recipe]["1,4,2"]} for recipe in ("gpt", "t5")}
     for world, layout in ((2, "2,1,1"), (1, "1,1,1")):
         report = run_scenario(world, "reshard", ["--world", str(world), "--extra", f"resume,{folder},{layout}"],
                               tmp_path / f"resume{world}.json", timeout=600)
-        losses[layout] = report["loss"]
-    for layout, loss in losses.items():
-        assert abs(loss - expected) <= TOLERANCE * expected, (layout, loss, expected)
+        for recipe in losses:
+            losses[recipe][layout] = report[recipe]
+    for recipe, by_layout in losses.items():
+        expected = saved[recipe]["straight"][2]
+        for layout, loss in by_layout.items():
+            assert abs(loss - expected) <= TOLERANCE * expected, (recipe, layout, loss, expected)
 
 
 def test_torchrun_across_two_nodes(tmp_path: Path) -> None:

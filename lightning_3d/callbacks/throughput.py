@@ -34,6 +34,18 @@ def token_shapes(batch: Any) -> list[tuple[int, int]]:
     return shapes
 
 
+def seq2seq_shapes(batch: Any) -> list[tuple[int, int, int]]:
+    """(samples, input length, target length) of each micro-batch: ``input_ids`` and ``labels``; [] if any lacks one."""
+    microbatches = batch if isinstance(batch, list) and batch and isinstance(batch[0], Mapping) else [batch]
+    shapes = []
+    for mb in microbatches:
+        ids, labels = (mb.get(k) if isinstance(mb, Mapping) else None for k in ("input_ids", "labels"))
+        if not (isinstance(ids, Tensor) and isinstance(labels, Tensor) and ids.dim() == labels.dim() == 2):
+            return []
+        shapes.append((ids.shape[0], ids.shape[1], labels.shape[1]))
+    return shapes
+
+
 def _first(obj: Any, integer: bool) -> Tensor | None:
     if isinstance(obj, Tensor):
         return obj if obj.dim() > 0 and (not integer or not obj.is_floating_point()) else None
@@ -58,6 +70,10 @@ class ThroughputMFUMonitor(ThroughputMonitor):
     ``peak_tflops``. FLOPs are model FLOPs: ``pl_module.flops_per_token(seq_len)`` × tokens for each micro-batch (a
     ``MicroBatches`` batch may mix shapes), one third of that for evaluation (forward only), recomputation not counted;
     a module without ``flops_per_token`` may provide ``flops_per_batch`` (per replica batch) instead.
+
+    Encoder-decoder modules (``is_encoder_decoder = True``, e.g. T5) see ``input_ids`` and ``labels`` of different
+    lengths: a micro-batch of b pairs counts b × (input + target length) tokens and
+    ``flops_per_token(input_length, target_length)`` × those tokens FLOPs (the recipe's FLOPs per input+target token).
 
     Only pipeline/tensor ranks of one replica share a batch: rank 0's batch is multiplied by the data-parallel size
     (replicas are assumed to process equally many tokens, as the recipes' data modules do).
@@ -98,8 +114,10 @@ class ThroughputMFUMonitor(ThroughputMonitor):
 
     def count(self, pl_module: pl.LightningModule, batch: Any) -> tuple[int, int | None, float | None]:
         """(samples, tokens, model training FLOPs) of one replica's batch."""
-        shapes = token_shapes(batch)
         samples = batch_samples(batch)
+        if getattr(pl_module, "is_encoder_decoder", False):
+            return self._count_seq2seq(pl_module, batch, samples)
+        shapes = token_shapes(batch)
         tokens = sum(b * s for b, s in shapes) if shapes else None
         per_token = getattr(pl_module, "flops_per_token", None)
         if callable(per_token) and shapes:
@@ -109,6 +127,20 @@ class ThroughputMFUMonitor(ThroughputMonitor):
         if not self._warned_flops:
             rank_zero_warn(f"ThroughputMFUMonitor: {type(pl_module).__name__} has no `flops_per_token(seq_length)` (or"
                            " `flops_per_batch`) and batches without token ids; logging samples/s only.")
+            self._warned_flops = True
+        return samples, tokens, None
+
+    def _count_seq2seq(self, pl_module: pl.LightningModule, batch: Any, samples: int) -> tuple[int, int | None, float | None]:
+        pairs = seq2seq_shapes(batch)
+        per_token = getattr(pl_module, "flops_per_token", None)
+        tokens = sum(b * (s + t) for b, s, t in pairs) if pairs else None
+        if callable(per_token) and pairs:
+            return samples, tokens, float(sum(per_token(s, t) * b * (s + t) for b, s, t in pairs))
+        if getattr(pl_module, "flops_per_batch", None) is not None:
+            return samples, tokens, float(pl_module.flops_per_batch)
+        if not self._warned_flops:
+            rank_zero_warn(f"ThroughputMFUMonitor: {type(pl_module).__name__} is an encoder-decoder, but its batches lack"
+                           " 2-d `input_ids` and `labels` (or it has no `flops_per_token`); logging samples/s only.")
             self._warned_flops = True
         return samples, tokens, None
 

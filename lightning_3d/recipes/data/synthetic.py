@@ -1,4 +1,4 @@
-"""Synthetic token data for throughput benchmarks: no files, no tokenizer, no ``datasets``.
+"""Synthetic token data (causal-LM and seq2seq) for throughput benchmarks: no files, no tokenizer, no ``datasets``.
 
 Sample ``i`` is drawn from ``numpy.random.default_rng((seed, i))``, so any sample can be produced in
 any process without shared state, and the batches are identical on every machine. It goes through
@@ -62,6 +62,85 @@ class SyntheticLMDataModule(L.LightningDataModule):
     def eos_token_id(self) -> int:
         """Nominal: the last id. Random data has no documents, but models may expect the attribute."""
         return self.hparams.vocab_size - 1
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        return build_train_loader(
+            self.train_dataset,
+            self.hparams.batch_size,
+            trainer=self.trainer,
+            seed=self.hparams.seed,
+            shuffle=self.hparams.shuffle,
+            num_workers=self.hparams.num_workers,
+        )
+
+
+class SyntheticPairs(Dataset):
+    """``num_samples`` random (input, target) pairs of fixed lengths in T5's batch format, nothing padded or ignored.
+
+    ``decoder_input_ids`` are the labels shifted right behind ``decoder_start_token_id`` (T5's pad id, 0), and
+    the attention mask is all ones: the model runs its masked path, as with real (padded) data.
+    """
+
+    def __init__(self, vocab_size: int, input_length: int, target_length: int, num_samples: int, seed: int,
+                 decoder_start_token_id: int = 0) -> None:
+        self.vocab_size, self.input_length, self.target_length = vocab_size, input_length, target_length
+        self.num_samples, self.seed, self.start = num_samples, seed, decoder_start_token_id
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range 0..{self.num_samples - 1}")
+        rng = np.random.default_rng((self.seed, index))
+        tokens = torch.from_numpy(rng.integers(0, self.vocab_size, self.input_length + self.target_length, dtype=np.int64))
+        inputs, labels = tokens[: self.input_length], tokens[self.input_length :]
+        decoder = torch.cat([torch.tensor([self.start]), labels[:-1]])
+        return {"input_ids": inputs, "attention_mask": torch.ones_like(inputs), "decoder_input_ids": decoder, "labels": labels}
+
+
+class SyntheticSeq2SeqDataModule(L.LightningDataModule):
+    """Deterministic random (input, target) pairs in the seq2seq batch format (training only, no validation).
+
+    The counterpart of :class:`SyntheticLMDataModule` for encoder-decoder benchmarks; ``input_length`` and
+    ``target_length`` are the encoder and decoder lengths (T5's span corruption gives targets ~1/4 of the inputs).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 32128,
+        input_length: int = 512,
+        target_length: int = 128,
+        batch_size: int = 8,
+        num_samples: int = 10_000,
+        seed: int = 1234,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        pad_token_id: int = 0,
+        eos_token_id: int = 1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        for name, value, low in (("vocab_size", vocab_size, 2), ("input_length", input_length, 1),
+                                 ("target_length", target_length, 1), ("batch_size", batch_size, 1),
+                                 ("num_samples", num_samples, 1), ("num_workers", num_workers, 0)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        self.train_dataset = SyntheticPairs(vocab_size, input_length, target_length, num_samples, seed, pad_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hparams.vocab_size
+
+    @property
+    def pad_token_id(self) -> int:
+        """Also the decoder start token (T5's convention)."""
+        return self.hparams.pad_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        """Nominal: random data has no sequence ends, but the model and the CLI links expect the id."""
+        return self.hparams.eos_token_id
 
     def train_dataloader(self) -> ResumableDataLoader:
         return build_train_loader(

@@ -84,6 +84,31 @@ class T5Config:
             total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return total
 
+    def flops_per_sample(self, input_length: int, target_length: int) -> float:
+        """Training FLOPs (forward + backward = 3x forward) of one (input, target) pair, Megatron's way.
+
+        Weights: 6 FLOPs per weight per token that passes through it. A source token passes the encoder blocks and
+        every decoder block's cross-attention k/v (they read the encoder output); a target token passes the decoder
+        self-attention, cross-attention q/o, feed-forward and the LM head (unpadded vocabulary). Attention: the
+        score and value products (4·inner per query-key pair forward, x3) of encoder self-attention (s x s), decoder
+        self-attention counted in full (t x t, as Megatron counts causal attention) and cross-attention (t x s).
+        Not counted: embedding lookups, norms, softmax, position biases and the loss (not matmuls).
+        """
+        s, t, h, i = input_length, target_length, self.hidden_size, self.inner_size
+        mlp = (3 if self.gated else 2) * h * self.ffn_size
+        per_source = self.num_layers * (4 * h * i + mlp) + self.decoder_layers * 2 * h * i
+        per_target = self.decoder_layers * (6 * h * i + mlp) + h * self.vocab_size
+        attention = 12 * i * (self.num_layers * s * s + self.decoder_layers * (t * t + t * s))
+        return 6.0 * (s * per_source + t * per_target) + float(attention)
+
+    def flops_per_token(self, input_length: int, target_length: int) -> float:
+        """Training FLOPs per *(input + target)* token: ``flops_per_sample / (input_length + target_length)``.
+
+        Multiply by ``batch x (input_length + target_length)``, the tokens ThroughputMFUMonitor counts for an
+        encoder-decoder batch (padding positions included, as for GPT), to get a batch's FLOPs.
+        """
+        return self.flops_per_sample(input_length, target_length) / (input_length + target_length)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -38,6 +38,9 @@ class T5(pl.LightningModule):
     Validation and test log ``{val,test}_loss`` and ``{val,test}_ppl`` (torchmetrics, averaged over the epoch).
     """
 
+    # Tells ThroughputMFUMonitor that a batch's tokens are its inputs plus its targets (`labels`), see flops_per_token.
+    is_encoder_decoder = True
+
     def __init__(
         self,
         preset_name: str = "tiny",
@@ -188,3 +191,7 @@ class T5(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (no decay on norms and bias tables); warmup then cosine decay."""
         return adamw_warmup_cosine(self, lambda name, p: p.ndim >= 2 and "relative_bias" not in name)
+
+    def flops_per_token(self, input_length: int, target_length: int) -> float:
+        """Training FLOPs per (input + target) token of ``input_length`` -> ``target_length`` pairs (for MFU)."""
+        return self.config.flops_per_token(input_length, target_length)
