@@ -66,3 +66,20 @@ def test_compression_kernels_report(tmp_path: Path) -> None:
     for r in rows:  # sent = P (tokens x rank) + Q (hidden x rank), fp32
         assert abs(r["sent_MB"] - (128 + 64) * r["rank"] * 4 / 1e6) < 1e-12
         assert abs(r["ratio"] - 128 * 64 / ((128 + 64) * r["rank"])) < 1e-9
+
+
+def test_peers_train_the_same_model_on_the_same_tokens(tmp_path: Path) -> None:
+    """benchmarks/peers.py: a plain loop, Lightning's ModelParallelStrategy (FSDP2 + TP, vocab-parallel loss) and our
+    strategy start from the same weights and see the same first tokens, so their first-step losses agree (bf16)."""
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/peers.py"), "--accelerator", "cpu", "--preset", "tiny",
+           "--vocab-size", "4096", "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "2",
+           "--gpus", "2", "--systems", "plain", "fsdp@1,2", "ours@1,2,1", "--warmup", "1", "--steps", "2",
+           "--timeout", "300", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=900)
+    rows = {r["label"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["plain", "fsdp@1,2", "ours@1,2,1"]
+    for row in rows.values():
+        assert row["error"] is None and row["step_ms"]["n"] == 2, row
+        assert row["tokens_per_step"] == 1 * 2 * 2 * 32
+        assert abs(row["first_loss"] - rows["plain"]["first_loss"]) <= 1e-3 * rows["plain"]["first_loss"], rows

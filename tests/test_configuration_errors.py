@@ -64,6 +64,16 @@ def test_batches_must_split_evenly() -> None:
     assert split_batch(ragged, 4) == list(ragged)
 
 
+def test_evaluation_splits_a_partial_batch_unevenly() -> None:
+    """The last validation batch of a data set rarely divides: evaluation splits it into near-equal parts."""
+    batch = {"input_ids": torch.arange(5).repeat_interleave(2).view(5, 2), "labels": torch.zeros(5, 2, dtype=torch.long)}
+    parts = split_batch(batch, 4, uneven=True)
+    assert [mb["input_ids"].shape[0] for mb in parts] == [1, 1, 1, 2]
+    assert torch.equal(torch.cat([mb["input_ids"] for mb in parts]), batch["input_ids"])  # all rows, in order
+    assert [mb["input_ids"].shape[0] for mb in split_batch(batch, 8, uneven=True)] == [1] * 5  # fewer rows than parts
+    assert [mb["input_ids"].shape[0] for mb in split_batch(batch, 5, uneven=True)] == [1] * 5
+
+
 @pytest.mark.parametrize("precision", ["64-true", "16-true"])  # 16-mixed becomes bf16-mixed on CPU
 def test_unsupported_precision_is_rejected_before_any_process_group(precision: str) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(), precision=precision,

@@ -55,7 +55,7 @@ def test_plain_module_validation_test_and_exact_resume(tmp_path: Path) -> None:
     assert report["plain"]["param_err"] <= TOLERANCE
     evaluation = report["evaluation"]
     assert evaluation["rank_spread"] == 0.0  # every rank reports the same loss
-    for key in ("val", "test"):
+    for key in ("val", "test", "val_uneven_microbatches"):
         assert abs(evaluation[key] - evaluation["expected"]) <= TOLERANCE * evaluation["expected"]
     for run in report["resume"]:
         assert run["checkpoint_is_dir"]

@@ -18,8 +18,13 @@ class MicroBatches(list):
     """
 
 
-def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
-    """Split every tensor of a (nested dict/list/tuple) batch into equal chunks along dim 0."""
+def split_batch(batch: Any, num_microbatches: int, uneven: bool = False) -> list[Any]:
+    """Split every tensor of a (nested dict/list/tuple) batch into equal chunks along dim 0.
+
+    ``uneven`` (evaluation): a batch that does not divide, such as the last, partial batch of a validation set, is
+    split into ``min(num_microbatches, size)`` chunks whose sizes differ by at most one. The loss is a token-weighted
+    sum over micro-batches, so the result is exact; training keeps the error, which points at a misconfiguration.
+    """
     if isinstance(batch, MicroBatches):
         if len(batch) == 0:
             raise ValueError("A MicroBatches batch must hold at least one micro-batch.")
@@ -30,13 +35,18 @@ def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
     if len(sizes) > 1:
         raise ValueError(f"The batch's tensors disagree on the batch dimension: sizes {sorted(sizes)}.")
     size = sizes.pop()
+    if uneven and size % num_microbatches != 0:
+        count = min(num_microbatches, size)
+        bounds = [size * i // count for i in range(count + 1)]
+        return [_slice(batch, bounds[i], bounds[i + 1]) for i in range(count)]
     if size % num_microbatches != 0:
         raise ValueError(
             f"The batch of {size} samples cannot be split into num_microbatches={num_microbatches} equal"
             f" micro-batches. Make the per-replica batch size a multiple of {num_microbatches}, or pass a"
             f" `MicroBatches` list."
         )
-    return [_select(batch, i, size // num_microbatches) for i in range(num_microbatches)]
+    chunk = size // num_microbatches
+    return [_slice(batch, i * chunk, (i + 1) * chunk) for i in range(num_microbatches)]
 
 
 def signature(microbatch: Any) -> tuple:
@@ -44,15 +54,15 @@ def signature(microbatch: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in _tensors(microbatch))
 
 
-def _select(batch: Any, index: int, chunk: int) -> Any:
+def _slice(batch: Any, start: int, stop: int) -> Any:
     if isinstance(batch, Tensor):
-        return batch[index * chunk : (index + 1) * chunk]
+        return batch[start:stop]
     if isinstance(batch, Mapping):
-        return type(batch)({k: _select(v, index, chunk) for k, v in batch.items()})
+        return type(batch)({k: _slice(v, start, stop) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_select(v, index, chunk) for v in batch))
+        return type(batch)(*(_slice(v, start, stop) for v in batch))
     if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(_select(v, index, chunk) for v in batch)
+        return type(batch)(_slice(v, start, stop) for v in batch)
     return batch
 
 

@@ -2,27 +2,62 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
+# What ``compile=True`` hands to torch.compile; tests swap in "aot_eager" (same graph capture, no C++ build).
+COMPILE_BACKEND = "inductor"
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
-def summed_token_cross_entropy(output: Tensor, labels: Tensor) -> Tensor:
+def summed_token_cross_entropy(output: Tensor, labels: Tensor, compiled: bool = False) -> Tensor:
     """Summed token cross-entropy (the pipeline divides by the token count); vocab-parallel when the logits are a
-    vocabulary-sharded DTensor, fp32 otherwise."""
+    vocabulary-sharded DTensor, fp32 otherwise.
+
+    ``compiled``: one fused kernel reads the (bf16) logits, upcasts in registers and reduces, instead of writing an
+    fp32 copy of the logits and reading it twice (for GPT-1.3B at 8k tokens that copy is 1.6 GB per micro-batch).
+    """
     logits = output.flatten(0, 1)
-    if not isinstance(logits, DTensor):
-        logits = logits.float()
-    loss = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    if isinstance(logits, DTensor):
+        loss = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss.full_tensor()
+    if compiled:
+        return _compiled_fp32_cross_entropy()(logits, labels.flatten())
+    return _fp32_cross_entropy(logits, labels.flatten())
+
+
+def _fp32_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@functools.cache
+def _compiled_fp32_cross_entropy() -> Callable[[Tensor, Tensor], Tensor]:
+    # dynamic=False: one graph per (tokens, vocab) shape; variable micro-batch shapes recompile up to dynamo's limit.
+    return torch.compile(_fp32_cross_entropy, backend=COMPILE_BACKEND, dynamic=False)
+
+
+def compile_blocks(blocks: Iterable[nn.Module], mode: bool | str = True) -> None:
+    """Compile each transformer block in place (torchtitan's per-block compile): the repeated block is traced once and
+    reused, graphs stay small enough to compile quickly, and ``Module.compile`` keeps parameter names unchanged, so
+    checkpoints, optimizer state and export are the same with and without compilation.
+
+    ``mode``: ``True`` for torch.compile's default, or one of its mode names (``"max-autotune-no-cudagraphs"`` also
+    tunes Triton GEMMs with fused epilogues; CUDA-graph modes are refused: pipeline stages run variable shapes)."""
+    if mode is True:
+        mode = None
+    elif mode not in COMPILE_MODES:
+        raise ValueError(f"compile={mode!r}: use True or one of {COMPILE_MODES}.")
+    for block in blocks:
+        block.compile(backend=COMPILE_BACKEND, mode=mode if COMPILE_BACKEND == "inductor" else None)
 
 
 def count_target_tokens(labels: Tensor) -> Tensor:
@@ -39,6 +74,7 @@ def adamw_warmup_cosine(module: pl.LightningModule, decays: Callable[[str, Tenso
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps, foreach=hp.optimizer_foreach,
+        fused=hp.get("optimizer_fused"),
     )
     total = hp.decay_steps or (module.trainer.max_steps if module.trainer.max_steps > 0 else 10_000)
     floor = hp.min_learning_rate / hp.learning_rate

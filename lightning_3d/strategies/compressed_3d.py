@@ -451,7 +451,7 @@ class Compressed3DStrategy(ParallelStrategy):
         return super().predict_step(*args, **kwargs)
 
     def _eval_step(self, stage: str, args: tuple, kwargs: dict) -> Tensor:
-        loss = self._runtime.eval_step(split_batch(args[0], self.num_microbatches))
+        loss = self._runtime.eval_step(split_batch(args[0], self.num_microbatches, uneven=True))
         return self._report_loss(loss, stage)
 
     def _report_loss(self, loss: Tensor | None, stage: str) -> Tensor:

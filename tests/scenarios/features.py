@@ -1,7 +1,8 @@
 """Lightning features under the strategy: plain data parallelism, validation/test under pipelining, resume.
 
 - A plain LightningModule (no protocol) with pure data parallelism equals a single-process run.
-- ``trainer.validate`` / ``trainer.test`` under pp x tp log the reference model's loss on every rank.
+- ``trainer.validate`` / ``trainer.test`` under pp x tp log the reference model's loss on every rank, also when the
+  evaluation batch does not divide into the micro-batch count.
 - Stop at step 3 with a sharded checkpoint, resume with ``ckpt_path``: the losses and final parameters are
   bitwise those of the uninterrupted run (mid-epoch, through the stateful loader).
 """
@@ -76,6 +77,8 @@ def evaluation(dp: int, pp: int, tp: int) -> dict:
     val = t.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
     data.test_dataloader = data.val_dataloader
     test = t.test(model, datamodule=data, verbose=False)[0]["test_loss"]
+    t.strategy.num_microbatches = 3  # batches of 8 become micro-batches of 2, 3 and 3: still the same loss
+    uneven = t.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
     _, params = reference(2, 8)
     ref_model = make_model()
     ref_model.configure_model()
@@ -85,11 +88,12 @@ def evaluation(dp: int, pp: int, tp: int) -> dict:
         logits = ref_model.model(batch["input_ids"])
     per_batch = [F.cross_entropy(logits[i : i + 8].flatten(0, 1), batch["labels"][i : i + 8].flatten()) for i in range(0, 32, 8)]
     expected = torch.stack(per_batch).mean().item()
-    spread = torch.tensor([val, test], dtype=torch.float64)
+    spread = torch.tensor([val, test, uneven], dtype=torch.float64)
     low, high = spread.clone(), spread.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    return {"val": val, "test": test, "expected": expected, "rank_spread": (high - low).max().item()}
+    return {"val": val, "test": test, "val_uneven_microbatches": uneven, "expected": expected,
+            "rank_spread": (high - low).max().item()}
 
 
 def resumable_data(global_batch: int) -> pl.LightningDataModule:

@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
-from lightning_3d.recipes.training import adamw_warmup_cosine, count_target_tokens, summed_token_cross_entropy
+from lightning_3d.recipes.training import (COMPILE_MODES, adamw_warmup_cosine, compile_blocks,
+                                           count_target_tokens, summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
 from lightning_3d.strategies.stage_builder import materialize_
@@ -41,12 +42,14 @@ class GPT(pl.LightningModule):
         tie_embeddings: bool | None = None,
         key_bias: bool | None = None,
         activation_checkpointing: bool = False,
+        compile: bool | str = False,
         learning_rate: float = 3e-4,
         min_learning_rate: float = 3e-5,
         weight_decay: float = 0.1,
         betas: Sequence[float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
         optimizer_foreach: bool | None = None,
+        optimizer_fused: bool | None = None,
         warmup_steps: int = 100,
         decay_steps: int | None = None,
         init_seed: int = 1234,
@@ -62,6 +65,10 @@ class GPT(pl.LightningModule):
             raise ValueError(
                 f"hidden_size={self.config.hidden_size} is not divisible by num_heads={self.config.num_heads}."
             )
+        if optimizer_foreach and optimizer_fused:
+            raise ValueError("optimizer_foreach=True and optimizer_fused=True exclude each other; set one of them.")
+        if compile not in (False, True, *COMPILE_MODES):
+            raise ValueError(f"compile={compile!r}: use False, True or one of {COMPILE_MODES} (a torch.compile mode).")
         self.model: GPTModel | None = None
 
     # ----- building -----------------------------------------------------------------------------------------
@@ -80,6 +87,8 @@ class GPT(pl.LightningModule):
             device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
             materialize_(self.model, device)
             self.init_weights()
+            if self.hparams.compile:
+                compile_blocks(self.model.layers.values(), self.hparams.compile)
 
     def init_weights(self) -> None:
         self.model.init_weights(self.hparams.init_seed)
@@ -120,6 +129,8 @@ class GPT(pl.LightningModule):
     def build_pipeline_stages(self, layouts: Sequence[StageLayout]) -> list[nn.Module]:
         keep = [i for layout in layouts for i in layout.layers]
         self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
+        if self.hparams.compile:  # lazy: traced at the first call, after tensor parallelism has sharded the blocks
+            compile_blocks(self.model.layers.values(), self.hparams.compile)
         return [GPTStage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -131,7 +142,7 @@ class GPT(pl.LightningModule):
         parallelize_gpt(stage, tp_mesh, sequence_parallel)
 
     def pipeline_loss(self, output: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
-        return summed_token_cross_entropy(output, microbatch["labels"])
+        return summed_token_cross_entropy(output, microbatch["labels"], compiled=bool(self.hparams.compile))
 
     def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
         return count_target_tokens(microbatch["labels"])

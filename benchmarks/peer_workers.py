@@ -1,0 +1,220 @@
+"""The worker side of benchmarks/peers.py: one system, timed the same way for all (GPU-synchronised step ends)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_3d.recipes import GPT
+from lightning_3d.recipes.data import SyntheticLMDataModule
+from lightning_3d.recipes.data.synthetic import SyntheticTokens
+from lightning_3d.recipes.gpt.model import GPTModel
+from lightning_3d.recipes.training import compile_blocks
+from lightning_3d.strategies.stage_builder import materialize_, replicate_plain_parameters
+
+
+def run_worker(args: argparse.Namespace, system: dict) -> None:
+    torch.manual_seed(0)
+    cuda = args.accelerator == "gpu"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if system["name"] == "plain":
+        result = plain_loop(args, system, torch.device("cuda") if cuda else torch.device("cpu"))
+    else:
+        result = lightning_fit(args, system)
+    if int(os.environ.get("RANK", 0)) == 0:
+        args.result.write_text(json.dumps(result))
+
+
+def make_gpt(args: argparse.Namespace, system: dict, cls: type[GPT] = GPT) -> GPT:
+    return cls(preset_name=args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length,
+               activation_checkpointing=system["ckpt"],
+               compile="max-autotune-no-cudagraphs" if system["autotune"] else system["compile"], optimizer_fused=True,
+               decay_steps=1000)
+
+
+# ----- plain PyTorch ---------------------------------------------------------------------------------------------
+def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> dict:
+    """The loop a user writes by hand: autocast forward, backward per micro-batch, one fused AdamW step."""
+    module = make_gpt(args, system)
+    with torch.device("meta"):
+        module.model = GPTModel(module.config, module.config.padded_vocab_size(1), system["ckpt"])
+    materialize_(module.model, device)
+    module.init_weights()
+    if module.hparams.compile:
+        compile_blocks(module.model.layers.values(), module.hparams.compile)
+    optimizer = module.configure_optimizers()["optimizer"]
+    data = SyntheticTokens(args.vocab_size, args.seq_length, 10**9, seed=1234)
+    m, mb = args.num_microbatches, args.micro_batch_size
+    step_s, losses, index = [], [], 0
+    profiler = StepProfiler(args)
+    for step in range(args.warmup + args.steps):
+        profiler.at_step(step, 0)
+        _sync(device)
+        start = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for _ in range(m):
+            samples = [data[i] for i in range(index, index + mb)]
+            index += mb
+            batch = {k: torch.stack([s[k] for s in samples]).to(device, non_blocking=True) for k in samples[0]}
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = module.model(batch["input_ids"])
+            loss = module.pipeline_loss(logits, batch) / module.pipeline_loss_terms(batch) / m
+            loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(total))  # synchronises, as Lightning's loss logging does
+        _sync(device)
+        if step >= args.warmup:
+            step_s.append(time.perf_counter() - start)
+    return _result(step_s, losses, device)
+
+
+# ----- Lightning systems -----------------------------------------------------------------------------------------
+class FSDPGPT(GPT):
+    """The GPT recipe as a ``ModelParallelStrategy`` user writes it: TP plan, per-block compile, then FSDP2."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from lightning_3d.recipes.gpt.parallelize import parallelize_gpt
+
+        if self.model is not None:
+            return
+        mesh = self.device_mesh
+        tp_mesh, dp_mesh = mesh["tensor_parallel"], mesh["data_parallel"]
+        with torch.device("meta"):
+            self.model = GPTModel(self.config, self.config.padded_vocab_size(tp_mesh.size()),
+                                  self.hparams.activation_checkpointing)
+        if tp_mesh.size() > 1:
+            parallelize_gpt(self.model, tp_mesh)
+            replicate_plain_parameters(self.model, tp_mesh)  # FSDP2 then shards one kind of parameter
+        if self.hparams.compile:
+            compile_blocks(self.model.layers.values(), self.hparams.compile)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in self.model.layers.values():
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(self.model, mesh=dp_mesh, mp_policy=policy)
+        materialize_(self.model, self.trainer.strategy.root_device)
+        self.init_weights()
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():  # vocab-parallel cross-entropy needs its context in backward too
+            super().backward(loss, *args, **kwargs)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            return super().training_step(batch, batch_idx)
+
+
+class StepTimer(pl.Callback):
+    """Wall time from the first batch of an optimizer step to the end of its last (GPU-synchronised)."""
+
+    def __init__(self, batches_per_step: int, warmup: int, profiler: "StepProfiler") -> None:
+        self.batches_per_step, self.warmup, self.profiler = batches_per_step, warmup, profiler
+        self.step_s: list[float] = []
+        self.losses: list[float] = []
+        self._start = 0.0
+        self._loss = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, idx: int) -> None:
+        if idx % self.batches_per_step == 0:
+            self.profiler.at_step(trainer.global_step, trainer.global_rank)
+            _sync(trainer.strategy.root_device)
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, out: Any, batch: Any, idx: int) -> None:
+        # Lightning hands back each batch's loss divided by the accumulation count: their sum is the step's mean
+        self._loss += float(out["loss"] if isinstance(out, dict) else out)
+        if (idx + 1) % self.batches_per_step == 0:
+            _sync(trainer.strategy.root_device)
+            if trainer.global_step > self.warmup:
+                self.step_s.append(time.perf_counter() - self._start)
+            self.losses.append(self._loss)
+            self._loss = 0.0
+
+
+def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lightning_3d import Compressed3DStrategy
+
+    m, mb = args.num_microbatches, args.micro_batch_size
+    name = system["name"]
+    if name == "ours":
+        strategy = Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=m,
+                                        schedule=args.schedule if system["pp"] > 1 else "1f1b",
+                                        compression=system["cc"], fused_embedding_sync=system["cc"])
+        module, batch, accumulate = make_gpt(args, system), mb * m, 1
+    elif name == "ddp":
+        strategy = DDPStrategy(gradient_as_bucket_view=True)
+        module, batch, accumulate = make_gpt(args, system), mb, m
+    else:
+        strategy = ModelParallelStrategy(data_parallel_size=system["dp"], tensor_parallel_size=system["tp"],
+                                         save_distributed_checkpoint=True)
+        module, batch, accumulate = make_gpt(args, system, FSDPGPT), mb, m
+    steps = args.warmup + args.steps
+    timer = StepTimer(accumulate, args.warmup, StepProfiler(args))
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=system["world"], strategy=strategy,
+                         precision="bf16-mixed", max_steps=steps, accumulate_grad_batches=accumulate,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+    data = SyntheticLMDataModule(vocab_size=args.vocab_size, seq_length=args.seq_length, batch_size=batch,
+                                 num_samples=batch * system["dp"] * accumulate * (steps + 1), shuffle=False)
+    trainer.fit(module, datamodule=data)
+    device = trainer.strategy.root_device
+    times = torch.tensor(timer.step_s, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    return _result(times.tolist(), timer.losses, device, reduce=True)
+
+
+class StepProfiler:
+    """``--profile``: rank 0 records steps warmup+1 and warmup+2 with torch.profiler and prints the kernel table."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.first = args.warmup + 1 if args.profile else -1
+        self._prof = None
+
+    def at_step(self, step: int, rank: int) -> None:
+        if rank != 0 or self.first < 0:
+            return
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.__enter__()
+        elif step == self.first + 2 and self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            averages = self._prof.key_averages()
+            print("PROFILE (2 steps, rank 0) by device time\n"
+                  + averages.table(sort_by="self_device_time_total", row_limit=30)
+                  + "\nPROFILE by CPU time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+            self._prof = None
+
+
+def _result(step_s: list[float], losses: list[float], device: torch.device, reduce: bool = False) -> dict:
+    cuda = device.type == "cuda"
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], dtype=torch.float64, device=device)
+    if reduce:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"step_s": step_s, "first_loss": losses[0], "final_loss": losses[-1], "peak_mem_gb": peak.item() / 1e9,
+            "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,69 @@
+"""``GPT(compile=...)`` and ``GPT(optimizer_fused=...)``: same training as eager/unfused, names unchanged, bad values
+refused. Compilation runs with the "aot_eager" backend here: the same graph capture and autograd tracing as inductor,
+without building C++ kernels on the 2-core CI machine (GPU runs use inductor, see benchmarks/peers.py)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_3d.recipes.training as training
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.recipes import GPT
+from lightning_3d.recipes.data import SyntheticLMDataModule
+
+
+def fit(steps: int = 3, **gpt_kwargs) -> tuple[list[float], GPT, pl.Trainer]:
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
+
+    torch.manual_seed(0)
+    model = GPT("tiny", **gpt_kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(num_microbatches=2, compression=False),
+                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Record()])
+    trainer.fit(model, datamodule=SyntheticLMDataModule(vocab_size=4096, seq_length=64, batch_size=4, num_samples=64))
+    return losses, model, trainer
+
+
+def test_compiled_blocks_train_like_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
+    eager_losses, eager, _ = fit()
+    compiled_losses, compiled, _ = fit(compile=True)
+    blocks = list(compiled.model.layers.values())
+    assert all(block._compiled_call_impl is not None for block in blocks)  # every block runs compiled
+    assert all(block._compiled_call_impl is None for block in eager.model.layers.values())
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # checkpoints and export see the same names
+    assert torch.allclose(torch.tensor(compiled_losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for a, b in zip(compiled.parameters(), eager.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_compile_mode_reaches_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
+    training.compile_blocks([torch.nn.Linear(2, 2)], "max-autotune-no-cudagraphs")
+    training.compile_blocks([torch.nn.Linear(2, 2)], True)
+    assert seen == [{"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}, {"backend": "inductor", "mode": None}]
+
+
+def test_fused_optimizer_trains_like_the_default() -> None:
+    default_losses, default, _ = fit()
+    fused_losses, fused, trainer = fit(optimizer_fused=True)
+    assert trainer.optimizers[0].defaults["fused"] is True
+    assert torch.allclose(torch.tensor(fused_losses), torch.tensor(default_losses), rtol=1e-6, atol=0)
+    for a, b in zip(fused.parameters(), default.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_compile_and_optimizer_options_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"compile='fast': use False, True or one of \('default', 'max-autotune"):
+        GPT("tiny", compile="fast")
+    with pytest.raises(ValueError, match="optimizer_foreach=True and optimizer_fused=True exclude each other"):
+        GPT("tiny", optimizer_foreach=True, optimizer_fused=True)
+    with pytest.raises(ValueError, match=r"compile='reduce-overhead': use True or one of"):
+        training.compile_blocks([torch.nn.Linear(2, 2)], "reduce-overhead")
