@@ -50,7 +50,8 @@ def timed(fn, repeats: int, device: torch.device) -> list[float]:
 
 
 def measure(hidden: int, tokens: int, rank: int, dtype: torch.dtype, repeats: int, device: torch.device) -> dict:
-    codec = CompressedBackprop(CompressedBackpropConfig(rank=rank, min_compression_ratio=0.0))
+    # epilogue_only=False: the key below is not a cool-down send, and every call must compress
+    codec = CompressedBackprop(CompressedBackpropConfig(rank=rank, epilogue_only=False, min_compression_ratio=0.0))
     grads = [torch.randn(1, tokens, hidden, device=device, dtype=dtype) for _ in range(4)]  # rotate: no cache reuse
     meta = ((1, tokens, hidden), dtype)
     key = BoundaryKey(1, 0, False)

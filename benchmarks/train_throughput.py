@@ -46,7 +46,10 @@ ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", 
 COMPRESSION_MODES = {
     "off": dict(compression=False, fused_embedding_sync=False),
     "fe": dict(compression=False, fused_embedding_sync=True),
+    # cb, cb-nolep and all use the library's CB defaults (only the schedule's cool-down sends compressed);
+    # cb-every compresses every backward send (the default before cb_epilogue_only=True).
     "cb": dict(compression=True, compressed_stages=[], fused_embedding_sync=False),
+    "cb-every": dict(compression=True, compressed_stages=[], cb_epilogue_only=False, fused_embedding_sync=False),
     "cb-nolep": dict(compression=True, compressed_stages=[], cb_lazy_error_propagation=False, fused_embedding_sync=False),
     "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False),
     "all": dict(compression=True),
@@ -93,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compression", nargs="+", default=["off"], type=parse_variant, metavar="MODE[+CALLBACK]",
                    help="one or more variants, each run in turn by the same worker processes of a layout (one process"
                         " group, fresh model, trainer and strategy per variant). MODE: off (exact baseline, two-collective"
-                        " tied sync), fe, cb (with LEP), cb-nolep, sc, all; +CALLBACK attaches one of "
+                        " tied sync), fe, cb (with LEP, cool-down sends only), cb-every (every backward send), cb-nolep,"
+                        " sc, all; +CALLBACK attaches one of "
                         + ", ".join(CALLBACK_VARIANTS) + " (callback overhead)")
     p.add_argument("--cb-rank", type=int, default=16)
     p.add_argument("--sc-rank", type=int, default=128)

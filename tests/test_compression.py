@@ -15,7 +15,8 @@ from lightning_3d.pipeline.codec import BoundaryKey
 
 
 def codec(**kw) -> CompressedBackprop:
-    return CompressedBackprop(CompressedBackpropConfig(**{"rank": 4, "min_compression_ratio": 0.0, **kw}))
+    """Compresses every send unless told otherwise (the library default compresses only cool-down sends)."""
+    return CompressedBackprop(CompressedBackpropConfig(**{"rank": 4, "min_compression_ratio": 0.0, "epilogue_only": False, **kw}))
 
 
 def roundtrip(c: CompressedBackprop, grad: torch.Tensor, key: BoundaryKey) -> torch.Tensor:
@@ -83,7 +84,7 @@ def test_epilogue_only_and_min_ratio_decide_on_both_ends() -> None:
     assert len(c.encode(g, BoundaryKey(1, 1, epilogue=True))) == 2
     assert c.compressed_sends == {1: 1}
     tiny = torch.randn(1, 2, 16)  # 2 x 16 at rank 2 saves nothing: sent as is when the ratio is below 2
-    strict = CompressedBackprop(CompressedBackpropConfig(rank=4, min_compression_ratio=2.0))
+    strict = CompressedBackprop(CompressedBackpropConfig(rank=4, epilogue_only=False, min_compression_ratio=2.0))
     assert compression_ratio(2, 16, 2) < 2.0
     assert strict.message_metas(((1, 2, 16), torch.float32), BoundaryKey(1, 0, False)) == [((1, 2, 16), torch.float32)]
     assert strict.encode(tiny, BoundaryKey(1, 0, False)) == [tiny]

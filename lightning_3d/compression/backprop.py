@@ -5,6 +5,10 @@ factorisation: one power step from the previous call's Q (warm start), P = M Q o
 Q = Mᵀ P; P and Q are sent and the receiver rebuilds P Qᵀ. With LEP the sender keeps e = M' - P Qᵀ (fp32)
 and adds it to the next gradient it compresses at that boundary, across steps too (M' = M + e).
 
+By default (``epilogue_only=True``) only the schedule's cool-down sends are compressed (``BoundaryKey.epilogue``:
+the backwards after a rank's last forward, the ones on the critical path); the others travel exact. Compressing
+every send at rank 16 cost +12% validation loss in a 125M run, the cool-down sends only +3%.
+
 Micro-batch shapes may change (dynamic micro-batching). The error buffer of a boundary is a grid of the
 largest shape seen so far, indexed by position (sample, token, ...): a micro-batch of shape S adds and then
 replaces the error in the region [0:S) of the grid; error outside that region is kept for a later, larger
@@ -51,7 +55,7 @@ class CodecObserver(Protocol):
 @dataclass
 class CompressedBackpropConfig:
     rank: int = 16
-    epilogue_only: bool = False
+    epilogue_only: bool = True  # as CompressionConfig.cb_epilogue_only: only the schedule's cool-down sends
     min_compression_ratio: float = 2.0
     lazy_error_propagation: bool = True
     seed: int = 0

@@ -18,7 +18,9 @@ class CompressionConfig:
     # CB + LEP: activation gradients between pipeline stages (needs pp > 1).
     compressed_backprop: bool = True
     cb_rank: int = 16
-    cb_epilogue_only: bool = False
+    # Only the schedule's cool-down sends (the backwards after a rank's last forward, on the critical path); every
+    # send at rank 16 cost +12% validation loss in a 125M run (dp=1, pp=2, 2000 steps), the cool-down sends only +3%.
+    cb_epilogue_only: bool = True
     cb_min_compression_ratio: float = 2.0
     cb_lazy_error_propagation: bool = True
     # SC: PowerSGD of data-parallel gradients on the chosen pipeline ranks (needs dp > 1).

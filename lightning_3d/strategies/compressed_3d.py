@@ -82,7 +82,7 @@ class Compressed3DStrategy(ParallelStrategy):
         compression: bool = True,
         compressed_backprop: bool = True,
         cb_rank: int = 16,
-        cb_epilogue_only: bool = False,
+        cb_epilogue_only: bool = True,
         cb_min_compression_ratio: float = 2.0,
         cb_lazy_error_propagation: bool = True,
         sc_rank: int = 128,

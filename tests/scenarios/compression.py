@@ -19,9 +19,10 @@ def strategy(dp, pp, tp, m, **kw) -> Compressed3DStrategy:
 
 
 def exact_at_full_rank(dp: int, pp: int, tp: int) -> dict:
-    """CB at full rank (rank >= hidden) with LEP, SC still in its warm-up, FE: equal to the uncompressed run."""
+    """CB at full rank (rank >= hidden) with LEP on every send, SC still in its warm-up, FE: equal to the uncompressed
+    run."""
     recorder, model = LossRecorder(), make_model()
-    s = strategy(dp, pp, tp, 4, cb_rank=64, cb_min_compression_ratio=0.0, sc_warmup=100)
+    s = strategy(dp, pp, tp, 4, cb_rank=64, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_warmup=100)
     trainer(s, 6, [recorder]).fit(model, datamodule=TestData(dp * 8))
     result = compare(model, recorder.losses, reference(6, dp * 8))
     sends = sum(s.compressed_backprop.compressed_sends.values()) if s.compressed_backprop else 0
@@ -43,8 +44,10 @@ def epilogue_counts(schedule: str, epilogue_only: bool) -> dict:
 
 
 def selective_and_bytes() -> dict:
-    """(2,2,1), SC on stage 0 only after 2 warm-up steps, CB rank 4: which stages compress and the byte counts."""
-    s = strategy(2, 2, 1, 4, cb_rank=4, cb_min_compression_ratio=0.0, sc_rank=4, sc_warmup=2, compressed_stages=[0])
+    """(2,2,1), SC on stage 0 only after 2 warm-up steps, CB rank 4 on every send: which stages compress and the byte
+    counts."""
+    s = strategy(2, 2, 1, 4, cb_rank=4, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_rank=4, sc_warmup=2,
+                 compressed_stages=[0])
     model = make_model()
     trainer(s, 4).fit(model, datamodule=TestData(16))
     stats = s.communication_stats()
@@ -74,11 +77,12 @@ def expected_dp_bytes(model, s) -> float:
 
 
 def learns() -> dict:
-    """Everything on at small ranks still learns a learnable task, close to the uncompressed run. Tiny DP buckets
-    (many PowerSGD chains per step) also check that gloo's off-thread PowerSGD callbacks cannot deadlock."""
+    """Everything on at small ranks (CB on every send) still learns a learnable task, close to the uncompressed run.
+    Tiny DP buckets (many PowerSGD chains per step) also check that gloo's off-thread PowerSGD callbacks cannot
+    deadlock."""
     out = {}
     for name, kw in (("uncompressed", dict(compression=False)),
-                     ("compressed", dict(cb_rank=4, sc_rank=4, sc_warmup=2, bucket_size_mb=0.005))):
+                     ("compressed", dict(cb_rank=4, cb_epilogue_only=False, sc_rank=4, sc_warmup=2, bucket_size_mb=0.005))):
         recorder = LossRecorder()
         model = make_model(decay_steps=30)
         trainer(strategy(2, 2, 1, 4, **kw), 30, [recorder]).fit(model, datamodule=TestData(16, dataset=Progressions))

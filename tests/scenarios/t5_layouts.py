@@ -170,7 +170,7 @@ def cases(world: int) -> list[dict]:
     return [dict(dp=1, pp=4, tp=1, schedule="1f1b", m=4), dict(dp=1, pp=4, tp=1, schedule="interleaved_1f1b", m=4),
             dict(dp=2, pp=2, tp=1, schedule="1f1b", m=2), dict(dp=1, pp=2, tp=2, schedule="1f1b", m=2),
             dict(dp=2, pp=1, tp=2, schedule="1f1b", m=2, v11=True), dict(dp=1, pp=2, tp=2, schedule="gpipe", m=2, sp=True),
-            # CB + LEP at full rank (and SC in its warm-up, FE): must equal the uncompressed run.
+            # CB + LEP at full rank on every send (and SC in its warm-up, FE): must equal the uncompressed run.
             dict(dp=1, pp=2, tp=2, schedule="1f1b", m=2, compressed=True),
             dict(dp=2, pp=2, tp=1, schedule="1f1b", m=2, compressed=True)]
 
@@ -179,7 +179,8 @@ def run(cfg: dict, work: Path, hf_dir: str) -> dict:
     if cfg.get("pretrained"):
         return pretrained(cfg, hf_dir, str(work / cfg["pretrained"]))
     global_batch = cfg["dp"] * cfg["m"] * 2
-    compression = dict(cb_rank=64, cb_min_compression_ratio=0.0, sc_warmup=100) if cfg.get("compressed") else dict(compression=False)
+    compression = (dict(cb_rank=64, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_warmup=100) if cfg.get("compressed")
+                   else dict(compression=False))
     strategy = Compressed3DStrategy(
         data_parallel_size=cfg["dp"], pipeline_parallel_size=cfg["pp"], tensor_parallel_size=cfg["tp"],
         num_microbatches=cfg["m"], schedule=cfg["schedule"], pipeline_layer_split=cfg.get("split"),
