@@ -2,8 +2,8 @@
 # Issue 7's single-GPU measurements, in parts that each fit one device call (benchmarks/RESULTS.md has the results):
 #   bash benchmarks/single_gpu_suite.sh OUT_DIR mfu                 # GPT-1.3B, seq 2048: plain PyTorch vs ours, eager,
 #                                                                   # compiled, autotuned (8 micro-batches per step)
-#   bash benchmarks/single_gpu_suite.sh OUT_DIR sweep 125m 350m     # per preset, seq 1024 and 2048: ours with and
-#                                                                   # without torch.compile and activation checkpointing
+#   bash benchmarks/single_gpu_suite.sh OUT_DIR sweep 125m 350m     # per preset, seq 1024 and 2048 (SWEEP_SEQS): ours
+#                                                                   # with/without torch.compile, activation checkpointing
 # Writes OUT_DIR/*.json and *.txt; every system runs in fresh processes (benchmarks/peers.py).
 set -euo pipefail
 out=$1; part=$2; shift 2
@@ -15,7 +15,7 @@ case $part in
         --timeout 400 --out "$out/mfu_1.3b.json" | tee "$out/mfu_1.3b.txt" ;;
   sweep)
     for preset in "$@"; do
-      for seq in 1024 2048; do
+      for seq in ${SWEEP_SEQS:-1024 2048}; do
         mb=$(( 8192 / seq ))  # 8192 tokens per micro-batch at both lengths
         python benchmarks/peers.py --preset "$preset" --seq-length "$seq" --micro-batch-size "$mb" \
             --systems ours@1,1,1 ours@1,1,1+compile ours@1,1,1+ckpt ours@1,1,1+compile+ckpt --warmup 3 --steps 8 \
