@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The Optimus-CC benchmark suite of benchmarks/RESULTS.md on a 4-GPU host, in parts that each fit one device call:
-#   bash benchmarks/compression_suite.sh OUT_DIR step-time nvlink      # (a) step time per technique, (c) peak memory,
-#                                                                      #     and (issue 4) the overhead of each callback
-#   bash benchmarks/compression_suite.sh OUT_DIR step-time ib ethernet
+#   bash benchmarks/compression_suite.sh OUT_DIR step-time nvlink ib ethernet  # (a) step time per technique
+#   bash benchmarks/compression_suite.sh OUT_DIR memory                # (c) peak memory, one variant per launch
 #   bash benchmarks/compression_suite.sh OUT_DIR step-time-2gpu nvlink ib  # the same on a 2-GPU host: (1,2,1), (2,1,1)
 #   bash benchmarks/compression_suite.sh OUT_DIR kernels               # (b) CB kernel throughput
 #   bash benchmarks/compression_suite.sh OUT_DIR convergence           # (d) loss curves (data: convergence.py prepare)
@@ -11,17 +10,21 @@ set -euo pipefail
 out=$1; part=$2; shift 2
 mkdir -p "$out"
 common=(--preset 350m --seq-length 1024 --micro-batch-size 4 --num-microbatches 8 --schedule 1f1b
-        --precision bf16-mixed --warmup 3 --steps 6 --timeout 150)
+        --precision bf16-mixed --warmup 3 --steps 10 --timeout 150)
 case $part in
   step-time)
     for regime in "$@"; do
       # (1,4,1) has no data-parallel traffic: SC does not apply there.
       python benchmarks/train_throughput.py "${common[@]}" --regime "$regime" --layouts 1,4,1 \
-          --compression off cb all --out "$out/step_time_${regime}_1x4x1.json"
-      extra=()
-      [[ $regime == nvlink ]] && extra=(all+state all+diagnostics all+comm all+throughput all+timeline all+allcb)
+          --compression off cb cb-every all --out "$out/step_time_${regime}_1x4x1.json"
       python benchmarks/train_throughput.py "${common[@]}" --regime "$regime" --layouts 2,2,1 \
-          --compression off fe cb sc all "${extra[@]}" --out "$out/step_time_${regime}_2x2x1.json"
+          --compression off fe cb cb-every sc all all-stages --out "$out/step_time_${regime}_2x2x1.json"
+    done ;;
+  memory)
+    # Variants in one process group leave memory behind (allocator state), so each runs in a launch of its own.
+    for mode in off cb-nolep cb cb-every; do
+      python benchmarks/train_throughput.py "${common[@]}" --steps 3 --layouts 1,4,1 --compression "$mode" \
+          --out "$out/memory_1x4x1_${mode}.json"
     done ;;
   step-time-2gpu)
     for regime in "$@"; do
@@ -38,7 +41,7 @@ case $part in
   convergence)
     layout=${CONV_LAYOUT:-2,2,1}; preset=${CONV_PRESET:-125m}
     python benchmarks/convergence.py run --data benchmarks/.data --layout "$layout" --preset "$preset" --steps 2000 \
-        --batch-size 8 --num-microbatches 4 --val-every 250 --val-batches 40 --concurrent --modes off all \
+        --batch-size 8 --num-microbatches 4 --val-every 250 --val-batches 40 --concurrent --modes ${CONV_MODES:-off sc all} \
         --out "$out/convergence_${preset}_${layout//,/x}.json" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,8 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # GPT-125M, (1,2,1), 2000 steps, final val loss: off 4.332, every 4.859, epilogue 4.464, rank64 4.576.
 MODES = {"off": dict(compression=False, fused_embedding_sync=False), "all": dict(compression=True),
          "epilogue": dict(compression=True, cb_epilogue_only=True),
+         "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False),
+         "epilogue-nolep": dict(compression=True, cb_lazy_error_propagation=False),
          "every": dict(compression=True, cb_epilogue_only=False),
          "rank64": dict(compression=True, cb_rank=64, cb_epilogue_only=False)}
+
+
+def steps_or_fraction(text: str) -> int | float:
+    """`4` means four steps and `0.1` a tenth of the run, as the strategy's ``sc_warmup`` reads them."""
+    return float(text) if any(c in text for c in ".eE") else int(text)
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -74,8 +82,11 @@ def worker(args: argparse.Namespace) -> None:
                                      trainer=self.trainer, num_workers=2)
 
     class Curves(pl.Callback):
+        """Records the curves and rewrites the result file at every validation, so that a run stopped by a time
+        limit still leaves its curves up to the last validation (``done`` says whether it reached --steps)."""
+
         def __init__(self) -> None:
-            self.train, self.val = [], []
+            self.train, self.val, self.start = [], [], time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             if trainer.global_step % args.log_every == 0:
@@ -84,10 +95,17 @@ def worker(args: argparse.Namespace) -> None:
         def on_validation_end(self, trainer, module) -> None:
             if not trainer.sanity_checking:
                 self.val.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+                self.write(trainer, done=False)
 
         def on_train_end(self, trainer, module) -> None:
+            self.write(trainer, done=True)
+
+        def write(self, trainer, done: bool) -> None:
             if trainer.global_rank == 0:
-                args.result.write_text(json.dumps({"train": self.train, "val": self.val}))
+                result = {"train": self.train, "val": self.val, "done": done,
+                          "seconds": round(time.perf_counter() - self.start, 1)}
+                args.result.with_suffix(".tmp").write_text(json.dumps(result))
+                args.result.with_suffix(".tmp").replace(args.result)
 
     curves = Curves()
     strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, sc_warmup=args.sc_warmup,
@@ -167,7 +185,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--sc-warmup", type=float, default=0.1)
+    parser.add_argument("--sc-warmup", type=steps_or_fraction, default=0.1,
+                        help="plain all-reduce before PowerSGD: steps (an integer) or a fraction of --steps")
     parser.add_argument("--val-every", type=int, default=250)
     parser.add_argument("--log-every", type=int, default=10, help="record the training loss every N steps")
     parser.add_argument("--val-batches", type=int, default=20)

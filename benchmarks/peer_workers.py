@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -22,6 +24,7 @@ from lightning_3d.strategies.stage_builder import materialize_, replicate_plain_
 
 
 def run_worker(args: argparse.Namespace, system: dict) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's timeout asks for the stacks first
     torch.manual_seed(0)
     cuda = args.accelerator == "gpu"
     if cuda:

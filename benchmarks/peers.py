@@ -17,8 +17,10 @@ Suffixes: ``+compile`` (per-block torch.compile, and the loss), ``+autotune`` (c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -86,7 +88,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for s in args.parsed:
         if s["world"] > args.gpus:
             p.error(f"{s['label']} needs {s['world']} GPUs; the run has --gpus {args.gpus}")
+        if s["name"] == "ours" and args.schedule != "gpipe" and args.num_microbatches < s["pp"]:
+            p.error(f"{s['label']} with --schedule {args.schedule} needs --num-microbatches >= pp = {s['pp']}"
+                    f" (got {args.num_microbatches})")
     return args
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below ``pid`` (Linux /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for p in frontier for c in parents.get(p, [])]
+        found += children
+        frontier = children
+    return found
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 def launch(args: argparse.Namespace, system: dict, out_dir: Path, index: int) -> dict:
@@ -99,10 +125,19 @@ def launch(args: argparse.Namespace, system: dict, out_dir: Path, index: int) ->
            str(Path(__file__).resolve()), *sys.argv[1:], "--worker", system["label"], "--result", str(result)]
     start = time.monotonic()
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         try:
-            code = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.timeout).returncode
+            code = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             code = "timeout"
+            # torchrun starts each worker in a session of its own, so killing torchrun alone would leave the workers
+            # running (holding the GPUs through the next systems' measurements). First SIGUSR1: the workers print
+            # every thread's Python stack (peer_workers.run_worker), so the log says where a stuck system waits.
+            workers = descendants(proc.pid)
+            signal_all(workers, signal.SIGUSR1)
+            time.sleep(3)
+            signal_all([proc.pid, *workers], signal.SIGKILL)
+            proc.wait()
     wall = round(time.monotonic() - start, 1)
     if code == 0 and result.exists():
         return {**json.loads(result.read_text()), "wall_s": wall, "error": None}

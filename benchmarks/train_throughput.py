@@ -53,6 +53,9 @@ COMPRESSION_MODES = {
     "cb-nolep": dict(compression=True, compressed_stages=[], cb_lazy_error_propagation=False, fused_embedding_sync=False),
     "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False),
     "all": dict(compression=True),
+    # SC on every stage, the last included (the default leaves the last stage exact): for slow links, where the last
+    # stage's all-reduce outlasts the pipeline's cool-down that should hide it.
+    "all-stages": dict(compression=True, compressed_stages="every"),
 }
 # Callbacks attached for the overhead measurement, each at its most expensive useful setting.
 CALLBACK_VARIANTS = ("state", "diagnostics", "comm", "throughput", "timeline", "allcb")
@@ -87,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", default="off", choices=["off", "default", "max-autotune-no-cudagraphs"],
+                   help="per-block torch.compile of the recipe (GPT or T5)")
     p.add_argument("--out", type=Path, default=Path("results.json"))
     p.add_argument("--regime", default="nvlink", choices=tuple(REGIMES), help="interconnect, see BENCHMARKING.md")
     p.add_argument("--devices", type=int, default=None, help="GPUs to use at most (default: all visible)")
@@ -97,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one or more variants, each run in turn by the same worker processes of a layout (one process"
                         " group, fresh model, trainer and strategy per variant). MODE: off (exact baseline, two-collective"
                         " tied sync), fe, cb (with LEP, cool-down sends only), cb-every (every backward send), cb-nolep,"
-                        " sc, all; +CALLBACK attaches one of "
+                        " sc, all (the defaults), all-stages (the defaults with SC on every stage); +CALLBACK attaches one of "
                         + ", ".join(CALLBACK_VARIANTS) + " (callback overhead)")
     p.add_argument("--cb-rank", type=int, default=16)
     p.add_argument("--sc-rank", type=int, default=128)
@@ -130,9 +135,10 @@ def layout_schedule(args: argparse.Namespace, pp: int) -> tuple[str, int | None]
 
 # ----- worker ----------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
-    if os.environ.get("L3D_HANG_DUMP"):  # diagnosis: print every thread's stack if the run is still going then
-        import faulthandler
+    import faulthandler
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's timeout asks for the stacks first
+    if os.environ.get("L3D_HANG_DUMP"):  # diagnosis: print every thread's stack if the run is still going then
         faulthandler.dump_traceback_later(float(os.environ["L3D_HANG_DUMP"]), exit=False)
     import lightning.pytorch as pl
     import torch.distributed as dist
@@ -189,9 +195,8 @@ def worker(args: argparse.Namespace) -> None:
             # A step is as slow as its slowest rank: take the max over ranks, step by step.
             times = torch.tensor([self.step_s, self.loop_s], dtype=torch.float64, device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            # Peak over the fit, and what was still allocated when this variant started (left by earlier variants of
-            # the same processes: measured 1.6 GB per variant for 350M on 2 stages, so compare peaks across variants
-            # as peak - start, or run one variant per launch).
+            # Peak over the fit, and what was still allocated when this variant started (earlier variants of the same
+            # processes leave next to nothing: tests/test_teardown.py).
             mem = ([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), self.start_mem]
                    if cuda else [0, 0, 0])
             mem = torch.tensor(mem, dtype=torch.float64, device=device)  # max over ranks, on the NCCL device
@@ -211,7 +216,12 @@ def worker(args: argparse.Namespace) -> None:
                     "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}))
 
     schedule, virtual_stages = layout_schedule(args, pp)
-    for variant in args.compression:  # one process group; a fresh strategy, trainer and model per variant
+
+    def run_variant(variant: str) -> None:
+        """A fresh strategy, trainer and model, trained. A function of its own, so that they all die with its frame:
+        in the worker's frame, the ``f_locals`` snapshot that ``save_hyperparameters`` takes of its caller (here when
+        the data module is built) kept the previous variant's model, trainer and optimizer state allocated until the
+        next variant built its modules, after its ``start_mem`` and peak-memory reset."""
         mode, _, callback = variant.partition("+")
         if cuda:
             gc.collect()
@@ -220,7 +230,7 @@ def worker(args: argparse.Namespace) -> None:
         strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, schedule=schedule,
                                         virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel,
                                         cb_rank=args.cb_rank, sc_rank=args.sc_rank, sc_warmup=args.sc_warmup,
-                                        **COMPRESSION_MODES[mode], **diagnosis_timeout())
+                                        **mode_options(mode, pp), **diagnosis_timeout())
         timer = StepTimer(variant_result_path(args.result, variant))
         log_dir = args.result.with_name(f"{args.result.stem}.{variant}.logs")
         trainer = pl.Trainer(
@@ -237,14 +247,29 @@ def worker(args: argparse.Namespace) -> None:
                                               num_samples=per_replica * dp * (max_steps + 1))
             # The special ids from the data, as the CLI links them (Lightning's logger refuses differing hparams).
             model = T5(preset_name=args.preset, vocab_size=args.vocab_size, pad_token_id=data.pad_token_id,
-                       eos_token_id=data.eos_token_id, activation_checkpointing=args.activation_checkpointing)
+                       eos_token_id=data.eos_token_id, activation_checkpointing=args.activation_checkpointing,
+                       compile=compile_option(args.compile))
         else:
             model = GPT(preset_name=args.preset, seq_length=args.seq_length, vocab_size=args.vocab_size,
-                        activation_checkpointing=args.activation_checkpointing)
+                        activation_checkpointing=args.activation_checkpointing, compile=compile_option(args.compile))
             data = SyntheticLMDataModule(vocab_size=args.vocab_size, seq_length=args.seq_length, batch_size=per_replica,
                                          num_samples=per_replica * dp * (max_steps + 1))
         trainer.fit(model, datamodule=data)
-        del trainer, model, data, strategy, timer
+
+    for variant in args.compression:  # one process group, one variant after the other
+        run_variant(variant)
+
+
+def mode_options(mode: str, pp: int) -> dict:
+    options = dict(COMPRESSION_MODES[mode])
+    if options.get("compressed_stages") == "every":
+        options["compressed_stages"] = list(range(pp))
+    return options
+
+
+def compile_option(flag: str) -> bool | str:
+    """--compile off|default|MODE -> the recipes' ``compile`` argument."""
+    return {"off": False, "default": True}.get(flag, flag)
 
 
 def diagnosis_timeout() -> dict:
@@ -317,7 +342,11 @@ def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir
             time.sleep(3)  # let the other ranks print their side, then stop them
             break
         if time.monotonic() - start > args.timeout:
-            failure = (f"timed out after {args.timeout:.0f}s", 0)
+            failure = (f"timed out after {args.timeout:.0f}s (each rank's stacks at that moment are in its log)", 0)
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(3)
             break
         time.sleep(0.2)
     for p in procs:  # each worker leads its own session: stop it and whatever it started, then reap it

@@ -1,7 +1,12 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+# Some tests use the benchmark scripts' helpers (`benchmarks.*`), however pytest is started.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Tests never reach a hub: everything they use is made or shipped by the project.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -4,6 +4,7 @@ broken script wastes a lease. Timings are not checked (never timed assertions in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,12 @@ def test_train_throughput_of_t5_on_synthetic_pairs(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--model", "t5", "--accelerator", "cpu",
            "--preset", "tiny", "--vocab-size", "512", "--seq-length", "32", "--target-length", "8",
            "--micro-batch-size", "2", "--num-microbatches", "2", "--layouts", "1,2,1", "--steps", "2", "--warmup", "1",
-           "--precision", "32-true", "--timeout", "300", "--compression", "off", "off+throughput", "--out", str(out)]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
+           "--precision", "32-true", "--timeout", "300", "--compression", "off", "off+throughput", "--compile", "default",
+           "--out", str(out)]
+    env = {**os.environ, "L3D_COMPILE_BACKEND": "aot_eager"}  # compiled blocks in both stages, no C++ build on CI
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600, env=env)
     report = json.loads(out.read_text())
+    assert report["config"]["compile"] == "default"
     flops_per_token = preset("tiny", vocab_size=512).flops_per_token(32, 8)
     assert report["model_name"] == "t5" and report["flops_per_token"] == flops_per_token
     for row in report["results"]:
@@ -72,6 +76,25 @@ def test_compression_kernels_report(tmp_path: Path) -> None:
         assert abs(r["ratio"] - 128 * 64 / ((128 + 64) * r["rank"])) < 1e-9
 
 
+def test_peers_timeout_dumps_stacks_and_leaves_no_worker_behind(tmp_path: Path) -> None:
+    """A system over --timeout is reported as an error, its log holds every worker's Python stack at that moment, and
+    no worker survives it (torchrun starts them in sessions of their own: killing torchrun alone left them holding
+    the GPUs through the next systems' measurements)."""
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/peers.py"), "--accelerator", "cpu", "--preset", "tiny",
+           "--vocab-size", "4096", "--seq-length", "32", "--gpus", "2", "--systems", "ours@1,2,1",
+           "--num-microbatches", "2", "--warmup", "1", "--steps", "1000000", "--timeout", "45", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["error"].startswith("exit timeout"), row
+    log = (tmp_path / "t_logs" / "00.log").read_text()
+    # the ranks' stacks (both ranks write to one log, so their lines may interleave)
+    assert "most recent call first" in log.lower() and "run_worker" in log, log[-3000:]
+    leftover = [p for p in Path("/proc").glob("[0-9]*/cmdline")
+                if str(tmp_path) in p.read_bytes().decode(errors="replace")] if Path("/proc").exists() else []
+    assert not leftover, leftover
+
+
 def test_peers_train_the_same_model_on_the_same_tokens(tmp_path: Path) -> None:
     """benchmarks/peers.py: a plain loop, Lightning's ModelParallelStrategy (FSDP2 + TP, vocab-parallel loss) and our
     strategy start from the same weights and see the same first tokens, so their first-step losses agree (bf16)."""
@@ -87,3 +110,23 @@ def test_peers_train_the_same_model_on_the_same_tokens(tmp_path: Path) -> None:
         assert row["error"] is None and row["step_ms"]["n"] == 2, row
         assert row["tokens_per_step"] == 1 * 2 * 2 * 32
         assert abs(row["first_loss"] - rows["plain"]["first_loss"]) <= 1e-3 * rows["plain"]["first_loss"], rows
+
+
+def test_sc_kernels_times_both_implementations(tmp_path: Path) -> None:
+    out = tmp_path / "sc.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/sc_kernels.py"), "--device", "cpu", "--preset", "tiny",
+           "--bucket-mb", "0.05", "--ranks", "2", "4", "--repeats", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["results"]
+    assert [r["rank"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["torch_hook_ms"] > 0 and r["ours_ms"] > 0
+        assert 0 < r["bytes_after"] < r["bytes_before"]
+    assert rows[0]["bytes_after"] < rows[1]["bytes_after"]  # rank 2 sends less than rank 4
+
+
+def test_all_stages_mode_compresses_every_stage() -> None:
+    from benchmarks.train_throughput import mode_options
+
+    assert mode_options("all-stages", 3) == {"compression": True, "compressed_stages": [0, 1, 2]}
+    assert mode_options("all", 3) == {"compression": True}  # the library default: every stage but the last

@@ -1,4 +1,4 @@
-"""``GPT(compile=...)`` and ``GPT(optimizer_fused=...)``: same training as eager/unfused, names unchanged, bad values
+"""``compile=...`` and ``optimizer_fused=...`` of the GPT and T5 recipes: same training as eager/unfused, names unchanged, bad values
 refused. Compilation runs with the "aot_eager" backend here: the same graph capture and autograd tracing as inductor,
 without building C++ kernels on the 2-core CI machine (GPU runs use inductor, see benchmarks/peers.py)."""
 
@@ -10,11 +10,11 @@ import torch
 
 import lightning_3d.recipes.training as training
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.recipes import GPT
-from lightning_3d.recipes.data import SyntheticLMDataModule
+from lightning_3d.recipes import GPT, T5
+from lightning_3d.recipes.data import SyntheticLMDataModule, SyntheticSeq2SeqDataModule
 
 
-def fit(steps: int = 3, **gpt_kwargs) -> tuple[list[float], GPT, pl.Trainer]:
+def fit(steps: int = 3, recipe: str = "gpt", **kwargs) -> tuple[list[float], pl.LightningModule, pl.Trainer]:
     losses: list[float] = []
 
     class Record(pl.Callback):
@@ -22,21 +22,32 @@ def fit(steps: int = 3, **gpt_kwargs) -> tuple[list[float], GPT, pl.Trainer]:
             losses.append(float(outputs["loss"]))
 
     torch.manual_seed(0)
-    model = GPT("tiny", **gpt_kwargs)
+    if recipe == "gpt":
+        model = GPT("tiny", **kwargs)
+        data = SyntheticLMDataModule(vocab_size=4096, seq_length=64, batch_size=4, num_samples=64)
+    else:
+        model = T5("tiny", vocab_size=512, **kwargs)
+        data = SyntheticSeq2SeqDataModule(vocab_size=512, input_length=32, target_length=16, batch_size=4, num_samples=64)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(num_microbatches=2, compression=False),
                          max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[Record()])
-    trainer.fit(model, datamodule=SyntheticLMDataModule(vocab_size=4096, seq_length=64, batch_size=4, num_samples=64))
+    trainer.fit(model, datamodule=data)
     return losses, model, trainer
 
 
-def test_compiled_blocks_train_like_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+def blocks_of(module: pl.LightningModule) -> list[torch.nn.Module]:
+    if isinstance(module, GPT):
+        return list(module.model.layers.values())
+    return [*module.model.encoder.values(), *module.model.decoder.values()]
+
+
+@pytest.mark.parametrize("recipe", ["gpt", "t5"])
+def test_compiled_blocks_train_like_eager(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
-    eager_losses, eager, _ = fit()
-    compiled_losses, compiled, _ = fit(compile=True)
-    blocks = list(compiled.model.layers.values())
-    assert all(block._compiled_call_impl is not None for block in blocks)  # every block runs compiled
-    assert all(block._compiled_call_impl is None for block in eager.model.layers.values())
+    eager_losses, eager, _ = fit(recipe=recipe)
+    compiled_losses, compiled, _ = fit(recipe=recipe, compile=True)
+    assert all(block._compiled_call_impl is not None for block in blocks_of(compiled))  # every block runs compiled
+    assert all(block._compiled_call_impl is None for block in blocks_of(eager))
     assert list(compiled.state_dict()) == list(eager.state_dict())  # checkpoints and export see the same names
     assert torch.allclose(torch.tensor(compiled_losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
     for a, b in zip(compiled.parameters(), eager.parameters()):
@@ -51,19 +62,21 @@ def test_compile_mode_reaches_torch_compile(monkeypatch: pytest.MonkeyPatch) -> 
     assert seen == [{"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}, {"backend": "inductor", "mode": None}]
 
 
-def test_fused_optimizer_trains_like_the_default() -> None:
-    default_losses, default, _ = fit()
-    fused_losses, fused, trainer = fit(optimizer_fused=True)
+@pytest.mark.parametrize("recipe", ["gpt", "t5"])
+def test_fused_optimizer_trains_like_the_default(recipe: str) -> None:
+    default_losses, default, _ = fit(recipe=recipe)
+    fused_losses, fused, trainer = fit(recipe=recipe, optimizer_fused=True)
     assert trainer.optimizers[0].defaults["fused"] is True
     assert torch.allclose(torch.tensor(fused_losses), torch.tensor(default_losses), rtol=1e-6, atol=0)
     for a, b in zip(fused.parameters(), default.parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_bad_compile_and_optimizer_options_are_refused() -> None:
+@pytest.mark.parametrize("recipe", [GPT, T5])
+def test_bad_compile_and_optimizer_options_are_refused(recipe: type) -> None:
     with pytest.raises(ValueError, match=r"compile='fast': use False, True or one of \('default', 'max-autotune"):
-        GPT("tiny", compile="fast")
+        recipe("tiny", compile="fast")
     with pytest.raises(ValueError, match="optimizer_foreach=True and optimizer_fused=True exclude each other"):
-        GPT("tiny", optimizer_foreach=True, optimizer_fused=True)
+        recipe("tiny", optimizer_foreach=True, optimizer_fused=True)
     with pytest.raises(ValueError, match=r"compile='reduce-overhead': use True or one of"):
         training.compile_blocks([torch.nn.Linear(2, 2)], "reduce-overhead")

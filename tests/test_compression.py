@@ -1,4 +1,4 @@
-"""Compression building blocks in one process: CB + LEP codec, SC bucket adapter, options and their errors."""
+"""Compression building blocks in one process: CB + LEP codec, SC (against PyTorch's PowerSGD), options and errors."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig, compression_ratio, orthonormalize
+from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig, compression_ratio
+from lightning_3d.compression.lowrank import orthonormalize
 from lightning_3d.compression.config import CompressionConfig
-from lightning_3d.compression.selective import DataParallelPowerSGD, HookBucket
+from lightning_3d.compression.selective import DataParallelPowerSGD
 from lightning_3d.compression.stats import CommunicationStats
 from lightning_3d.pipeline.codec import BoundaryKey
 
@@ -90,21 +91,6 @@ def test_epilogue_only_and_min_ratio_decide_on_both_ends() -> None:
     assert strict.encode(tiny, BoundaryKey(1, 0, False)) == [tiny]
 
 
-def test_hook_bucket_gives_torch_powersgd_views_into_the_flat_buffer() -> None:
-    flat = torch.arange(10.0)
-    bucket = HookBucket(3, flat, [torch.Size([2, 3]), torch.Size([4])], is_last=True)
-    grads = bucket.gradients()
-    assert [g.shape for g in grads] == [(2, 3), (4,)]
-    grads[1].fill_(-1)
-    assert torch.equal(flat[6:], -torch.ones(4)) and bucket.index() == 3 and bucket.is_last()
-
-
-# PowerSGD's future callbacks run on gloo worker threads; if one of them dropped the last reference to the
-# process group, its destructor would join its own thread and abort. Training keeps these objects alive until
-# exit (the strategy holds them); the test does the same.
-_KEEP_ALIVE: list = []
-
-
 def test_powersgd_warmup_is_plain_averaging_then_compresses(tmp_path) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -120,11 +106,66 @@ def test_powersgd_warmup_is_plain_averaging_then_compresses(tmp_path) -> None:
         else:
             assert not torch.equal(result[:128], original[:128])  # rank-2 approximation of the 16x8 matrix
             assert torch.equal(result[128:], original[128:])  # 1-D tensors are sent exactly
-    _KEEP_ALIVE.append((sc, dist.group.WORLD))
     last = stats.as_dict()["dp_gradients"]
     assert last["bytes_before"] == 3 * 136 * 4
     assert last["bytes_after"] == 2 * 136 * 4 + ((16 + 8) * 2 + 8) * 4
     dist.destroy_process_group()
+
+
+def test_powersgd_equals_torch_hook_step_by_step(tmp_path) -> None:
+    """Our SC is PyTorch's PowerSGD (batched by shape: warm-up, error feedback, warm start, exact small tensors)
+    with a different orthonormalisation; the averaged gradients and the error feedback agree at every step."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    from benchmarks.sc_kernels import TorchBucket  # DDP's GradBucket as the hook reads it
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    shapes = [torch.Size([48, 40]), torch.Size([40]), torch.Size([48, 40]), torch.Size([40, 2, 8]), torch.Size([6, 4])]
+    theirs = PowerSGDState(dist.group.WORLD, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                           min_compression_rate=2.0, use_error_feedback=True, warm_start=True, random_seed=5,
+                           batch_tensors_with_same_shape=True)
+    ours = DataParallelPowerSGD(dist.group.WORLD, rank=4, warmup_steps=2, min_compression_rate=2.0, seed=5)
+    total = sum(s.numel() for s in shapes)
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(total, generator=generator)
+    for step in range(6):
+        flat = base + 0.3 * torch.randn(total, generator=generator)  # correlated steps: warm start matters
+        expected = powerSGD_hook(theirs, TorchBucket(0, flat.clone(), shapes, is_last=True)).wait()
+        got = ours.launch(0, flat.clone(), shapes, is_last=True).wait()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        if step >= 2:
+            torch.testing.assert_close(ours.state.error_dict[0], theirs.error_dict[0], rtol=1e-4, atol=1e-5)
+            assert not torch.equal(got[:1920], flat[:1920])  # compressed: a rank-4 approximation, not the input
+            assert torch.equal(got[1920:1960], flat[1920:1960])  # the 1-D tensor travels exactly
+    assert ours.state.iter == theirs.iter == 6
+    dist.destroy_process_group()
+
+
+def test_orthonormalize_spans_like_qr_also_when_rank_deficient() -> None:
+    torch.manual_seed(0)
+    a = torch.randn(4, 300, 16)
+    a[1] *= torch.logspace(0, -3, 16)  # condition number 1e3: one Cholesky-QR pass would not be orthonormal
+    a[2, :, 5] = a[2, :, 3]  # rank 15
+    a[3] = 0  # rank 0
+    q = orthonormalize(a)
+    for i in range(4):  # always orthonormal: dependent columns are completed, as Householder QR completes them
+        torch.testing.assert_close(q[i].T @ q[i], torch.eye(16), atol=1e-5, rtol=0)
+    for i in range(3):  # and the span contains every column of a
+        torch.testing.assert_close(q[i] @ q[i].T @ a[i], a[i], atol=1e-4, rtol=1e-4)
+    for i in range(2):
+        householder = torch.linalg.qr(a[i]).Q
+        torch.testing.assert_close(q[i] @ q[i].T, householder @ householder.T, atol=1e-5, rtol=0)
+
+
+def test_full_rank_power_step_is_exact_after_a_rank_deficient_warm_start() -> None:
+    """A warm-started Q of low rank (left by an earlier, low-rank gradient) must not trap the power iteration in a
+    smaller span: at full rank, P·(MᵀP)ᵀ rebuilds M exactly."""
+    torch.manual_seed(0)
+    m = torch.randn(64, 96)
+    q_low_rank = torch.randn(96, 20) @ torch.randn(20, 64)
+    p = orthonormalize(m @ q_low_rank)
+    torch.testing.assert_close(p @ (m.T @ p).T, m, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_3d.callbacks.comm_monitor import gather, log_rank_zero, require_compressed_3d
-from lightning_3d.compression.selective import MIN_WARMUP_STEPS
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 
 
@@ -64,7 +63,7 @@ class CompressionStateMonitor(Callback):
                 self._warmup_step = s.selective_compression.warmup_steps
             else:  # a stage without SC (e.g. the last) computes the same step as the ranks that have it
                 total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-                self._warmup_step = max(MIN_WARMUP_STEPS, cfg.warmup_steps(int(total)))
+                self._warmup_step = cfg.warmup_steps(int(total))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx % trainer.accumulate_grad_batches != 0:

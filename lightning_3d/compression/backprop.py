@@ -28,14 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_3d.compression.lowrank import orthonormalize
 from lightning_3d.compression.stats import nbytes
 from lightning_3d.pipeline.codec import BoundaryKey
 from lightning_3d.pipeline.p2p import TensorMeta
-
-
-def orthonormalize(p: Tensor) -> Tensor:
-    """Orthonormal columns spanning ``p`` (fp32 reduced QR: stable, no host synchronisation)."""
-    return torch.linalg.qr(p.float(), mode="reduced").Q
 
 
 def compression_ratio(rows: int, cols: int, rank: int) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,8 +15,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
-# What ``compile=True`` hands to torch.compile; tests swap in "aot_eager" (same graph capture, no C++ build).
-COMPILE_BACKEND = "inductor"
+# What ``compile=True`` hands to torch.compile. Tests use "aot_eager" (same graph capture and autograd tracing, no
+# C++/Triton build): in-process by patching this name, in subprocesses through L3D_COMPILE_BACKEND.
+COMPILE_BACKEND = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
@@ -58,6 +60,14 @@ def compile_blocks(blocks: Iterable[nn.Module], mode: bool | str = True) -> None
         raise ValueError(f"compile={mode!r}: use True or one of {COMPILE_MODES}.")
     for block in blocks:
         block.compile(backend=COMPILE_BACKEND, mode=mode if COMPILE_BACKEND == "inductor" else None)
+
+
+def check_speed_options(compile: bool | str, optimizer_foreach: bool | None, optimizer_fused: bool | None) -> None:
+    """The recipes' ``compile`` / ``optimizer_*`` arguments, refused at construction (before any process starts)."""
+    if optimizer_foreach and optimizer_fused:
+        raise ValueError("optimizer_foreach=True and optimizer_fused=True exclude each other; set one of them.")
+    if compile not in (False, True, *COMPILE_MODES):
+        raise ValueError(f"compile={compile!r}: use False, True or one of {COMPILE_MODES} (a torch.compile mode).")
 
 
 def count_target_tokens(labels: Tensor) -> Tensor:

@@ -55,8 +55,6 @@ class GradientSynchronizer:
         """``exclude``: ids of parameters synchronised elsewhere (fused embedding sync); ``compressed_stages``:
         stages whose buckets go through ``compressor`` (SC)."""
         self.dp_group, self.dp_size, self.overlap = dp_group, dp_size, overlap
-        self._callbacks_off_thread = dp_group is not None and dist.get_backend(dp_group) != "nccl"
-        self._pending_chain: torch.futures.Future | None = None
         self.compressor, self.stats = compressor, stats
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -103,7 +101,6 @@ class GradientSynchronizer:
         self._syncing = sync and self.dp_size > 1
         self._armed.clear()
         self._next_launch = 0
-        self._pending_chain = None
         for b in self.buckets:
             b.ready.clear()
             b.flat, b.work = None, None
@@ -157,19 +154,10 @@ class GradientSynchronizer:
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         bucket.flat = flat
-        if self._pending_chain is not None:
-            # PowerSGD issues its second and third collectives from future callbacks. NCCL futures complete at
-            # enqueue, so those run inline and every rank issues collectives in the same order; gloo runs them
-            # on its worker threads, so the next bucket's collectives could overtake them on one rank and not
-            # on another (a deadlock). There, a bucket waits for the previous compressed bucket's chain.
-            self._pending_chain.wait()
-            self._pending_chain = None
         if bucket.compressed:
             index = self.buckets.index(bucket)
             shapes = [g.shape for g in grads]
             bucket.work = self.compressor.launch(index, flat, shapes, is_last=index == self._last_compressed)
-            if self._callbacks_off_thread:
-                self._pending_chain = bucket.work
             return
         if self.stats is not None:
             self.stats.add("dp_gradients", flat.numel() * flat.element_size())

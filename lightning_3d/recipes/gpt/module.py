@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
-from lightning_3d.recipes.training import (COMPILE_MODES, adamw_warmup_cosine, compile_blocks,
+from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, compile_blocks,
                                            count_target_tokens, summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
@@ -65,10 +65,7 @@ class GPT(pl.LightningModule):
             raise ValueError(
                 f"hidden_size={self.config.hidden_size} is not divisible by num_heads={self.config.num_heads}."
             )
-        if optimizer_foreach and optimizer_fused:
-            raise ValueError("optimizer_foreach=True and optimizer_fused=True exclude each other; set one of them.")
-        if compile not in (False, True, *COMPILE_MODES):
-            raise ValueError(f"compile={compile!r}: use False, True or one of {COMPILE_MODES} (a torch.compile mode).")
+        check_speed_options(compile, optimizer_foreach, optimizer_fused)
         self.model: GPTModel | None = None
 
     # ----- building -----------------------------------------------------------------------------------------

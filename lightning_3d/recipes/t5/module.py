@@ -15,7 +15,8 @@ from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.t5.config import T5Config, preset
 from lightning_3d.recipes.t5.model import T5Model
 from lightning_3d.recipes.t5.parallelize import T5Stage, parallelize_t5
-from lightning_3d.recipes.training import adamw_warmup_cosine, count_target_tokens, summed_token_cross_entropy
+from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, compile_blocks,
+                                           count_target_tokens, summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
 from lightning_3d.strategies.stage_builder import materialize_
@@ -61,12 +62,14 @@ class T5(pl.LightningModule):
         eos_token_id: int | None = None,
         decoder_start_token_id: int | None = None,
         activation_checkpointing: bool = False,
+        compile: bool | str = False,
         learning_rate: float = 1e-3,
         min_learning_rate: float = 1e-4,
         weight_decay: float = 0.0,
         betas: Sequence[float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
         optimizer_foreach: bool | None = None,
+        optimizer_fused: bool | None = None,
         warmup_steps: int = 100,
         decay_steps: int | None = None,
         init_seed: int = 1234,
@@ -82,6 +85,7 @@ class T5(pl.LightningModule):
             layer_norm_eps=layer_norm_eps, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
             decoder_start_token_id=decoder_start_token_id,
         )
+        check_speed_options(compile, optimizer_foreach, optimizer_fused)
         self.model: T5Model | None = None
         # Created on first use, outside the module tree: materialising the model (to_empty) would wipe their states.
         self._metrics: dict[str, MeanMetric] = {}
@@ -101,6 +105,12 @@ class T5(pl.LightningModule):
             device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
             materialize_(self.model, device)
             self.init_weights()
+            self._compile_blocks()
+
+    def _compile_blocks(self) -> None:
+        """Per-block compilation (see ``compile_blocks``): the encoder and the decoder block each trace once."""
+        if self.hparams.compile:
+            compile_blocks([*self.model.encoder.values(), *self.model.decoder.values()], self.hparams.compile)
 
     def init_weights(self) -> None:
         self.model.init_weights(self.hparams.init_seed)
@@ -169,13 +179,14 @@ class T5(pl.LightningModule):
     def build_pipeline_stages(self, layouts: Sequence[StageLayout]) -> list[nn.Module]:
         keep = [i for layout in layouts for i in layout.layers]
         self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
+        self._compile_blocks()  # lazy: traced at the first call, after tensor parallelism has sharded the blocks
         return [T5Stage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         parallelize_t5(stage, tp_mesh, sequence_parallel)
 
     def pipeline_loss(self, output: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
-        return summed_token_cross_entropy(output, microbatch["labels"])
+        return summed_token_cross_entropy(output, microbatch["labels"], compiled=bool(self.hparams.compile))
 
     def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
         return count_target_tokens(microbatch["labels"])
