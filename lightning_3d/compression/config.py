@@ -27,7 +27,10 @@ class CompressionConfig:
     sc_rank: int = 128
     sc_warmup: int | float = 0.1  # steps of plain all-reduce, or a fraction of the run's optimizer steps
     sc_min_compression_ratio: float = 2.0
-    compressed_stages: Sequence[int] | None = None  # pipeline ranks; default all but the last (the only one if pp=1)
+    # Pipeline ranks whose DP gradients SC compresses; default all but the last (the only one if pp=1): Optimus-CC
+    # leaves the last stage exact because its all-reduce overlaps the other stages' cool-down. On links slow enough
+    # that this all-reduce outlasts the cool-down (Ethernet-like, see benchmarks/RESULTS.md), list every stage.
+    compressed_stages: Sequence[int] | None = None
     # FE: tied embedding gradients in one all-reduce over {first, last stage} x replicas (needs pp > 1).
     fused_embedding_sync: bool = True
     seed: int = 0

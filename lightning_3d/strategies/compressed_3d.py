@@ -146,6 +146,7 @@ class Compressed3DStrategy(ParallelStrategy):
         self.dims: ParallelDims | None = None
         self._runtime: PipelineRuntime | None = None
         self._grad_sync: GradientSynchronizer | None = None
+        self._stage_params: dict[int | None, list[torch.nn.Parameter]] = {}
         self._prepared_module = None
         self._sync_blocked = False
         self._stashed_grads: list[tuple[torch.nn.Parameter, Tensor | None]] | None = None
@@ -238,6 +239,8 @@ class Compressed3DStrategy(ParallelStrategy):
         if self._prepared_module is not module:
             self._prepare(module)
             self._prepared_module = module
+        elif self._grad_sync is None:  # the same module runs again after teardown released the synchronizer
+            self._build_grad_sync()
         self.model = module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -260,10 +263,8 @@ class Compressed3DStrategy(ParallelStrategy):
             module.to(self.root_device)
             self.precision_plugin.convert_module(module)
             broadcast_parameters(module, self.dp_group, src=dist.get_global_rank(self.dp_group, 0))
-            params = {None: list(module.parameters())}
-            compressed = {None} if self._compresses_dp() else set()
-            self._grad_sync = GradientSynchronizer(params, self.dp_group, dims.dp, self.bucket_size_mb,
-                                                   compressed_stages=compressed, stats=self.comm_stats)
+            self._stage_params = {None: list(module.parameters())}
+            self._build_grad_sync()
             self._warn_unused(tied=False)
             return
         check_tensor_parallel_shapes(module, dims.tp)
@@ -276,12 +277,8 @@ class Compressed3DStrategy(ParallelStrategy):
         self.channels.warmup()
         self._tied = self._tied_copies(module) if dims.pp > 1 else []
         self._fused_tied = bool(self._tied) and self.compression.fused_embedding_sync
-        params = {index: list(stage.parameters()) for index, stage in stages.items()}
-        self._grad_sync = GradientSynchronizer(
-            params, self.dp_group, dims.dp, self.bucket_size_mb,
-            exclude={id(p) for p in self._tied} if self._fused_tied else set(),
-            compressed_stages=set(stages) if self._compresses_dp() else set(), stats=self.comm_stats,
-        )
+        self._stage_params = {index: list(stage.parameters()) for index, stage in stages.items()}
+        self._build_grad_sync()
         self._warn_unused(tied=bool(module.pipeline_tied_parameters()))
         self._runtime = PipelineRuntime(
             stages=stages,
@@ -306,6 +303,18 @@ class Compressed3DStrategy(ParallelStrategy):
                 tp_group=self.tp_mesh.get_group() if dims.tp > 1 else None,
                 split_over_tp=dims.tp > 1 and not self.sequence_parallel,
             )
+
+    def _build_grad_sync(self) -> None:
+        """(Re)create the data-parallel gradient synchronizer of this rank's stages (it registers gradient hooks)."""
+        self._grad_sync = GradientSynchronizer(
+            self._stage_params, self.dp_group, self.dims.dp, self.bucket_size_mb,
+            exclude={id(p) for p in self._tied} if self._fused_tied else set(),
+            compressed_stages=set(self._stage_params) if self._compresses_dp() else set(), stats=self.comm_stats,
+        )
+        if self._sc is not None:
+            self._grad_sync.attach_compressor(self._sc)
+        if self._runtime is not None:
+            self._runtime.before_last_backward = self._grad_sync.arm
 
     def _warn_unused(self, tied: bool) -> None:
         notes = self.compression.unused_options(self.dims.dp, self.dims.pp, tied)
@@ -560,6 +569,13 @@ class Compressed3DStrategy(ParallelStrategy):
             ckpt.remove(Path(filepath))
 
     def teardown(self) -> None:
+        # The synchronizer's gradient hooks are held by autograd's C++ state, out of the garbage collector's sight:
+        # parameter -> hook -> synchronizer -> parameter would be a cycle never freed, keeping every trained model's
+        # parameters, gradients and compression state alive for the life of the process. The next setup rebuilds it.
+        if self._grad_sync is not None:
+            self._grad_sync.remove_hooks()
+            self._grad_sync = None
+        self._stashed_grads = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

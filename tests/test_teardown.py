@@ -1,0 +1,54 @@
+"""After ``fit`` nothing of a model trained by Compressed3DStrategy outlives the user's last reference: runs in one
+process (benchmark variants, sweeps, notebooks) must not pile up parameters, gradients and compression state."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.recipes import GPT
+from lightning_3d.recipes.data import SyntheticLMDataModule
+
+
+def hooked(module: torch.nn.Module) -> int:
+    """Parameters carrying a post-accumulate-grad hook (the gradient synchronizer's)."""
+    return sum(bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in module.parameters())
+
+
+def fit_twice(pipeline: bool) -> tuple[list[weakref.ref], list[int], int]:
+    """Fit, then fit on with the same trainer: weak references to what was trained, the hooked parameter count at every
+    optimizer step and the parameter count. A function of its own: ``save_hyperparameters`` snapshots its caller's
+    locals (``f_locals``), which would keep the model alive from a frame that is still running."""
+    seen: list[int] = []
+
+    class CountHooks(pl.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+            seen.append(hooked(module))
+
+    torch.manual_seed(0)
+    model = GPT("tiny", seq_length=32, vocab_size=512) if pipeline else BoringModel()
+    data = SyntheticLMDataModule(vocab_size=512, seq_length=32, batch_size=4, num_samples=32) if pipeline else None
+    strategy = Compressed3DStrategy(num_microbatches=2 if pipeline else 1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, callbacks=[CountHooks()])
+    trainer.fit(model, datamodule=data)
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 4
+    refs = [weakref.ref(obj) for obj in (model, strategy, trainer, next(model.parameters()))]
+    return refs, seen, len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["protocol_module", "plain_module"])
+def test_fit_releases_the_model_and_a_second_fit_gets_its_hooks_back(pipeline: bool) -> None:
+    refs, seen, params = fit_twice(pipeline)
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+    assert seen == [params] * 4  # the second fit's setup registered the synchronizer's hooks again
