@@ -28,14 +28,13 @@ from torch import Tensor
 from lightning_3d.compression.lowrank import orthonormalize
 from lightning_3d.compression.stats import CommunicationStats
 
-def compression_sizes(shape: torch.Size, rank: int, min_rate: float) -> tuple[bool, int, int, int]:
-    """(compress?, elements before, elements sent, rank used) for one gradient, viewed as shape[0] x rest."""
+def compression_sizes(shape: torch.Size, rank: int, min_rate: float) -> tuple[bool, int, int]:
+    """(compress?, elements before, elements sent) for one gradient viewed as shape[0] x rest (torch's rule)."""
     n = shape[0] if len(shape) else 1
     m = shape.numel() // n if n else 0
-    r = min(n, m, rank)
-    before, factors = n * m, (n + m) * r
+    before, factors = n * m, (n + m) * min(n, m, rank)
     compress = factors * min_rate < before
-    return compress, before, factors if compress else before, r
+    return compress, before, factors if compress else before
 
 
 @dataclass
@@ -104,30 +103,43 @@ class DataParallelPowerSGD:
 
     def _compress_and_average(self, index: int, flat: Tensor, shapes: Sequence[torch.Size]) -> Tensor:
         s = self.state
-        if index in s.error_dict:
-            flat.add_(s.error_dict[index])
-        before_compression = flat.clone()
-        views = self._views(flat, shapes)
-        exact = [v for v, plan in views if plan is None]
-        groups: dict[tuple[int, int], list[Tensor]] = {}
-        for view, plan in views:
-            if plan is not None:
-                groups.setdefault(plan, []).append(view)
+        error = s.error_dict.get(index)
+        if error is None:  # the bucket's error-feedback buffer, allocated once and rewritten in place every step
+            error = s.error_dict[index] = torch.zeros_like(flat)
+        else:
+            flat.add_(error)
+        exact: list[tuple[Tensor, Tensor]] = []  # (gradient view, its error view)
+        groups: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {}  # by matrix shape (n, m)
+        offset, before, after = 0, 0, 0
+        for shape in shapes:
+            size = shape.numel()
+            views = (flat[offset : offset + size], error[offset : offset + size])
+            compress, numel, sent = compression_sizes(shape, self.matrix_rank, self.min_compression_rate)
+            if compress:
+                n = shape[0]
+                groups.setdefault((n, size // n), []).append(views)
+            else:
+                exact.append(views)
+            before += numel * flat.element_size()
+            after += sent * (4 if compress else flat.element_size())
+            offset += size
+        if self.stats is not None:
+            self.stats.add("dp_gradients", before, after)
 
-        exact_flat = torch.cat([v.reshape(-1) for v in exact]) if exact else flat.new_empty(0)
+        exact_flat = torch.cat([v for v, _ in exact]) if exact else flat.new_empty(0)
         exact_work = dist.all_reduce(exact_flat, group=self.group, async_op=True)
 
         rank = {shape: min(*shape, self.matrix_rank) for shape in groups}
-        p_size = sum(len(g) * shape[0] * rank[shape] for shape, g in groups.items())
-        q_size = sum(len(g) * shape[1] * rank[shape] for shape, g in groups.items())
         fresh = index not in s.q_memory_dict
         if fresh:
+            p_size = sum(len(g) * n * rank[(n, m)] for (n, m), g in groups.items())
+            q_size = sum(len(g) * m * rank[(n, m)] for (n, m), g in groups.items())
             s.p_memory_dict[index] = torch.empty(p_size, device=flat.device, dtype=torch.float32)
             s.q_memory_dict[index] = torch.empty(q_size, device=flat.device, dtype=torch.float32)
         ps, qs, matrices, p_at, q_at = [], [], [], 0, 0
-        for (n, m), tensors in groups.items():
-            b, r = len(tensors), rank[(n, m)]
-            matrices.append(torch.stack([t.view(n, m) for t in tensors]).float())
+        for (n, m), pairs in groups.items():
+            b, r = len(pairs), rank[(n, m)]
+            matrices.append(torch.stack([v.view(n, m) for v, _ in pairs]).float())
             ps.append(s.p_memory_dict[index][p_at : p_at + b * n * r].view(b, n, r))
             qs.append(s.q_memory_dict[index][q_at : q_at + b * m * r].view(b, m, r))
             p_at, q_at = p_at + b * n * r, q_at + b * m * r
@@ -143,35 +155,22 @@ class DataParallelPowerSGD:
             torch.bmm(matrix.mT, p.copy_(orthonormalize(p)), out=q)
         dist.all_reduce(s.q_memory_dict[index], group=self.group)
         s.q_memory_dict[index].div_(self.world_size)
-        for (shape, tensors), p, q in zip(groups.items(), ps, qs, strict=True):
+        for ((n, m), pairs), matrix, p, q in zip(groups.items(), matrices, ps, qs, strict=True):
             approximation = torch.bmm(p, q.mT)
-            for i, t in enumerate(tensors):
-                t.view(shape).copy_(approximation[i])
+            residual = matrix.sub_(approximation)  # error feedback: what the approximation missed
+            for i, (view, error_view) in enumerate(pairs):
+                error_view.view(n, m).copy_(residual[i])
+                view.view(n, m).copy_(approximation[i])
 
         exact_work.wait()
         exact_flat.div_(self.world_size)
         offset = 0
-        for v in exact:
-            v.copy_(exact_flat[offset : offset + v.numel()].view_as(v))
-            offset += v.numel()
-        s.error_dict[index] = before_compression.sub_(flat)
+        for view, error_view in exact:  # as torch's hook: the error of an exact tensor is local minus average
+            average = exact_flat[offset : offset + view.numel()]
+            torch.sub(view, average, out=error_view)
+            view.copy_(average)
+            offset += view.numel()
         return flat
-
-    def _views(self, flat: Tensor, shapes: Sequence[torch.Size]) -> list[tuple[Tensor, tuple[int, int] | None]]:
-        """The bucket's tensors as views of ``flat`` with their (n, m) if compressed; counts the bytes."""
-        out, offset, before, after = [], 0, 0, 0
-        for shape in shapes:
-            size = shape.numel()
-            view = flat[offset : offset + size].view(shape)
-            compress, numel, sent, _ = compression_sizes(shape, self.matrix_rank, self.min_compression_rate)
-            n = shape[0] if len(shape) else 1
-            out.append((view, (n, size // n) if compress else None))
-            before += numel * flat.element_size()
-            after += sent * (4 if compress else flat.element_size())
-            offset += size
-        if self.stats is not None:
-            self.stats.add("dp_gradients", before, after)
-        return out
 
     def finished(self, index: int, result: Tensor) -> None:
         """Called with a bucket's averaged result once it is complete (hands it to the observer if sampled)."""
