@@ -181,7 +181,8 @@ def driver(args: argparse.Namespace) -> None:
 
     config = preset(args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length)
     flops_per_token = config.flops_per_token(args.seq_length)
-    args.accelerator == "gpu" or os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    if args.accelerator == "cpu":  # a CPU smoke run on a GPU host keeps its workers off the GPUs
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     env = environment(argparse.Namespace(accelerator=args.accelerator, regime=args.regime))
     out_dir = args.out.resolve().with_name(args.out.stem + "_logs")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
     training.compile_blocks([torch.nn.Linear(2, 2)], "max-autotune-no-cudagraphs")
     training.compile_blocks([torch.nn.Linear(2, 2)], True)
+    training.compile_blocks([torch.nn.Linear(2, 2)], False)  # off: nothing compiled
     assert seen == [{"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}, {"backend": "inductor", "mode": None}]
 
 

@@ -52,8 +52,11 @@ def compile_blocks(blocks: Iterable[nn.Module], mode: bool | str = True) -> None
     reused, graphs stay small enough to compile quickly, and ``Module.compile`` keeps parameter names unchanged, so
     checkpoints, optimizer state and export are the same with and without compilation.
 
-    ``mode``: ``True`` for torch.compile's default, or one of its mode names (``"max-autotune-no-cudagraphs"`` also
-    tunes Triton GEMMs with fused epilogues; CUDA-graph modes are refused: pipeline stages run variable shapes)."""
+    ``mode``: ``False`` (nothing to do), ``True`` for torch.compile's default, or one of its mode names
+    (``"max-autotune-no-cudagraphs"`` also tunes Triton GEMMs with fused epilogues; CUDA-graph modes are refused:
+    pipeline stages run variable shapes)."""
+    if mode is False:
+        return
     if mode is True:
         mode = None
     elif mode not in COMPILE_MODES:

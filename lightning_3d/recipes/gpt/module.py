@@ -84,8 +84,7 @@ class GPT(pl.LightningModule):
             device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
             materialize_(self.model, device)
             self.init_weights()
-            if self.hparams.compile:
-                compile_blocks(self.model.layers.values(), self.hparams.compile)
+            compile_blocks(self.model.layers.values(), self.hparams.compile)
 
     def init_weights(self) -> None:
         self.model.init_weights(self.hparams.init_seed)
@@ -126,8 +125,8 @@ class GPT(pl.LightningModule):
     def build_pipeline_stages(self, layouts: Sequence[StageLayout]) -> list[nn.Module]:
         keep = [i for layout in layouts for i in layout.layers]
         self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
-        if self.hparams.compile:  # lazy: traced at the first call, after tensor parallelism has sharded the blocks
-            compile_blocks(self.model.layers.values(), self.hparams.compile)
+        # lazy: traced at the first call, after tensor parallelism has sharded the blocks
+        compile_blocks(self.model.layers.values(), self.hparams.compile)
         return [GPTStage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

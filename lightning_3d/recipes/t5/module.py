@@ -109,8 +109,7 @@ class T5(pl.LightningModule):
 
     def _compile_blocks(self) -> None:
         """Per-block compilation (see ``compile_blocks``): the encoder and the decoder block each trace once."""
-        if self.hparams.compile:
-            compile_blocks([*self.model.encoder.values(), *self.model.decoder.values()], self.hparams.compile)
+        compile_blocks([*self.model.encoder.values(), *self.model.decoder.values()], self.hparams.compile)
 
     def init_weights(self) -> None:
         self.model.init_weights(self.hparams.init_seed)
