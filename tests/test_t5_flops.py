@@ -109,6 +109,20 @@ def test_throughput_counts_inputs_plus_targets_for_seq2seq_batches(monkeypatch) 
     assert m["train/device/mfu"] == pytest.approx(flops / 2 / 4 / 1e12 / 2.0)
 
 
+def test_throughput_count_of_seq2seq_batches_and_its_warning() -> None:
+    class EncoderDecoder:
+        is_encoder_decoder = True
+
+        def flops_per_token(self, input_length: int, target_length: int) -> float:
+            return 10.0 * input_length + target_length
+
+    monitor = ThroughputMFUMonitor(peak_tflops=1.0)
+    pairs = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+    assert monitor.count(EncoderDecoder(), pairs) == (2, 2 * 12, 84.0 * 2 * 12)
+    with pytest.warns(UserWarning, match=r"lack 2-d `input_ids` and `labels` \(an encoder-decoder\)"):
+        assert monitor.count(EncoderDecoder(), {"input_ids": pairs["input_ids"]}) == (2, None, None)
+
+
 @pytest.fixture
 def single_process(monkeypatch):
     with socket.socket() as s:

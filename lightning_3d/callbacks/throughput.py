@@ -115,32 +115,22 @@ class ThroughputMFUMonitor(ThroughputMonitor):
     def count(self, pl_module: pl.LightningModule, batch: Any) -> tuple[int, int | None, float | None]:
         """(samples, tokens, model training FLOPs) of one replica's batch."""
         samples = batch_samples(batch)
-        if getattr(pl_module, "is_encoder_decoder", False):
-            return self._count_seq2seq(pl_module, batch, samples)
-        shapes = token_shapes(batch)
-        tokens = sum(b * s for b, s in shapes) if shapes else None
+        # Per micro-batch: (samples, tokens per sample, the arguments of flops_per_token).
+        if getattr(pl_module, "is_encoder_decoder", False):  # tokens are inputs plus targets
+            parts = [(b, s + t, (s, t)) for b, s, t in seq2seq_shapes(batch)]
+            needed = "2-d `input_ids` and `labels` (an encoder-decoder)"
+        else:
+            parts = [(b, s, (s,)) for b, s in token_shapes(batch)]
+            needed = "token ids"
+        tokens = sum(b * n for b, n, _ in parts) if parts else None
         per_token = getattr(pl_module, "flops_per_token", None)
-        if callable(per_token) and shapes:
-            return samples, tokens, float(sum(per_token(s) * b * s for b, s in shapes))
+        if callable(per_token) and parts:
+            return samples, tokens, float(sum(per_token(*args) * b * n for b, n, args in parts))
         if getattr(pl_module, "flops_per_batch", None) is not None:
             return samples, tokens, float(pl_module.flops_per_batch)
         if not self._warned_flops:
-            rank_zero_warn(f"ThroughputMFUMonitor: {type(pl_module).__name__} has no `flops_per_token(seq_length)` (or"
-                           " `flops_per_batch`) and batches without token ids; logging samples/s only.")
-            self._warned_flops = True
-        return samples, tokens, None
-
-    def _count_seq2seq(self, pl_module: pl.LightningModule, batch: Any, samples: int) -> tuple[int, int | None, float | None]:
-        pairs = seq2seq_shapes(batch)
-        per_token = getattr(pl_module, "flops_per_token", None)
-        tokens = sum(b * (s + t) for b, s, t in pairs) if pairs else None
-        if callable(per_token) and pairs:
-            return samples, tokens, float(sum(per_token(s, t) * b * (s + t) for b, s, t in pairs))
-        if getattr(pl_module, "flops_per_batch", None) is not None:
-            return samples, tokens, float(pl_module.flops_per_batch)
-        if not self._warned_flops:
-            rank_zero_warn(f"ThroughputMFUMonitor: {type(pl_module).__name__} is an encoder-decoder, but its batches lack"
-                           " 2-d `input_ids` and `labels` (or it has no `flops_per_token`); logging samples/s only.")
+            rank_zero_warn(f"ThroughputMFUMonitor: {type(pl_module).__name__} has no `flops_per_token` (or"
+                           f" `flops_per_batch`), or its batches lack {needed}; logging samples/s only.")
             self._warned_flops = True
         return samples, tokens, None
 
