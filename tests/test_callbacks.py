@@ -12,9 +12,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
-from lightning_3d import Compressed3DStrategy, MicroBatches, ParallelDims
+from lightning_3d import MicroBatches
 from lightning_3d.callbacks import (
     CommunicationMonitor, CompressionDiagnostics, CompressionStateMonitor, PipelineTimeline, ThroughputMFUMonitor,
 )
@@ -137,21 +136,10 @@ def test_idle_gaps_and_trace_layout() -> None:
     assert forward["ts"] == pytest.approx(1e5) and forward["dur"] == pytest.approx(1e5)
 
 
-def test_throughput_for_a_known_flop_count(monkeypatch) -> None:
+def test_throughput_for_a_known_flop_count(four_rank_trainer) -> None:
     """dp=2 of 4 devices; two steps 2 s apart; the second brings micro-batches of different shapes."""
     model = GPT("tiny", vocab_size=300, seq_length=16, num_layers=2, hidden_size=32, num_heads=4)
-    strategy = Compressed3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2,
-                                    parallel_devices=[torch.device("cpu")] * 4)
-    strategy.dims = ParallelDims(2, 2, 1, 4)
-    logged = []
-    trainer = SimpleNamespace(
-        strategy=strategy, world_size=4, enable_validation=False,
-        state=SimpleNamespace(fn=TrainerFn.FITTING, stage=RunningStage.TRAINING),
-        fit_loop=SimpleNamespace(_should_accumulate=lambda: False, total_batch_idx=0),
-        _logger_connector=SimpleNamespace(should_update_logs=True, log_metrics=lambda m, step=None: logged.append(m)),
-    )
-    clock = iter([100.0, 101.0, 103.0])
-    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    trainer, logged = four_rank_trainer
     ids = lambda b, s: {"input_ids": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long)}  # noqa: E731
     monitor = ThroughputMFUMonitor(peak_tflops=2.0, window_size=2)
     monitor.setup(trainer, model, "fit")

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import math
-import socket
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_3d.cli import build_cli, main, packaged_configs, resolve_config
 
@@ -24,24 +22,6 @@ def offline(monkeypatch):
     for key in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # written by the CLI's seed_everything; removed afterwards
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
-
-
-@pytest.fixture
-def single_process(monkeypatch):
-    """A free rendezvous port for the 1-process gloo group; env restored and group destroyed afterwards."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    # Lightning's launcher writes these into os.environ; set-then-delete makes monkeypatch
-    # remove them again afterwards, so a leftover LOCAL_RANK cannot make later tests look externally launched.
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def quiet(tmp_path: Path) -> list[str]:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -301,22 +299,6 @@ def test_seq2seq_bad_inputs(tmp_path: Path) -> None:
 
 
 # ----- the CLI: fit, validate (loss and perplexity), export of its checkpoint ------------------------------------
-@pytest.fixture
-def single_process(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setattr("sys.argv", ["lightning-3d"])
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", ["t5_tiny", "t5_770m_3d"])
 def test_packaged_t5_configs_parse(name: str, capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.argv", ["lightning-3d"])

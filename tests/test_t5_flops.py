@@ -3,18 +3,13 @@ and ThroughputMFUMonitor's token and FLOP accounting for seq2seq batches (inputs
 
 from __future__ import annotations
 
-import socket
-from types import SimpleNamespace
-
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_3d import Compressed3DStrategy, MicroBatches, ParallelDims
+from lightning_3d import Compressed3DStrategy, MicroBatches
 from lightning_3d.callbacks import ThroughputMFUMonitor
 from lightning_3d.recipes import T5
 from lightning_3d.recipes.data import SyntheticSeq2SeqDataModule
@@ -75,21 +70,10 @@ def test_a_source_and_target_token_pair_costs_six_n_plus_attention() -> None:
     assert weights == pytest.approx(6 * config.num_parameters(), rel=1e-3)
 
 
-def test_throughput_counts_inputs_plus_targets_for_seq2seq_batches(monkeypatch) -> None:
+def test_throughput_counts_inputs_plus_targets_for_seq2seq_batches(four_rank_trainer) -> None:
     """dp=2 of 4 devices, two steps 2 s apart: the second brings micro-batches of other (input, target) shapes."""
     model = T5("tiny", **SMALL)
-    strategy = Compressed3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2,
-                                    parallel_devices=[torch.device("cpu")] * 4)
-    strategy.dims = ParallelDims(2, 2, 1, 4)
-    logged = []
-    trainer = SimpleNamespace(
-        strategy=strategy, world_size=4, enable_validation=False,
-        state=SimpleNamespace(fn=TrainerFn.FITTING, stage=RunningStage.TRAINING),
-        fit_loop=SimpleNamespace(_should_accumulate=lambda: False, total_batch_idx=0),
-        _logger_connector=SimpleNamespace(should_update_logs=True, log_metrics=lambda m, step=None: logged.append(m)),
-    )
-    clock = iter([100.0, 101.0, 103.0])
-    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    trainer, logged = four_rank_trainer
 
     def pairs(b: int, s: int, t: int) -> dict:
         return {"input_ids": torch.zeros(b, s, dtype=torch.long), "attention_mask": torch.ones(b, s, dtype=torch.long),
@@ -121,21 +105,6 @@ def test_throughput_count_of_seq2seq_batches_and_its_warning() -> None:
     assert monitor.count(EncoderDecoder(), pairs) == (2, 2 * 12, 84.0 * 2 * 12)
     with pytest.warns(UserWarning, match=r"lack 2-d `input_ids` and `labels` \(an encoder-decoder\)"):
         assert monitor.count(EncoderDecoder(), {"input_ids": pairs["input_ids"]}) == (2, None, None)
-
-
-@pytest.fixture
-def single_process(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_mfu_of_a_t5_run_on_cpu(single_process) -> None:
