@@ -22,6 +22,7 @@ from lightning_3d.recipes.data import (
     ResumableDataLoader,
     ResumableDistributedSampler,
     SyntheticLMDataModule,
+    SyntheticSeq2SeqDataModule,
     build_python_docs_corpus,
     load_tokenizer,
 )
@@ -498,3 +499,28 @@ def test_extended_corpus_adds_installed_packages_docstrings(tmp_path, monkeypatc
     extended = corpus.build_python_docs_corpus(tmp_path / "e.jsonl", include_installed_packages=True).read_text().splitlines()
     assert plain == ["standard library prose " * 20]
     assert [json.loads(line)["text"] for line in extended] == plain + ["installed package prose " * 20]
+
+
+@pytest.mark.parametrize(
+    "make,bad",
+    [
+        (SyntheticLMDataModule, dict(vocab_size=1)),
+        (SyntheticLMDataModule, dict(num_workers=-1)),
+        (SyntheticSeq2SeqDataModule, dict(target_length=0)),
+        (SyntheticSeq2SeqDataModule, dict(batch_size=0)),
+    ],
+)
+def test_synthetic_modules_refuse_bad_sizes(make, bad: dict) -> None:
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=f"{name} must be >= \\d+, got {value}"):
+        make(**bad)
+
+
+def test_synthetic_pairs_are_t5_batches_with_shifted_decoder_inputs() -> None:
+    dm = SyntheticSeq2SeqDataModule(vocab_size=50, input_length=6, target_length=4, batch_size=2, num_samples=4)
+    sample = dm.train_dataset[1]
+    assert sample["input_ids"].shape == (6,) and sample["labels"].shape == (4,) and sample["attention_mask"].all()
+    assert sample["decoder_input_ids"].tolist() == [dm.pad_token_id, *sample["labels"][:-1].tolist()]
+    assert torch.equal(SyntheticSeq2SeqDataModule(vocab_size=50, input_length=6, target_length=4).train_dataset[1]["labels"],
+                       sample["labels"])  # sample i depends only on (seed, i)
+    assert dm.vocab_size == 50

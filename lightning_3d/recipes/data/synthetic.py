@@ -32,7 +32,33 @@ class SyntheticTokens(Dataset):
         return {"input_ids": block[:-1], "labels": block[1:]}
 
 
-class SyntheticLMDataModule(L.LightningDataModule):
+class _SyntheticDataModule(L.LightningDataModule):
+    """What the synthetic modules share: argument checks, ``vocab_size`` and the resumable training loader."""
+
+    train_dataset: Dataset
+
+    def _require_at_least(self, **minimums: int) -> None:
+        """``name=low``: the hyper-parameter ``name`` must be at least ``low``."""
+        for name, low in minimums.items():
+            if self.hparams[name] < low:
+                raise ValueError(f"{name} must be >= {low}, got {self.hparams[name]}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hparams.vocab_size
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        return build_train_loader(
+            self.train_dataset,
+            self.hparams.batch_size,
+            trainer=self.trainer,
+            seed=self.hparams.seed,
+            shuffle=self.hparams.shuffle,
+            num_workers=self.hparams.num_workers,
+        )
+
+
+class SyntheticLMDataModule(_SyntheticDataModule):
     """Deterministic random tokens in the causal-LM batch format (training only, no validation)."""
 
     def __init__(
@@ -47,31 +73,13 @@ class SyntheticLMDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        for name, value, low in (("vocab_size", vocab_size, 2), ("seq_length", seq_length, 1),
-                                 ("batch_size", batch_size, 1), ("num_samples", num_samples, 1),
-                                 ("num_workers", num_workers, 0)):
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+        self._require_at_least(vocab_size=2, seq_length=1, batch_size=1, num_samples=1, num_workers=0)
         self.train_dataset = SyntheticTokens(vocab_size, seq_length, num_samples, seed)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hparams.vocab_size
 
     @property
     def eos_token_id(self) -> int:
         """Nominal: the last id. Random data has no documents, but models may expect the attribute."""
         return self.hparams.vocab_size - 1
-
-    def train_dataloader(self) -> ResumableDataLoader:
-        return build_train_loader(
-            self.train_dataset,
-            self.hparams.batch_size,
-            trainer=self.trainer,
-            seed=self.hparams.seed,
-            shuffle=self.hparams.shuffle,
-            num_workers=self.hparams.num_workers,
-        )
 
 
 class SyntheticPairs(Dataset):
@@ -99,7 +107,7 @@ class SyntheticPairs(Dataset):
         return {"input_ids": inputs, "attention_mask": torch.ones_like(inputs), "decoder_input_ids": decoder, "labels": labels}
 
 
-class SyntheticSeq2SeqDataModule(L.LightningDataModule):
+class SyntheticSeq2SeqDataModule(_SyntheticDataModule):
     """Deterministic random (input, target) pairs in the seq2seq batch format (training only, no validation).
 
     The counterpart of :class:`SyntheticLMDataModule` for encoder-decoder benchmarks; ``input_length`` and
@@ -121,16 +129,9 @@ class SyntheticSeq2SeqDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        for name, value, low in (("vocab_size", vocab_size, 2), ("input_length", input_length, 1),
-                                 ("target_length", target_length, 1), ("batch_size", batch_size, 1),
-                                 ("num_samples", num_samples, 1), ("num_workers", num_workers, 0)):
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+        self._require_at_least(vocab_size=2, input_length=1, target_length=1, batch_size=1, num_samples=1,
+                               num_workers=0)
         self.train_dataset = SyntheticPairs(vocab_size, input_length, target_length, num_samples, seed, pad_token_id)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hparams.vocab_size
 
     @property
     def pad_token_id(self) -> int:
@@ -141,13 +142,3 @@ class SyntheticSeq2SeqDataModule(L.LightningDataModule):
     def eos_token_id(self) -> int:
         """Nominal: random data has no sequence ends, but the model and the CLI links expect the id."""
         return self.hparams.eos_token_id
-
-    def train_dataloader(self) -> ResumableDataLoader:
-        return build_train_loader(
-            self.train_dataset,
-            self.hparams.batch_size,
-            trainer=self.trainer,
-            seed=self.hparams.seed,
-            shuffle=self.hparams.shuffle,
-            num_workers=self.hparams.num_workers,
-        )
