@@ -1,12 +1,14 @@
 """Orthonormalisation for the power steps of CB and SC.
 
 Both codecs need orthonormal columns spanning a tall, thin factor P (n x r, r <= 128), every step, on the hot path.
-``torch.linalg.qr`` does that with Householder reflections in cuSOLVER: about a millisecond per call on an H200,
-whatever the size, one call per matrix. Cholesky-QR needs only a Gram product, an r x r Cholesky factor and a
+``torch.linalg.qr`` does that with Householder reflections in cuSOLVER, a latency-bound call per batch (CB's
+encoder, one QR included, measured 0.4–1 ms per call on an H200 whatever the boundary size: RESULTS.md (b)). Cholesky-QR needs only a Gram product, an r x r Cholesky factor and a
 triangular solve, batched over any number of matrices, with no host synchronisation.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -31,14 +33,24 @@ def orthonormalize(p: Tensor) -> Tensor:
     """
     a = _cholesky_qr(_cholesky_qr(p.float()))
     weak = a.norm(dim=-2, keepdim=True) < 0.5  # orthonormal columns have norm 1; degenerate ones ~0
-    rows = torch.arange(a.shape[-2], device=a.device, dtype=a.dtype)[:, None]
-    cols = torch.arange(1, a.shape[-1] + 1, device=a.device, dtype=a.dtype)[None, :]
-    fill = torch.cos(rows * cols * 0.7548776662 + cols * 0.5698402910)  # the same on every rank, no RNG, no copy
-    return _cholesky_qr(_cholesky_qr(torch.where(weak, fill, a)))
+    return _cholesky_qr(_cholesky_qr(torch.where(weak, _completion(*a.shape[-2:], a.device), a)))
+
+
+@functools.lru_cache(maxsize=64)
+def _completion(rows: int, cols: int, device: torch.device) -> Tensor:
+    """Fixed fp32 columns for the basis completion: the same on every rank, without RNG; built once per shape."""
+    i = torch.arange(rows, device=device, dtype=torch.float32)[:, None]
+    j = torch.arange(1, cols + 1, device=device, dtype=torch.float32)[None, :]
+    return torch.cos(i * j * 0.7548776662 + j * 0.5698402910)
+
+
+@functools.lru_cache(maxsize=64)
+def _identity(size: int, device: torch.device) -> Tensor:
+    return torch.eye(size, device=device, dtype=torch.float32)
 
 
 def _cholesky_qr(a: Tensor) -> Tensor:
-    eye = torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
+    eye = _identity(a.shape[-1], a.device)
     gram = a.mT @ a
     scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
     gram = gram + eye * (scale * RELATIVE_SHIFT + ABSOLUTE_SHIFT)
