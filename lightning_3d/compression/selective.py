@@ -7,8 +7,8 @@ equal the hook's up to rounding (``tests/test_compression.py`` runs both side by
 
 It is written here rather than called because the hook is slow on GPUs, for reasons this module removes
 (measured with the hook: SC added 178 ms to a 267 ms step of GPT-350M at (2,2,1) on 4 x H200):
-- it orthonormalises P and Q with Householder QR (cuSOLVER, about a millisecond per call, two calls per shape per
-  bucket); here a shifted Cholesky-QR does it in a handful of batched kernels (``lowrank.orthonormalize``);
+- it orthonormalises P and Q with Householder QR (cuSOLVER, latency-bound; two calls per matrix shape per bucket,
+  about 50 per step for that stage); here a shifted Cholesky-QR does it in a handful of batched kernels (``lowrank.orthonormalize``);
 - it calls ``torch.cuda.synchronize()`` once per bucket; here nothing waits on the host;
 - it chains its three collectives through future callbacks, which gloo runs on its own threads (the order of
   collectives across buckets then differs between ranks); here they are issued in order by the caller.
