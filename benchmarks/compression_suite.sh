@@ -4,6 +4,7 @@
 #   bash benchmarks/compression_suite.sh OUT_DIR memory                # (c) peak memory, one variant per launch
 #   bash benchmarks/compression_suite.sh OUT_DIR step-time-2gpu nvlink ib  # the same on a 2-GPU host: (1,2,1), (2,1,1)
 #   bash benchmarks/compression_suite.sh OUT_DIR kernels               # (b) CB kernel throughput
+#   bash benchmarks/compression_suite.sh OUT_DIR sc-kernels            # SC compute per step: torch's hook vs ours
 #   bash benchmarks/compression_suite.sh OUT_DIR convergence           # (d) loss curves (data: convergence.py prepare)
 # Every variant of a layout runs in the same worker processes, one after the other (fresh model and strategy).
 set -euo pipefail
@@ -38,6 +39,10 @@ case $part in
   kernels)
     python benchmarks/compression_kernels.py --out "$out/compression_kernels_fp32.json"
     python benchmarks/compression_kernels.py --dtype bfloat16 --out "$out/compression_kernels_bf16.json" ;;
+  sc-kernels)  # one GPU
+    for preset in 350m 1.3b; do
+      python benchmarks/sc_kernels.py --preset "$preset" --pp 2 --ranks 32 64 128 --out "$out/sc_kernels_${preset}.json"
+    done ;;
   convergence)
     layout=${CONV_LAYOUT:-2,2,1}; preset=${CONV_PRESET:-125m}
     python benchmarks/convergence.py run --data benchmarks/.data --layout "$layout" --preset "$preset" --steps 2000 \

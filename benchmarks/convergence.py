@@ -162,10 +162,10 @@ def plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, r in results.items():
-        steps, losses = zip(*r["train"])
-        ax.plot(steps, losses, alpha=0.35, label=f"{mode} train")
-        steps, losses = zip(*r["val"])
-        ax.plot(steps, losses, marker="o", label=f"{mode} validation")
+        for key, style in (("train", dict(alpha=0.35)), ("val", dict(marker="o"))):
+            if r[key]:  # a short run may have logged no training loss (--log-every) or no validation
+                steps, losses = zip(*r[key])
+                ax.plot(steps, losses, label=f"{mode} {'train' if key == 'train' else 'validation'}", **style)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.legend()

@@ -335,24 +335,26 @@ def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           start_new_session=True))
     start, failure = time.monotonic(), None
-    while any(p.poll() is None for p in procs):
-        bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-        if bad:
-            failure = (f"rank {bad[0]} exited with code {procs[bad[0]].returncode}", bad[0])
-            time.sleep(3)  # let the other ranks print their side, then stop them
-            break
-        if time.monotonic() - start > args.timeout:
-            failure = (f"timed out after {args.timeout:.0f}s (each rank's stacks at that moment are in its log)", 0)
-            for p in procs:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(p.pid, signal.SIGUSR1)
-            time.sleep(3)
-            break
-        time.sleep(0.2)
-    for p in procs:  # each worker leads its own session: stop it and whatever it started, then reap it
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    try:
+        while any(p.poll() is None for p in procs):
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                failure = (f"rank {bad[0]} exited with code {procs[bad[0]].returncode}", bad[0])
+                time.sleep(3)  # let the other ranks print their side, then stop them
+                break
+            if time.monotonic() - start > args.timeout:
+                failure = (f"timed out after {args.timeout:.0f}s (each rank's stacks at that moment are in its log)", 0)
+                for p in procs:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(3)
+                break
+            time.sleep(0.2)
+    finally:  # also when the driver itself is stopped (SIGTERM, Ctrl-C): no worker may outlive it on the GPUs
+        for p in procs:  # each worker leads its own session: stop it and whatever it started, then reap it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     wall = round(time.monotonic() - start, 1)
     if failure is None and any(p.returncode for p in procs):
         failure = (f"exit codes {[p.returncode for p in procs]}", next(r for r, p in enumerate(procs) if p.returncode))
@@ -490,7 +492,14 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
 
 def main() -> None:
     args = parse_args(sys.argv[1:])
-    worker(args) if args.worker else driver(args, sys.argv[1:])
+    if args.worker:
+        worker(args)
+    else:
+        # `timeout` and job control stop the driver with SIGTERM: turn it into SystemExit, so that the launch's
+        # cleanup kills the workers (their own sessions would otherwise keep the GPUs busy) and the JSON of the
+        # layouts already measured stays written.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        driver(args, sys.argv[1:])
 
 
 if __name__ == "__main__":

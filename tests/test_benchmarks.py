@@ -95,6 +95,38 @@ def test_peers_timeout_dumps_stacks_and_leaves_no_worker_behind(tmp_path: Path) 
     assert not leftover, leftover
 
 
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                pids.append(int(cmdline.parent.name))
+        except OSError:  # ended meanwhile
+            pass
+    return pids
+
+
+def test_train_throughput_stopped_by_sigterm_leaves_no_worker_behind(tmp_path: Path) -> None:
+    """`timeout` stops the driver with SIGTERM; its workers lead sessions of their own, so without the driver's
+    cleanup they would go on holding the GPUs through the next measurements (and outlive a device call)."""
+    import signal
+    import time
+
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--accelerator", "cpu", "--preset", "tiny",
+           "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "2", "--layouts", "1,2,1",
+           "--steps", "1000000", "--warmup", "1", "--precision", "32-true", "--out", str(out)]
+    driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len([p for p in _processes_naming(str(tmp_path)) if p != driver.pid]) < 2:  # both workers started
+        assert time.monotonic() < deadline and driver.poll() is None, "the workers never started"
+        time.sleep(0.5)
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not _processes_naming(str(tmp_path))
+
+
 def test_peers_train_the_same_model_on_the_same_tokens(tmp_path: Path) -> None:
     """benchmarks/peers.py: a plain loop, Lightning's ModelParallelStrategy (FSDP2 + TP, vocab-parallel loss) and our
     strategy start from the same weights and see the same first tokens, so their first-step losses agree (bf16)."""
