@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Optimus-CC benchmark suite of benchmarks/RESULTS.md on a 4-GPU host, in parts that each fit one device call:
 #   bash benchmarks/compression_suite.sh OUT_DIR step-time nvlink ib ethernet  # (a) step time per technique
+#   bash benchmarks/compression_suite.sh OUT_DIR step-time-sc nvlink ib ethernet  # (a) SC only: (2,2,1), off/sc/all/all-stages
 #   bash benchmarks/compression_suite.sh OUT_DIR memory                # (c) peak memory, one variant per launch
 #   bash benchmarks/compression_suite.sh OUT_DIR step-time-2gpu nvlink ib  # the same on a 2-GPU host: (1,2,1), (2,1,1)
 #   bash benchmarks/compression_suite.sh OUT_DIR kernels               # (b) CB kernel throughput
@@ -20,6 +21,11 @@ case $part in
           --compression off cb cb-every all --out "$out/step_time_${regime}_1x4x1.json"
       python benchmarks/train_throughput.py "${common[@]}" --regime "$regime" --layouts 2,2,1 \
           --compression off fe cb cb-every sc all all-stages --out "$out/step_time_${regime}_2x2x1.json"
+    done ;;
+  step-time-sc)
+    for regime in "$@"; do
+      python benchmarks/train_throughput.py "${common[@]}" --regime "$regime" --layouts 2,2,1 \
+          --compression off sc all all-stages --out "$out/step_time_sc_${regime}_2x2x1.json"
     done ;;
   memory)
     # Variants in one process group leave memory behind (allocator state), so each runs in a launch of its own.

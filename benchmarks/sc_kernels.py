@@ -1,8 +1,9 @@
 """Compute cost of selective stage compression (SC) per optimizer step: PyTorch's ``powerSGD_hook`` against ours.
 
-Takes the gradients of pipeline stage 0 of a GPT preset (its blocks and embeddings), splits them into buckets as
-the strategy does (``--bucket-mb``, in reverse registration order), and times one PowerSGD step over all buckets
-on one GPU in a one-process group, so only compression and decompression are timed (the collectives are no-ops).
+Takes the gradients of pipeline stage 0 of a GPT preset (its blocks and embeddings) and times one PowerSGD step over
+all of them on one GPU in a one-process group, so only compression and decompression are timed (the collectives are
+no-ops): torch's hook over DDP-style buckets (``--bucket-mb``, reverse registration order), ours over the buckets
+the strategy's gradient synchronizer makes for an SC stage (one per stage, same shapes adjacent).
 Both run at the same rank with error feedback and warm start; their time is what SC adds to a step before it
 saves any bandwidth. The table also prints how long the uncompressed and compressed bytes take at the all-reduce
 bandwidths of BENCHMARKING.md, so the break-even is visible.
@@ -31,6 +32,7 @@ from benchmarks.compression_kernels import timed  # noqa: E402
 from lightning_3d.compression.selective import DataParallelPowerSGD, compression_sizes  # noqa: E402
 from lightning_3d.recipes.gpt.config import preset  # noqa: E402
 from lightning_3d.recipes.gpt.model import GPTModel  # noqa: E402
+from lightning_3d.strategies.grad_sync import GradientSynchronizer  # noqa: E402
 
 # All-reduce bus bandwidths measured on the lent 4 x H200 host (../shared/BENCHMARKING.md), GB/s.
 ALLREDUCE_GBPS = {"nvlink": 346.0, "ib": 25.0, "ethernet": 3.8}
@@ -58,14 +60,19 @@ class TorchBucket:
         return self.last
 
 
-def stage_buckets(name: str, pp: int, bucket_mb: float) -> list[list[torch.Size]]:
-    """Parameter shapes of pipeline stage 0 (embedding + its share of blocks), in the strategy's bucket order."""
+def stage_parameters(name: str, pp: int) -> list[torch.nn.Parameter]:
+    """Parameters (on the meta device) of pipeline stage 0: the embedding and its share of the blocks."""
     config = preset(name)
     with torch.device("meta"):
         model = GPTModel(config)
     model.prune(range(config.num_layers // pp), keep_embedding=True, keep_head=pp == 1)
+    return list(model.parameters())
+
+
+def ddp_buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.Size]]:
+    """Parameter shapes in DDP's buckets: reverse registration order, at most ``bucket_mb`` each."""
     buckets, current, size = [], [], 0
-    for p in reversed(list(model.parameters())):
+    for p in reversed(params):
         nbytes = p.numel() * 4
         if current and size + nbytes > bucket_mb * 2**20:
             buckets.append(current)
@@ -75,30 +82,50 @@ def stage_buckets(name: str, pp: int, bucket_mb: float) -> list[list[torch.Size]
     return buckets + [current] if current else buckets
 
 
-def measure(buckets: list[list[torch.Size]], rank: int, repeats: int, device: torch.device) -> dict:
+def strategy_buckets(params: list[torch.nn.Parameter]) -> list[list[torch.Size]]:
+    """Parameter shapes in the buckets our gradient synchronizer makes for a stage under SC."""
+    sync = GradientSynchronizer({0: params}, dp_group=None, dp_size=1, compressed_stages={0})
+    sync.remove_hooks()
+    return [[p.shape for p in b.params] for b in sync.buckets]
+
+
+def measure(torch_buckets: list[list[torch.Size]], our_buckets: list[list[torch.Size]], rank: int, repeats: int,
+            device: torch.device, profile: bool = False) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-    flats = [torch.randn(sum(s.numel() for s in shapes), device=device) for shapes in buckets]
+    torch_flats = [torch.randn(sum(s.numel() for s in shapes), device=device) for shapes in torch_buckets]
+    our_flats = [torch.randn(sum(s.numel() for s in shapes), device=device) for shapes in our_buckets]
     theirs = PowerSGDState(dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=2,
                            use_error_feedback=True, warm_start=True, batch_tensors_with_same_shape=True)
     theirs.iter = 2  # past the warm-up: compress from the first call
     ours = DataParallelPowerSGD(dist.group.WORLD, rank=rank, warmup_steps=0)
 
     def step_torch() -> None:
-        for i, (flat, shapes) in enumerate(zip(flats, buckets, strict=True)):
-            powerSGD_hook(theirs, TorchBucket(i, flat.clone(), shapes, i == len(buckets) - 1)).wait()
+        for i, (flat, shapes) in enumerate(zip(torch_flats, torch_buckets, strict=True)):
+            powerSGD_hook(theirs, TorchBucket(i, flat.clone(), shapes, i == len(torch_buckets) - 1)).wait()
 
     def step_ours() -> None:
-        for i, (flat, shapes) in enumerate(zip(flats, buckets, strict=True)):
-            ours.launch(i, flat.clone(), shapes, is_last=i == len(buckets) - 1).wait()
+        for i, (flat, shapes) in enumerate(zip(our_flats, our_buckets, strict=True)):
+            ours.launch(i, flat.clone(), shapes, is_last=i == len(our_buckets) - 1).wait()
 
-    before = sum(f.numel() * 4 for f in flats)
-    after = sum(compression_sizes(s, rank, 2.0)[2] * 4 for shapes in buckets for s in shapes)
-    row = {"rank": rank, "bytes_before": before, "bytes_after": after}
+    before = sum(f.numel() * 4 for f in our_flats)
+    after = sum(compression_sizes(s, rank, 2.0)[2] * 4 for shapes in our_buckets for s in shapes)
+    row = {"rank": rank, "bytes_before": before, "bytes_after": after,
+           "buckets": {"torch_hook": len(torch_buckets), "ours": len(our_buckets)}}
     for label, fn in (("torch_hook", step_torch), ("ours", step_ours)):
         samples = timed(fn, repeats, device)
         row[f"{label}_ms"] = 1e3 * statistics.median(samples)
         row[f"{label}_ms_spread"] = [1e3 * min(samples), 1e3 * max(samples)]
+    if profile:  # where our step's time goes, by kernel and by host-side operator
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            step_ours()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        averages = prof.key_averages()
+        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"PROFILE rank {rank}, one step of ours, by {sort}\n" + averages.table(sort_by=sort, row_limit=15)
+              + "\nby CPU time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     # ring all-reduce over 2 replicas moves the buffer once per rank: bytes / bus bandwidth
     row["allreduce_ms"] = {k: {"uncompressed": before / bw / 1e6, "compressed": after / bw / 1e6}
                            for k, bw in ALLREDUCE_GBPS.items()}
@@ -114,18 +141,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path)
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step of ours")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/store",
-                                rank=0, world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
-        buckets = stage_buckets(args.preset, args.pp, args.bucket_mb)
-        rows = [measure(buckets, r, args.repeats, device) for r in args.ranks]
+                                rank=0, world_size=1,
+                                **({"device_id": torch.device("cuda", 0)} if device.type == "cuda" else {}))
+        params = stage_parameters(args.preset, args.pp)
+        torch_buckets, our_buckets = ddp_buckets(params, args.bucket_mb), strategy_buckets(params)
+        rows = [measure(torch_buckets, our_buckets, r, args.repeats, device, args.profile) for r in args.ranks]
         dist.destroy_process_group()
-    print(f"GPT-{args.preset} stage 0 of {args.pp}: {len(buckets)} buckets of <= {args.bucket_mb} MB, "
-          f"{rows[0]['bytes_before'] / 1e6:.0f} MB of fp32 gradients, device {device}")
+    print(f"GPT-{args.preset} stage 0 of {args.pp}: {rows[0]['bytes_before'] / 1e6:.0f} MB of fp32 gradients; torch's"
+          f" hook over {len(torch_buckets)} DDP buckets of <= {args.bucket_mb} MB, ours over {len(our_buckets)}"
+          f" (the strategy's SC layout); device {device}")
     print("rank | torch hook ms | ours ms | speedup | MB sent | all-reduce ms nvlink / ib / ethernet: plain -> compressed")
     for r in rows:
         ar = " / ".join(f"{v['uncompressed']:.1f}->{v['compressed']:.1f}" for v in r["allreduce_ms"].values())

@@ -139,7 +139,7 @@ class DataParallelPowerSGD:
         ps, qs, matrices, p_at, q_at = [], [], [], 0, 0
         for (n, m), pairs in groups.items():
             b, r = len(pairs), rank[(n, m)]
-            matrices.append(torch.stack([v.view(n, m) for v, _ in pairs]).float())
+            matrices.append(_batched_view(flat, error, pairs, n, m))
             ps.append(s.p_memory_dict[index][p_at : p_at + b * n * r].view(b, n, r))
             qs.append(s.q_memory_dict[index][q_at : q_at + b * m * r].view(b, m, r))
             p_at, q_at = p_at + b * n * r, q_at + b * m * r
@@ -148,19 +148,23 @@ class DataParallelPowerSGD:
                 torch.manual_seed(s.rng.randint(1_000_000_000))
                 for q in qs:
                     q.copy_(torch.randn(*q.shape, device="cpu", dtype=torch.float32))
-        for matrix, p, q in zip(matrices, ps, qs, strict=True):
+        for (matrix, _), p, q in zip(matrices, ps, qs, strict=True):
             torch.bmm(matrix, q.copy_(orthonormalize(q)), out=p)
         dist.all_reduce(s.p_memory_dict[index], group=self.group)  # summed: orthonormalised next, scale irrelevant
-        for matrix, p, q in zip(matrices, ps, qs, strict=True):
+        for (matrix, _), p, q in zip(matrices, ps, qs, strict=True):
             torch.bmm(matrix.mT, p.copy_(orthonormalize(p)), out=q)
         dist.all_reduce(s.q_memory_dict[index], group=self.group)
         s.q_memory_dict[index].div_(self.world_size)
-        for ((n, m), pairs), matrix, p, q in zip(groups.items(), matrices, ps, qs, strict=True):
-            approximation = torch.bmm(p, q.mT)
-            residual = matrix.sub_(approximation)  # error feedback: what the approximation missed
-            for i, (view, error_view) in enumerate(pairs):
-                error_view.view(n, m).copy_(residual[i])
-                view.view(n, m).copy_(approximation[i])
+        for ((n, m), pairs), (matrix, error_matrix), p, q in zip(groups.items(), matrices, ps, qs, strict=True):
+            if error_matrix is not None:  # views of the bucket and of its error buffer: written in place
+                torch.baddbmm(matrix, p, q.mT, alpha=-1, out=error_matrix)  # error feedback: what P·Qᵀ missed
+                torch.bmm(p, q.mT, out=matrix)
+            else:
+                approximation = torch.bmm(p, q.mT)
+                residual = matrix.sub_(approximation)
+                for i, (view, error_view) in enumerate(pairs):
+                    error_view.view(n, m).copy_(residual[i])
+                    view.view(n, m).copy_(approximation[i])
 
         exact_work.wait()
         exact_flat.div_(self.world_size)
@@ -188,3 +192,20 @@ class DataParallelPowerSGD:
         s.iter = state["iter"]
         s.error_dict, s.p_memory_dict, s.q_memory_dict = (dict(state[k]) for k in ("error_dict", "p_memory_dict", "q_memory_dict"))
         s.rng.set_state(state["rng_state"])
+
+
+def _batched_view(flat: Tensor, error: Tensor, pairs: list[tuple[Tensor, Tensor]], n: int, m: int
+                  ) -> tuple[Tensor, Tensor | None]:
+    """The group's matrices as one fp32 (b, n, m) batch, and the same batch of its error feedback.
+
+    When the group's tensors lie one after the other in an fp32 bucket (the gradient synchronizer orders an SC
+    bucket by shape for this), both are views: nothing is copied and the results are written in place. Otherwise
+    (other dtypes, interleaved shapes) the batch is an fp32 copy and the error batch None.
+    """
+    first = pairs[0][0]
+    start = first.data_ptr() - flat.data_ptr()
+    adjacent = all(v.data_ptr() == first.data_ptr() + i * n * m * v.element_size() for i, (v, _) in enumerate(pairs))
+    if flat.dtype == torch.float32 and adjacent:
+        begin, end = start // flat.element_size(), start // flat.element_size() + len(pairs) * n * m
+        return flat[begin:end].view(-1, n, m), error[begin:end].view(-1, n, m)
+    return torch.stack([v.view(n, m) for v, _ in pairs]).float(), None

@@ -63,7 +63,8 @@ class Compressed3DStrategy(ParallelStrategy):
         virtual_stages: stages per pipeline rank for the interleaved schedule (at least 2 there, else 1).
         sequence_parallel: shard the residual stream over the sequence between tensor-parallel regions.
         pipeline_layer_split: layers per stage, overriding the even split.
-        bucket_size_mb: size of the data-parallel all-reduce buckets.
+        bucket_size_mb: size of the data-parallel all-reduce buckets of uncompressed stages (a stage under SC is
+            synchronised as one bucket: its cost is per matrix shape, not per byte).
     """
 
     strategy_name = "compressed_3d"

@@ -78,8 +78,8 @@ def expected_dp_bytes(model, s) -> float:
 
 def learns() -> dict:
     """Everything on at small ranks (CB on every send) still learns a learnable task, close to the uncompressed run.
-    Tiny DP buckets (many PowerSGD chains per step) also check that gloo's off-thread PowerSGD callbacks cannot
-    deadlock."""
+    Tiny DP buckets split the exact last stage into many asynchronous all-reduces, finished after the SC stage's one
+    bucket (SC ignores the bucket size) on the other pipeline rank."""
     out = {}
     for name, kw in (("uncompressed", dict(compression=False)),
                      ("compressed", dict(cb_rank=4, cb_epilogue_only=False, sc_rank=4, sc_warmup=2, bucket_size_mb=0.005))):
