@@ -165,6 +165,24 @@ def test_orthonormalize_spans_like_qr_also_when_rank_deficient() -> None:
         torch.testing.assert_close(q[i] @ q[i].T, householder @ householder.T, atol=1e-5, rtol=0)
 
 
+def test_orthonormalize_never_breaks_down_on_gradient_like_factors() -> None:
+    """Low-rank factors with fast-decaying spectra at any magnitude (what a power step sees: a gradient of low rank, a
+    warm start left by one, fp32 values from 1e-20 to 1e20). Cholesky broke down on such Gram matrices and returned
+    NaN, which error feedback then kept forever (GPT-125M training went NaN on the step SC began); now the result is
+    always finite, orthonormal and spans the input."""
+    generator = torch.Generator().manual_seed(1)
+    for case in range(24):
+        r = (16, 128)[case % 2]
+        k = int(torch.randint(1, r + 1, (), generator=generator))
+        spectrum = torch.logspace(0, -float(torch.randint(2, 12, (), generator=generator)), k)
+        p = (torch.randn(512, k, generator=generator) * spectrum) @ torch.randn(k, r, generator=generator)
+        p *= 10.0 ** float(torch.randint(-20, 21, (), generator=generator))
+        q = orthonormalize(p)
+        assert torch.isfinite(q).all(), case
+        torch.testing.assert_close(q.T @ q, torch.eye(r), atol=1e-4, rtol=0)
+        assert (p - q @ (q.T @ p)).norm() <= 1e-3 * p.norm(), case
+
+
 def test_full_rank_power_step_is_exact_after_a_rank_deficient_warm_start() -> None:
     """A warm-started Q of low rank (left by an earlier, low-rank gradient) must not trap the power iteration in a
     smaller span: at full rank, P·(MᵀP)ᵀ rebuilds M exactly."""

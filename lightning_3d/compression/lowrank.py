@@ -13,35 +13,52 @@ import functools
 import torch
 from torch import Tensor
 
-# Diagonal shift of the Gram matrix, relative to its mean eigenvalue (plus a floor for an all-zero P): it keeps the
-# Cholesky factor of a rank-deficient P finite in fp32; such columns come out scaled towards zero, not NaN.
-RELATIVE_SHIFT = 1e-6
-ABSOLUTE_SHIFT = 1e-30
+# Diagonal shifts of the Gram matrix G, relative to its trace (>= its largest eigenvalue). Cholesky breaks down in fp32
+# once rounding (about r * eps * ||G||) outweighs G's smallest eigenvalue: a rank-deficient P (a gradient of low rank,
+# a warm start left by one) breaks it, and the factor then holds NaN or inf. Shifting by more than that rounding keeps
+# every factor finite; a shifted pass only scales weak directions down, which the next pass brings back. The last pass
+# sees nearly orthonormal columns, so its shift is negligible and its columns have unit norm to fp32 precision.
+SAFE_SHIFT = 1e-4  # passes over possibly ill-conditioned input: 1e-4 > r * eps = 8e-6 at r = 128
+FINAL_SHIFT = 1e-10  # input ~orthonormal: no breakdown to prevent; a bias below fp32 eps
+TINY = 1e-30  # floor of norms and scales: an all-zero P stays zero instead of dividing by zero
 
 
 def orthonormalize(p: Tensor) -> Tensor:
     """fp32 matrix (or batch [..., n, r], n >= r) with orthonormal columns whose span contains that of ``p``.
 
     Cholesky-QR: with PᵀP = LLᵀ, P·L⁻ᵀ has orthonormal columns spanning the same space as P. One pass loses
-    orthogonality as cond(P)² grows, so passes repeat with a small diagonal shift (shifted CholeskyQR, Fukaya et al.
-    2020). Like Gram-Schmidt it works column by column, so a column (nearly) in the span of the earlier ones comes
-    out (nearly) zero; such columns are replaced by fixed, data-independent directions and orthonormalised again,
-    which completes the basis as Householder QR does. Without that, a rank-deficient P (a warm-started Q after a
-    low-rank gradient, zero rows, r above the gradient's rank) would lose those directions for good: every later
-    power step would stay in the smaller span, and a full-rank factorisation would no longer be exact.
+    orthogonality as cond(P)² grows and breaks down on rank-deficient P, so passes repeat with diagonal shifts
+    (shifted CholeskyQR, Fukaya et al. 2020), after scaling P's columns to unit norm (same span; no overflow or
+    underflow in the Gram matrix whatever the gradient's magnitude). Like Gram-Schmidt it works column by column, so
+    a column (nearly) in the span of the earlier ones comes out (nearly) zero; such columns, and any a breakdown
+    left non-finite, are replaced by fixed, data-independent directions and orthonormalised again, which completes
+    the basis as Householder QR does. Without that, a rank-deficient P (a warm-started Q after a low-rank gradient,
+    zero rows, r above the gradient's rank) would lose those directions for good: every later power step would stay
+    in the smaller span, and a full-rank factorisation would no longer be exact. Never returns NaN or inf.
     The column signs may differ from Householder QR's; the projection P·Pᵀ, all that PowerSGD uses, does not.
     """
-    a = _cholesky_qr(_cholesky_qr(p.float()))
-    weak = a.norm(dim=-2, keepdim=True) < 0.5  # orthonormal columns have norm 1; degenerate ones ~0
-    return _cholesky_qr(_cholesky_qr(torch.where(weak, _completion(*a.shape[-2:], a.device), a)))
+    a = p.float()
+    a = a / a.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(TINY)  # |entries| <= 1: squares cannot overflow
+    a = a / a.norm(dim=-2, keepdim=True).clamp_min(TINY)
+    for shift in (SAFE_SHIFT, SAFE_SHIFT / 10, SAFE_SHIFT / 100):  # decreasing: weak directions come back
+        a = _cholesky_qr(a, shift)
+    norms = a.norm(dim=-2, keepdim=True)
+    # Orthonormal columns have norm ~1, degenerate ones ~0; NaN compares False. A column still damped below 0.8 after
+    # three passes is (nearly) dependent on the others: kept, it would leave two nearly parallel columns behind.
+    kept = (norms > 0.8) & (norms < 1.2)
+    a = torch.where(kept, a, _completion(*a.shape[-2:], a.device))
+    a = _cholesky_qr(_cholesky_qr(a, SAFE_SHIFT), FINAL_SHIFT)
+    return torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)  # a last breakdown loses a column, never the step
 
 
 @functools.lru_cache(maxsize=64)
 def _completion(rows: int, cols: int, device: torch.device) -> Tensor:
-    """Fixed fp32 columns for the basis completion: the same on every rank, without RNG; built once per shape."""
-    i = torch.arange(rows, device=device, dtype=torch.float32)[:, None]
-    j = torch.arange(1, cols + 1, device=device, dtype=torch.float32)[None, :]
-    return torch.cos(i * j * 0.7548776662 + j * 0.5698402910)
+    """Fixed orthonormal fp32 columns for the basis completion, built once per shape: a Gaussian matrix from a
+    seeded CPU generator, orthonormalised in fp64, so every rank gets the same bits. Orthonormal among themselves,
+    completion columns stay well conditioned after being orthogonalised against the kept ones."""
+    generator = torch.Generator().manual_seed(rows * 1_000_003 + cols)
+    basis = torch.linalg.qr(torch.randn(rows, cols, generator=generator, dtype=torch.float64)).Q
+    return basis.to(device=device, dtype=torch.float32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -49,10 +66,10 @@ def _identity(size: int, device: torch.device) -> Tensor:
     return torch.eye(size, device=device, dtype=torch.float32)
 
 
-def _cholesky_qr(a: Tensor) -> Tensor:
+def _cholesky_qr(a: Tensor, shift: float) -> Tensor:
     eye = _identity(a.shape[-1], a.device)
     gram = a.mT @ a
-    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
-    gram = gram + eye * (scale * RELATIVE_SHIFT + ABSOLUTE_SHIFT)
+    trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    gram = gram + eye * (trace * shift + TINY)
     factor, _ = torch.linalg.cholesky_ex(gram)  # no error check: that would synchronise with the host
     return torch.linalg.solve_triangular(factor.mT, a, upper=True, left=False)

@@ -5,11 +5,14 @@ rank r, plain all-reduce during a warm-up, error feedback, Q warm-started from t
 whose factors would not be ``min_compression_rate`` times smaller (1-D tensors among them) sent exactly. Results
 equal the hook's up to rounding (``tests/test_compression.py`` runs both side by side).
 
-It is written here rather than called because the hook is slow on GPUs, for reasons this module removes
-(measured with the hook: SC added 178 ms to a 267 ms step of GPT-350M at (2,2,1) on 4 x H200):
-- it orthonormalises P and Q with Householder QR (cuSOLVER, latency-bound; two calls per matrix shape per bucket,
-  about 50 per step for that stage); here a shifted Cholesky-QR does it in a handful of batched kernels (``lowrank.orthonormalize``);
-- it calls ``torch.cuda.synchronize()`` once per bucket; here nothing waits on the host;
+It is written here rather than called because the hook is slow on GPUs (GPT-350M stage 0 of 2, rank 128, one H200,
+``benchmarks/sc_kernels.py``: 115 ms of compute per step with the hook over DDP's 25 MB buckets, 23 ms here):
+- the gradient synchronizer hands a compressed stage over as one bucket with same-shape matrices side by side, so
+  each shape is one batch (six for a GPT stage) computed in place on views of the bucket and of its error buffer,
+  instead of one small batch per shape per bucket (26 buckets, ~10,000 kernel launches for that stage);
+- P and Q are orthonormalised by a shifted Cholesky-QR (``lowrank.orthonormalize``), a few batched kernels, instead
+  of Householder QR in cuSOLVER (latency-bound, two calls per shape per bucket);
+- the hook calls ``torch.cuda.synchronize()`` once per bucket; here nothing waits on the host;
 - it chains its three collectives through future callbacks, which gloo runs on its own threads (the order of
   collectives across buckets then differs between ranks); here they are issued in order by the caller.
 Factors are computed and summed in fp32 whatever the gradient dtype.
