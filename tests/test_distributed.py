@@ -35,6 +35,16 @@ def test_every_layout_and_schedule_matches_single_process_training(world: int, t
     layouts = {(r["dp"], r["pp"], r["tp"]) for r in results}
     expected = {(dp, pp, world // (dp * pp)) for dp in range(1, world + 1) for pp in range(1, world + 1) if world % (dp * pp) == 0}
     assert layouts == ({(2, 2, 2)} if world == 8 else expected)
+    if world == 8:  # the compression stack at (2,2,2): exact at full rank, and compressing while it learns
+        exact = report["exact_222"]
+        assert exact["loss_err"] <= TOLERANCE and exact["param_err"] <= TOLERANCE and exact["compressed_sends"] > 0, exact
+        full = report["full_stack_222"]
+        assert full["losses"][-1] < full["losses"][0] - 0.05, full["losses"]
+        for kind in ("backward_activation_grads", "dp_gradients"):
+            before, after = full["bytes"][kind]
+            assert 0 < after < before / 2, (kind, full["bytes"])
+        assert full["bytes"]["forward_activations"][0] == full["bytes"]["forward_activations"][1] > 0  # never compressed
+        assert full["bytes"]["embedding_sync"][0] > 0  # FE: the tied embedding travels in its own all-reduce
     for layout in layouts:
         if layout[1] > 1:  # every schedule ran for every pipelined layout
             assert {r["schedule"] for r in results if (r["dp"], r["pp"], r["tp"]) == layout} == {"gpipe", "1f1b", "interleaved_1f1b"}

@@ -90,6 +90,20 @@ def learns() -> dict:
     return out
 
 
+def full_stack_222() -> dict:
+    """Issue 6 on CPU, in the 8-process group: the whole stack (CB + LEP on every send, FE, SC on both stages) at (2,2,2)
+    learns, and every kind of traffic that can shrink did (bytes summed over the 8 ranks)."""
+    recorder, model = LossRecorder(), make_model(decay_steps=24)
+    s = strategy(2, 2, 2, 4, cb_rank=4, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_rank=4, sc_warmup=2,
+                 compressed_stages=[0, 1])
+    trainer(s, 24, [recorder]).fit(model, datamodule=TestData(16, dataset=Progressions))
+    stats = s.communication_stats()
+    kinds = ("forward_activations", "backward_activation_grads", "dp_gradients", "embedding_sync")
+    sent = torch.tensor([[stats[k]["bytes_before"], stats[k]["bytes_after"]] for k in kinds], dtype=torch.float64)
+    torch.distributed.all_reduce(sent)
+    return {"losses": recorder.losses, "bytes": {k: row for k, row in zip(kinds, sent.tolist())}}
+
+
 def main() -> None:
     args = parse_args()
     report = {

@@ -88,6 +88,11 @@ def main() -> None:
     for cfg in plan:
         results.append(run(cfg))
         write_report(args.report, {"results": results})  # partial results survive a later failure
+    if args.world == 8 and args.extra != "gpu_subset":  # (2,2,2) with compression, in the same process group
+        from tests.scenarios.compression import exact_at_full_rank, full_stack_222
+
+        write_report(args.report, {"results": results, "exact_222": exact_at_full_rank(2, 2, 2),
+                                   "full_stack_222": full_stack_222()})
 
 
 if __name__ == "__main__":
