@@ -21,7 +21,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from lightning_3d.recipes.data.corpus import build_python_docs_corpus
-from lightning_3d.recipes.data.loader import ResumableDataLoader, build_eval_loader, build_train_loader
+from lightning_3d.recipes.data.loader import ResumableDataLoader, build_eval_loader, train_loader_of
 from lightning_3d.recipes.data.packing import FILE_BUILDERS, PackedBlocks, cap_bytes, pack_documents, resolve_data_files
 from lightning_3d.recipes.data.tokenizer import (
     BPE_EOS_TOKEN_ID,
@@ -255,14 +255,7 @@ class CausalLMDataModule(L.LightningDataModule):
         """Resumable loader over this data-parallel replica's share of the training blocks."""
         if self.train_dataset is None:
             self.setup("fit")
-        return build_train_loader(
-            self.train_dataset,
-            self.hparams.batch_size,
-            trainer=self.trainer,
-            seed=self.hparams.seed,
-            shuffle=self.hparams.shuffle,
-            num_workers=self.hparams.num_workers,
-        )
+        return train_loader_of(self, self.train_dataset)
 
     def val_dataloader(self) -> DataLoader | list:
         """In-order validation loader, or ``[]`` (no validation) when nothing is held out."""

@@ -202,6 +202,14 @@ def build_train_loader(
     return loader
 
 
+def train_loader_of(module: Any, dataset: Dataset) -> ResumableDataLoader:
+    """``build_train_loader`` with a data module's own ``batch_size``, ``seed``, ``shuffle`` and ``num_workers``
+    hyper-parameters (every data module of ours has them)."""
+    hp = module.hparams
+    return build_train_loader(dataset, hp.batch_size, trainer=module.trainer, seed=hp.seed, shuffle=hp.shuffle,
+                              num_workers=hp.num_workers)
+
+
 def build_eval_loader(dataset: Dataset, batch_size: int, *, trainer: Any, num_workers: int) -> DataLoader:
     """An in-order validation loader split over data-parallel replicas (padded, nothing dropped)."""
     num_replicas, rank = data_parallel_rank(trainer)

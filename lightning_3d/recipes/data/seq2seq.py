@@ -22,7 +22,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_3d.recipes.data.causal_lm import CausalLMDataModule, _sha, default_cache_dir
-from lightning_3d.recipes.data.loader import ResumableDataLoader, build_eval_loader, build_train_loader
+from lightning_3d.recipes.data.loader import ResumableDataLoader, build_eval_loader, train_loader_of
 from lightning_3d.recipes.data.packing import FILE_BUILDERS, resolve_data_files
 from lightning_3d.recipes.data.span_corruption import (
     Seq2SeqVocab, SpanCorruptedBlocks, TokenizedPairs, save_pairs, span_lengths,
@@ -235,9 +235,7 @@ class Seq2SeqDataModule(L.LightningDataModule):
         """Resumable loader over this data-parallel replica's share of the training samples."""
         if self.train_dataset is None:
             self.setup("fit")
-        hp = self.hparams
-        return build_train_loader(self.train_dataset, hp.batch_size, trainer=self.trainer, seed=hp.seed,
-                                  shuffle=hp.shuffle, num_workers=hp.num_workers)
+        return train_loader_of(self, self.train_dataset)
 
     def val_dataloader(self) -> DataLoader | list:
         """In-order validation loader, or ``[]`` when nothing is held out."""

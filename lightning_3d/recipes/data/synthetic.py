@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_3d.recipes.data.loader import ResumableDataLoader, build_train_loader
+from lightning_3d.recipes.data.loader import ResumableDataLoader, train_loader_of
 
 
 class SyntheticTokens(Dataset):
@@ -48,14 +48,7 @@ class _SyntheticDataModule(L.LightningDataModule):
         return self.hparams.vocab_size
 
     def train_dataloader(self) -> ResumableDataLoader:
-        return build_train_loader(
-            self.train_dataset,
-            self.hparams.batch_size,
-            trainer=self.trainer,
-            seed=self.hparams.seed,
-            shuffle=self.hparams.shuffle,
-            num_workers=self.hparams.num_workers,
-        )
+        return train_loader_of(self, self.train_dataset)
 
 
 class SyntheticLMDataModule(_SyntheticDataModule):
