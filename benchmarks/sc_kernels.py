@@ -2,8 +2,8 @@
 
 Takes the gradients of pipeline stage 0 of a GPT preset (its blocks and embeddings) and times one PowerSGD step over
 all of them on one GPU in a one-process group, so only compression and decompression are timed (the collectives are
-no-ops): torch's hook over DDP-style buckets (``--bucket-mb``, reverse registration order), ours over the buckets
-the strategy's gradient synchronizer makes for an SC stage (one per stage, same shapes adjacent).
+no-ops): torch's hook over the DDP-style buckets the strategy makes for an exact stage (``--bucket-mb``, reverse
+registration order), ours over the one the strategy makes for an SC stage (same shapes adjacent).
 Both run at the same rank with error feedback and warm start; their time is what SC adds to a step before it
 saves any bandwidth. The table also prints how long the uncompressed and compressed bytes take at the all-reduce
 bandwidths of BENCHMARKING.md, so the break-even is visible.
@@ -69,22 +69,12 @@ def stage_parameters(name: str, pp: int) -> list[torch.nn.Parameter]:
     return list(model.parameters())
 
 
-def ddp_buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.Size]]:
-    """Parameter shapes in DDP's buckets: reverse registration order, at most ``bucket_mb`` each."""
-    buckets, current, size = [], [], 0
-    for p in reversed(params):
-        nbytes = p.numel() * 4
-        if current and size + nbytes > bucket_mb * 2**20:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p.shape)
-        size += nbytes
-    return buckets + [current] if current else buckets
-
-
-def strategy_buckets(params: list[torch.nn.Parameter]) -> list[list[torch.Size]]:
-    """Parameter shapes in the buckets our gradient synchronizer makes for a stage under SC."""
-    sync = GradientSynchronizer({0: params}, dp_group=None, dp_size=1, compressed_stages={0})
+def synchronizer_buckets(params: list[torch.nn.Parameter], bucket_mb: float, compressed: bool) -> list[list[torch.Size]]:
+    """Parameter shapes in the buckets our gradient synchronizer makes for a stage: an exact stage's are DDP-style
+    (reverse registration order, at most ``bucket_mb`` each, what torch's hook would get), an SC stage's one bucket
+    with same shapes adjacent."""
+    sync = GradientSynchronizer({0: params}, dp_group=None, dp_size=1, bucket_size_mb=bucket_mb,
+                                compressed_stages={0} if compressed else set())
     sync.remove_hooks()
     return [[p.shape for p in b.params] for b in sync.buckets]
 
@@ -151,7 +141,7 @@ def main() -> None:
                                 rank=0, world_size=1,
                                 **({"device_id": torch.device("cuda", 0)} if device.type == "cuda" else {}))
         params = stage_parameters(args.preset, args.pp)
-        torch_buckets, our_buckets = ddp_buckets(params, args.bucket_mb), strategy_buckets(params)
+        torch_buckets, our_buckets = (synchronizer_buckets(params, args.bucket_mb, sc) for sc in (False, True))
         rows = [measure(torch_buckets, our_buckets, r, args.repeats, device, args.profile) for r in args.ranks]
         dist.destroy_process_group()
     print(f"GPT-{args.preset} stage 0 of {args.pp}: {rows[0]['bytes_before'] / 1e6:.0f} MB of fp32 gradients; torch's"

@@ -153,6 +153,7 @@ def test_sc_kernels_times_both_implementations(tmp_path: Path) -> None:
     assert [r["rank"] for r in rows] == [2, 4]
     for r in rows:
         assert r["torch_hook_ms"] > 0 and r["ours_ms"] > 0
+        assert r["buckets"]["torch_hook"] > 1 and r["buckets"]["ours"] == 1  # 50 kB DDP buckets; SC: the whole stage
         assert 0 < r["bytes_after"] < r["bytes_before"]
     assert rows[0]["bytes_after"] < rows[1]["bytes_after"]  # rank 2 sends less than rank 4
 
