@@ -171,7 +171,7 @@ def test_orthonormalize_never_breaks_down_on_gradient_like_factors() -> None:
     NaN, which error feedback then kept forever (GPT-125M training went NaN on the step SC began); now the result is
     always finite, orthonormal and spans the input."""
     generator = torch.Generator().manual_seed(1)
-    for case in range(24):
+    for case in range(300):  # 0.8 s on CPU
         r = (16, 128)[case % 2]
         k = int(torch.randint(1, r + 1, (), generator=generator))
         spectrum = torch.logspace(0, -float(torch.randint(2, 12, (), generator=generator)), k)
