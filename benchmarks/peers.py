@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.train_throughput import ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, environment  # noqa: E402
 
 SYSTEMS = ("plain", "ddp", "fsdp", "ours")
-SUFFIXES = ("compile", "autotune", "ckpt", "cc")
+SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res")
 
 
 def parse_system(text: str, gpus: int) -> dict:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -163,3 +165,16 @@ def test_all_stages_mode_compresses_every_stage() -> None:
 
     assert mode_options("all-stages", 3) == {"compression": True, "compressed_stages": [0, 1, 2]}
     assert mode_options("all", 3) == {"compression": True}  # the library default: every stage but the last
+
+
+def test_peers_system_suffixes() -> None:
+    import argparse
+
+    from benchmarks.peers import parse_system
+
+    system = parse_system("ours@2,1,1+compile+fp32res", gpus=2)
+    assert (system["world"], system["compile"], system["fp32res"], system["cc"]) == (2, True, True, False)
+    assert parse_system("plain+fp32res", gpus=1)["fp32res"] and not parse_system("plain", gpus=1)["fp32res"]
+    for bad in ("plain+cc", "ddp+cc", "ours@1,1,1+fast"):
+        with pytest.raises(argparse.ArgumentTypeError, match="for ours only"):
+            parse_system(bad, gpus=1)

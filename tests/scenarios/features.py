@@ -3,6 +3,8 @@
 - A plain LightningModule (no protocol) with pure data parallelism equals a single-process run.
 - ``trainer.validate`` / ``trainer.test`` under pp x tp log the reference model's loss on every rank, also when the
   evaluation batch does not divide into the micro-batch count.
+- Under bf16-mixed the residual stream, and with it the activations between pipeline stages, travel in bf16 (half
+  the bytes of ``fp32_residual=True``), and both train to nearly the same loss.
 - Stop at step 3 with a sharded checkpoint, resume with ``ckpt_path``: the losses and final parameters are
   bitwise those of the uninterrupted run (mid-epoch, through the stateful loader).
 """
@@ -96,6 +98,20 @@ def evaluation(dp: int, pp: int, tp: int) -> dict:
             "rank_spread": (high - low).max().item()}
 
 
+def mixed_precision_boundaries(dp: int, pp: int) -> dict:
+    """Bytes of forward activations this rank sent in 2 steps of bf16-mixed training, bf16 and fp32 residual."""
+    report = {}
+    for name, fp32_residual in (("bf16", False), ("fp32", True)):
+        recorder = LossRecorder()
+        strategy = Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, num_microbatches=4,
+                                        compression=False)
+        trainer(strategy, 2, [recorder], precision="bf16-mixed").fit(make_model(fp32_residual=fp32_residual),
+                                                                     datamodule=TestData(8))
+        sent = strategy.communication_stats()["forward_activations"]["bytes_before"]
+        report[name] = {"sent": all_max(sent), "losses": recorder.losses}
+    return report
+
+
 def resumable_data(global_batch: int) -> pl.LightningDataModule:
     class Data(pl.LightningDataModule):
         def train_dataloader(self):
@@ -138,6 +154,7 @@ def main() -> None:
     workdir = args.report.with_suffix(".work")
     report = {"plain": plain_data_parallel()}
     report["evaluation"] = evaluation(1, 2, WORLD // 2) if WORLD >= 2 else evaluation(1, 1, 1)
+    report["mixed_precision"] = mixed_precision_boundaries(max(WORLD // 2, 1), 2 if WORLD >= 2 else 1)
     report["resume"] = [resume(1, 2, WORLD // 2, "interleaved_1f1b", workdir), resume(WORLD // 2, 2, 1, "gpipe", workdir),
                         resume(WORLD // 2, 2, 1, "1f1b", workdir, compressed=True)]
     write_report(args.report, report)

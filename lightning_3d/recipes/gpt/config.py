@@ -22,6 +22,9 @@ class GPTConfig:
     # GPT-2 checkpoints carry a key bias; it cannot change the output (softmax cancels it) and is off for
     # models trained here, on only to import such weights exactly.
     key_bias: bool = False
+    # Under mixed precision the residual stream runs in the autocast dtype (bf16), like Megatron-LM's default; True
+    # keeps it in fp32 (twice the memory traffic between the blocks' kernels).
+    fp32_residual: bool = False
     init_std: float = 0.02
     vocab_multiple: int = 128
 

@@ -41,6 +41,7 @@ class GPT(pl.LightningModule):
         dropout: float | None = None,
         tie_embeddings: bool | None = None,
         key_bias: bool | None = None,
+        fp32_residual: bool | None = None,
         activation_checkpointing: bool = False,
         compile: bool | str = False,
         learning_rate: float = 3e-4,
@@ -59,7 +60,7 @@ class GPT(pl.LightningModule):
         self.config: GPTConfig = preset(
             preset_name, vocab_size=vocab_size, seq_length=seq_length, num_layers=num_layers, hidden_size=hidden_size,
             num_heads=num_heads, ffn_hidden_size=ffn_hidden_size, dropout=dropout, tie_embeddings=tie_embeddings,
-            key_bias=key_bias,
+            key_bias=key_bias, fp32_residual=fp32_residual,
         )
         if self.config.hidden_size % self.config.num_heads != 0:
             raise ValueError(
