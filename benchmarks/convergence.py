@@ -25,15 +25,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# "all" is the library's defaults (CB on the cool-down sends only since cb_epilogue_only=True). CB variants: only the
-# cool-down sends compressed (the critical path), every send at rank 16 (the old default), or rank 64 on every send.
+# "all" is the library's defaults: CB on the cool-down sends only, without LEP, FE, and SC only where the measured
+# data-parallel link is slower than sc_max_link_gbps (so not on one NVLink host). "all-sc" is the same with SC forced
+# on as on a slow link, "all-lep" the defaults before 2026-11-22 (sixth session): LEP on, SC on every stage but the last.
+# The other modes pin every option they are about, so their meaning does not move with the defaults: CB on the
+# cool-down sends with and without LEP, every send at rank 16 (the default before cb_epilogue_only=True), rank 64.
 # GPT-125M, (1,2,1), 2000 steps, final val loss: off 4.332, every 4.859, epilogue 4.464, rank64 4.576.
+ANY_LINK = dict(sc_max_link_gbps=float("inf"))
 MODES = {"off": dict(compression=False, fused_embedding_sync=False), "all": dict(compression=True),
-         "epilogue": dict(compression=True, cb_epilogue_only=True),
-         "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False),
-         "epilogue-nolep": dict(compression=True, cb_lazy_error_propagation=False),
-         "every": dict(compression=True, cb_epilogue_only=False),
-         "rank64": dict(compression=True, cb_rank=64, cb_epilogue_only=False)}
+         "all-sc": dict(compression=True, **ANY_LINK),
+         "all-lep": dict(compression=True, cb_lazy_error_propagation=True, **ANY_LINK),
+         "epilogue": dict(compression=True, cb_epilogue_only=True, cb_lazy_error_propagation=True, **ANY_LINK),
+         "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False, **ANY_LINK),
+         "epilogue-nolep": dict(compression=True, cb_epilogue_only=True, cb_lazy_error_propagation=False, **ANY_LINK),
+         "every": dict(compression=True, cb_epilogue_only=False, cb_lazy_error_propagation=True, **ANY_LINK),
+         "rank64": dict(compression=True, cb_rank=64, cb_epilogue_only=False, cb_lazy_error_propagation=True, **ANY_LINK)}
 
 
 def steps_or_fraction(text: str) -> int | float:
@@ -126,8 +132,12 @@ def run(args: argparse.Namespace) -> None:
     results, procs = {}, {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    gpus = visible_gpus() if args.accelerator == "gpu" and args.concurrent else []
+    placement = gpu_placement(len(args.modes), dp * pp * tp, gpus)
     for i, mode in enumerate(args.modes):
         result = args.out.with_name(f"{args.out.stem}_{mode}.json")
+        if placement[i] is not None:
+            env = {**env, "CUDA_VISIBLE_DEVICES": placement[i]}
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * pp * tp}",
                f"--master-port={29500 + 17 * i}", __file__, "worker", "--mode", mode, "--result", str(result),
                *sys.argv[2:]]
@@ -148,6 +158,25 @@ def run(args: argparse.Namespace) -> None:
     args.out.write_text(json.dumps(summary, indent=1))
     plot(results, args.out.with_suffix(".png"))
     print(json.dumps({k: summary[k] for k in ("final_val_loss", "relative_to_off")}, indent=1))
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (without initialising CUDA here)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_placement(modes: int, world: int, gpus: list[str]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES per mode of a --concurrent run: when the GPUs hold several copies of the layout, mode i
+    gets copy i mod copies (modes beyond the copies share them); otherwise None: every mode uses all GPUs."""
+    copies = len(gpus) // world
+    if copies < 2:
+        return [None] * modes
+    return [",".join(gpus[(i % copies) * world : (i % copies + 1) * world]) for i in range(modes)]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -191,7 +220,7 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="record the training loss every N steps")
     parser.add_argument("--val-batches", type=int, default=20)
     parser.add_argument("--concurrent", action="store_true",
-                        help="train all modes at once on the same GPUs (each process group uses them all)")
+                        help="train all modes at once; when the GPUs hold several copies of the layout, each mode gets its own (round-robin), else they share them all")
     parser.add_argument("--accelerator", default="gpu", help="cpu runs a gloo smoke test of the script")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--modes", nargs="+", default=["off", "all"], choices=tuple(MODES))

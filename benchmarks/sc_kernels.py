@@ -79,6 +79,17 @@ def synchronizer_buckets(params: list[torch.nn.Parameter], bucket_mb: float, com
     return [[p.shape for p in b.params] for b in sync.buckets]
 
 
+def precision_effect(flat: torch.Tensor, shapes: list[torch.Size], rank: int) -> dict:
+    """One PowerSGD step from the same state and input with TF32 and with IEEE fp32 products: how far apart the two
+    results are, next to how far either is from its input (what rank ``rank`` leaves out, carried by error feedback)."""
+    out = {}
+    for precision in ("tf32", "fp32"):
+        sc = DataParallelPowerSGD(dist.group.WORLD, rank=rank, warmup_steps=0, seed=0, matmul_precision=precision)
+        out[precision] = sc.launch(0, flat.clone(), shapes, is_last=True).wait()
+    return {"tf32_vs_fp32": float((out["tf32"] - out["fp32"]).norm() / out["fp32"].norm()),
+            "compression_error": float((flat - out["fp32"]).norm() / flat.norm())}
+
+
 def measure(torch_buckets: list[list[torch.Size]], our_buckets: list[list[torch.Size]], rank: int, repeats: int,
             device: torch.device, profile: bool = False) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
@@ -88,21 +99,22 @@ def measure(torch_buckets: list[list[torch.Size]], our_buckets: list[list[torch.
     theirs = PowerSGDState(dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=2,
                            use_error_feedback=True, warm_start=True, batch_tensors_with_same_shape=True)
     theirs.iter = 2  # past the warm-up: compress from the first call
-    ours = DataParallelPowerSGD(dist.group.WORLD, rank=rank, warmup_steps=0)
+    ours = DataParallelPowerSGD(dist.group.WORLD, rank=rank, warmup_steps=0)  # the default: TF32 products
+    ours_fp32 = DataParallelPowerSGD(dist.group.WORLD, rank=rank, warmup_steps=0, matmul_precision="fp32")
 
     def step_torch() -> None:
         for i, (flat, shapes) in enumerate(zip(torch_flats, torch_buckets, strict=True)):
             powerSGD_hook(theirs, TorchBucket(i, flat.clone(), shapes, i == len(torch_buckets) - 1)).wait()
 
-    def step_ours() -> None:
+    def step_ours(compressor: DataParallelPowerSGD = ours) -> None:
         for i, (flat, shapes) in enumerate(zip(our_flats, our_buckets, strict=True)):
-            ours.launch(i, flat.clone(), shapes, is_last=i == len(our_buckets) - 1).wait()
+            compressor.launch(i, flat.clone(), shapes, is_last=i == len(our_buckets) - 1).wait()
 
     before = sum(f.numel() * 4 for f in our_flats)
     after = sum(compression_sizes(s, rank, 2.0)[2] * 4 for shapes in our_buckets for s in shapes)
     row = {"rank": rank, "bytes_before": before, "bytes_after": after,
            "buckets": {"torch_hook": len(torch_buckets), "ours": len(our_buckets)}}
-    for label, fn in (("torch_hook", step_torch), ("ours", step_ours)):
+    for label, fn in (("torch_hook", step_torch), ("ours", step_ours), ("ours_fp32", lambda: step_ours(ours_fp32))):
         samples = timed(fn, repeats, device)
         row[f"{label}_ms"] = 1e3 * statistics.median(samples)
         row[f"{label}_ms_spread"] = [1e3 * min(samples), 1e3 * max(samples)]
@@ -116,6 +128,7 @@ def measure(torch_buckets: list[list[torch.Size]], our_buckets: list[list[torch.
         sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(f"PROFILE rank {rank}, one step of ours, by {sort}\n" + averages.table(sort_by=sort, row_limit=15)
               + "\nby CPU time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+    row["precision_effect"] = precision_effect(our_flats[0], our_buckets[0], rank)
     # ring all-reduce over 2 replicas moves the buffer once per rank: bytes / bus bandwidth
     row["allreduce_ms"] = {k: {"uncompressed": before / bw / 1e6, "compressed": after / bw / 1e6}
                            for k, bw in ALLREDUCE_GBPS.items()}
@@ -147,10 +160,13 @@ def main() -> None:
     print(f"GPT-{args.preset} stage 0 of {args.pp}: {rows[0]['bytes_before'] / 1e6:.0f} MB of fp32 gradients; torch's"
           f" hook over {len(torch_buckets)} DDP buckets of <= {args.bucket_mb} MB, ours over {len(our_buckets)}"
           f" (the strategy's SC layout); device {device}")
-    print("rank | torch hook ms | ours ms | speedup | MB sent | all-reduce ms nvlink / ib / ethernet: plain -> compressed")
+    print("rank | torch hook ms | ours ms (TF32, default) | ours ms (fp32) | hook / ours | TF32 vs fp32 result |"
+          " compression error | MB sent | all-reduce ms nvlink / ib / ethernet: plain -> compressed")
     for r in rows:
         ar = " / ".join(f"{v['uncompressed']:.1f}->{v['compressed']:.1f}" for v in r["allreduce_ms"].values())
-        print(f"{r['rank']} | {r['torch_hook_ms']:.1f} | {r['ours_ms']:.1f} | {r['torch_hook_ms'] / r['ours_ms']:.1f}x"
+        effect = r["precision_effect"]
+        print(f"{r['rank']} | {r['torch_hook_ms']:.1f} | {r['ours_ms']:.1f} | {r['ours_fp32_ms']:.1f}"
+              f" | {r['torch_hook_ms'] / r['ours_ms']:.1f}x | {effect['tf32_vs_fp32']:.1e} | {effect['compression_error']:.3f}"
               f" | {r['bytes_after'] / 1e6:.0f} | {ar}")
     if args.out:
         env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -51,11 +51,15 @@ COMPRESSION_MODES = {
     "cb": dict(compression=True, compressed_stages=[], fused_embedding_sync=False),
     "cb-every": dict(compression=True, compressed_stages=[], cb_epilogue_only=False, fused_embedding_sync=False),
     "cb-nolep": dict(compression=True, compressed_stages=[], cb_lazy_error_propagation=False, fused_embedding_sync=False),
-    "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False),
+    # sc: SC on its default stages on any link (by default it runs only where the measured link is slower than
+    # sc_max_link_gbps); all: the library's defaults, SC included only on such a link.
+    "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False, sc_max_link_gbps=float("inf")),
     "all": dict(compression=True),
     # SC on every stage, the last included (the default leaves the last stage exact): for slow links, where the last
     # stage's all-reduce outlasts the pipeline's cool-down that should hide it.
     "all-stages": dict(compression=True, compressed_stages="every"),
+    # The same with SC's products in IEEE fp32 instead of the default TF32 (what that default buys).
+    "all-stages-fp32": dict(compression=True, compressed_stages="every", sc_matmul_precision="fp32"),
 }
 # Callbacks attached for the overhead measurement, each at its most expensive useful setting.
 CALLBACK_VARIANTS = ("state", "diagnostics", "comm", "throughput", "timeline", "allcb")
@@ -210,6 +214,9 @@ def worker(args: argparse.Namespace) -> None:
                 self.result.write_text(json.dumps({
                     "comm_bytes_last_step": {k: {"before": int(b), "after": int(a)} for k, (b, a) in zip(kinds, sent.tolist())},
                     "step_s": times[0].tolist(), "loop_s": times[1].tolist(), "final_loss": self.loss,
+                    # the measured link behind SC's default (None where nothing was measured)
+                    "dp_link_gbps": getattr(trainer.strategy, "data_parallel_link_gbps", None),
+                    "sc_on_rank0": getattr(trainer.strategy, "selective_compression", None) is not None,
                     "peak_mem_gb": mem[0].item() / 1e9 if cuda else None,
                     "peak_reserved_gb": mem[1].item() / 1e9 if cuda else None,
                     "start_mem_gb": mem[2].item() / 1e9 if cuda else None,

@@ -154,10 +154,21 @@ def test_sc_kernels_times_both_implementations(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["results"]
     assert [r["rank"] for r in rows] == [2, 4]
     for r in rows:
-        assert r["torch_hook_ms"] > 0 and r["ours_ms"] > 0
+        assert r["torch_hook_ms"] > 0 and r["ours_ms"] > 0 and r["ours_fp32_ms"] > 0
+        # on CPU the TF32 flag changes nothing; a rank-r approximation of random gradients leaves most out
+        assert r["precision_effect"]["tf32_vs_fp32"] == 0.0 and 0.5 < r["precision_effect"]["compression_error"] < 1
         assert r["buckets"]["torch_hook"] > 1 and r["buckets"]["ours"] == 1  # 50 kB DDP buckets; SC: the whole stage
         assert 0 < r["bytes_after"] < r["bytes_before"]
     assert rows[0]["bytes_after"] < rows[1]["bytes_after"]  # rank 2 sends less than rank 4
+
+
+def test_convergence_places_concurrent_modes_on_their_own_gpus() -> None:
+    from benchmarks.convergence import gpu_placement
+
+    assert gpu_placement(3, 2, ["0", "1", "2", "3"]) == ["0,1", "2,3", "0,1"]  # (1,2,1) on 4 GPUs: two copies
+    assert gpu_placement(2, 2, ["4", "6", "5", "7"]) == ["4,6", "5,7"]  # names as CUDA_VISIBLE_DEVICES gave them
+    assert gpu_placement(2, 4, ["0", "1", "2", "3"]) == [None, None]  # one copy: both modes share all four
+    assert gpu_placement(2, 2, []) == [None, None]  # CPU
 
 
 def test_all_stages_mode_compresses_every_stage() -> None:
@@ -165,6 +176,8 @@ def test_all_stages_mode_compresses_every_stage() -> None:
 
     assert mode_options("all-stages", 3) == {"compression": True, "compressed_stages": [0, 1, 2]}
     assert mode_options("all", 3) == {"compression": True}  # the library default: every stage but the last
+    assert mode_options("all-stages-fp32", 2) == {"compression": True, "compressed_stages": [0, 1],
+                                                  "sc_matmul_precision": "fp32"}
 
 
 def test_peers_system_suffixes() -> None:

@@ -37,7 +37,8 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_diagnostic_cosines_equal_a_direct_computation(order: str, tp: int) -> None:
     """Drive the codec with known gradients and activations; the recorder's means equal cosines computed here."""
     torch.manual_seed(0)
-    codec = CompressedBackprop(CompressedBackpropConfig(rank=2, epilogue_only=False, min_compression_ratio=0.0))
+    codec = CompressedBackprop(CompressedBackpropConfig(rank=2, epilogue_only=False, min_compression_ratio=0.0,
+                                                        lazy_error_propagation=True))
     codec.tp_size, codec.tp_rank = tp, tp - 1  # what split_over_tp gives the last tensor rank (encode needs no group)
     recorder = DiagnosticsRecorder(tp, tp - 1)
     codec.observer = recorder

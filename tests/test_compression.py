@@ -16,8 +16,9 @@ from lightning_3d.pipeline.codec import BoundaryKey
 
 
 def codec(**kw) -> CompressedBackprop:
-    """Compresses every send unless told otherwise (the library default compresses only cool-down sends)."""
-    return CompressedBackprop(CompressedBackpropConfig(**{"rank": 4, "min_compression_ratio": 0.0, "epilogue_only": False, **kw}))
+    """Compresses every send with LEP unless told otherwise (the library defaults: cool-down sends only, no LEP)."""
+    return CompressedBackprop(CompressedBackpropConfig(**{"rank": 4, "min_compression_ratio": 0.0, "epilogue_only": False,
+                                                          "lazy_error_propagation": True, **kw}))
 
 
 def roundtrip(c: CompressedBackprop, grad: torch.Tensor, key: BoundaryKey) -> torch.Tensor:
@@ -140,12 +141,52 @@ def test_powersgd_equals_torch_hook_step_by_step(tmp_path, adjacent: bool) -> No
         got = ours.launch(0, flat.clone(), shapes, is_last=True).wait()
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         if step >= 2:
-            # (the in-place path fuses M - P·Qᵀ into one kernel: rounding differs by a few ulps of |M| ~ 1)
             torch.testing.assert_close(ours.state.error_dict[0], theirs.error_dict[0], rtol=1e-4, atol=5e-5)
             one_d = slice(3840, 3880) if adjacent else slice(1920, 1960)
             assert not torch.equal(got[:1920], flat[:1920])  # compressed: a rank-4 approximation, not the input
             assert torch.equal(got[one_d], flat[one_d])  # the 1-D tensor travels exactly
     assert ours.state.iter == theirs.iter == 6
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision,flag", [("tf32", "tf32"), ("fp32", "ieee")])
+def test_powersgd_products_run_at_the_chosen_precision_and_orthonormalisation_in_ieee(
+        tmp_path, monkeypatch, precision: str, flag: str) -> None:
+    """SC's bulk products (every ``torch.bmm``, in place and on stacked copies) run under the CUDA fp32 flag asked for;
+    the Cholesky-QR always under IEEE fp32, even when the user allowed TF32; the user's setting is restored after.
+    Error feedback keeps input minus exactly what was applied."""
+    from lightning_3d.compression import lowrank
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    seen: dict[str, set[str]] = {"bmm": set(), "orthonormalize": set()}
+    real_bmm, real_qr = torch.bmm, lowrank._cholesky_qr
+
+    def bmm(*args, **kwargs):
+        seen["bmm"].add(torch.backends.cuda.matmul.fp32_precision)
+        return real_bmm(*args, **kwargs)
+
+    def cholesky_qr(a, shift):
+        seen["orthonormalize"].add(torch.backends.cuda.matmul.fp32_precision)
+        return real_qr(a, shift)
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    monkeypatch.setattr(lowrank, "_cholesky_qr", cholesky_qr)
+    sc = DataParallelPowerSGD(dist.group.WORLD, rank=2, warmup_steps=0, min_compression_rate=1.0,
+                              matmul_precision=precision)
+    # 16x8 twice side by side (computed in place), 12x8 twice apart (computed on a stacked copy), 1-D exact
+    shapes = [torch.Size(s) for s in ([16, 8], [16, 8], [8], [12, 8], [8], [12, 8])]
+    torch.set_float32_matmul_precision("high")  # a user who allowed TF32 everywhere
+    try:
+        flat = torch.randn(sum(s.numel() for s in shapes))
+        original = flat.clone()
+        result = sc.launch(0, flat, shapes, is_last=True).wait()
+        assert torch.get_float32_matmul_precision() == "high"  # restored
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert seen == {"bmm": {flag}, "orthonormalize": {"ieee"}}
+    assert not torch.equal(result, original)
+    torch.testing.assert_close(result + sc.state.error_dict[0], original, rtol=0, atol=1e-6)
     dist.destroy_process_group()
 
 
@@ -202,6 +243,8 @@ def test_full_rank_power_step_is_exact_after_a_rank_deficient_warm_start() -> No
         (dict(compressed_stages=[-1]), r"has \[-1\] outside \[0, 1\)"),
         (dict(sc_warmup=1.5), "`sc_warmup=1.5` must be a number of steps"),
         (dict(cb_min_compression_ratio=-1.0), "must be >= 0"),
+        (dict(sc_matmul_precision="bf16"), "`sc_matmul_precision='bf16'` must be 'tf32'"),
+        (dict(sc_max_link_gbps=0), r"`sc_max_link_gbps=0` must be a bandwidth in GB/s > 0"),
     ],
 )
 def test_bad_compression_options(kwargs: dict, message: str) -> None:
@@ -217,6 +260,22 @@ def test_defaults_and_options_without_traffic() -> None:
     notes = CompressionConfig(cb_rank=8, sc_rank=64).unused_options(dp=1, pp=1, tied=True)
     assert len(notes) == 2 and "pipeline_parallel_size is 1" in notes[0] and "data_parallel_size is 1" in notes[1]
     assert CompressionConfig(enabled=False, cb_rank=8).unused_options(dp=1, pp=1, tied=True) == []
+    assert CompressionConfig(compressed_stages=[0], sc_max_link_gbps=10.0).unused_options(dp=2, pp=2, tied=True) == [
+        "sc_max_link_gbps has no effect: compressed_stages names the stages, so no link is measured"]
+
+
+def test_sc_by_default_only_below_the_link_threshold() -> None:
+    cfg = CompressionConfig(sc_max_link_gbps=50.0)
+    assert not cfg.compresses_on_link(None)  # never measured: no SC
+    assert cfg.compresses_on_link(25.0) and not cfg.compresses_on_link(50.0) and not cfg.compresses_on_link(300.0)
+    assert CompressionConfig(compressed_stages=[0]).compresses_on_link(300.0)  # named stages: whatever the link
+    assert CompressionConfig(sc_max_link_gbps=float("inf")).compresses_on_link(1e6)
+
+
+def test_checkpointed_sc_state_without_sc_is_reported_not_silently_dropped() -> None:
+    s = Compressed3DStrategy(data_parallel_size=2, compression=False)
+    with pytest.warns(UserWarning, match="holds selective-compression state.*compression is off.*dropped"):
+        s.load_rank_state_dict({"selective_compression": {"iter": 3}})
 
 
 def test_options_for_traffic_the_topology_lacks_warn_once(recwarn) -> None:

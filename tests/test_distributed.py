@@ -134,14 +134,19 @@ def test_optimus_cc_compression(tmp_path: Path) -> None:
     # (2,2,1), 4 steps of M=4 micro-batches of 2 x 16 tokens, hidden 48, CB rank 4, SC on stage 0 from step 3.
     steps, m, tokens, hidden, rank = 4, 4, 2 * 16, 48, 4
     for row in report["selective"]["rows"]:
-        fwd_b, fwd_a, bwd_b, bwd_a, dp_b, dp_a, emb, sc_on, sc_iter, dp_expected, pp_rank = row
+        fwd_b, fwd_a, bwd_b, bwd_a, dp_b, dp_a, emb, sc_on, sc_iter, dp_expected, pp_rank, sc_fp32 = row
         if pp_rank == 0:
             assert fwd_b == fwd_a == steps * m * tokens * hidden * 4 and bwd_b == 0
             assert sc_on == 1 and sc_iter == steps and dp_a == dp_expected < dp_b
+            assert sc_fp32 == 1  # the strategy's sc_matmul_precision reached the compressor
         else:
             assert bwd_b == steps * m * tokens * hidden * 4 and bwd_a == steps * m * (tokens + hidden) * rank * 4
             assert sc_on == 0 and dp_a == dp_b == dp_expected  # SC touches only the chosen stage
         assert emb == steps * 384 * hidden * 4  # FE: one all-reduce of the (padded) tied embedding per step
+    for name, rows in report["link"].items():  # one measurement, agreed by every rank; SC on stage 0 only if slower
+        assert len({row[0] for row in rows}) == 1 and rows[0][0] > 0, rows
+        expected_on = name == "infinite_threshold"
+        assert [row[1] for row in rows] == [float(expected_on and row[2] == 0) for row in rows], (name, rows)
     learning = report["learning"]
     assert learning["compressed"][-1] < learning["compressed"][0] - 0.05
     assert learning["uncompressed"][-1] < learning["uncompressed"][0] - 0.05

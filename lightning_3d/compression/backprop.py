@@ -53,7 +53,7 @@ class CompressedBackpropConfig:
     rank: int = 16
     epilogue_only: bool = True  # as CompressionConfig.cb_epilogue_only: only the schedule's cool-down sends
     min_compression_ratio: float = 2.0
-    lazy_error_propagation: bool = True
+    lazy_error_propagation: bool = False  # as CompressionConfig.cb_lazy_error_propagation
     seed: int = 0
 
 

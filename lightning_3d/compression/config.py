@@ -22,11 +22,22 @@ class CompressionConfig:
     # send at rank 16 cost +12% validation loss in a 125M run (dp=1, pp=2, 2000 steps), the cool-down sends only +3%.
     cb_epilogue_only: bool = True
     cb_min_compression_ratio: float = 2.0
-    cb_lazy_error_propagation: bool = True
+    # LEP (Optimus-CC's error feedback for CB) is off by default: in every GPT-125M run it widened CB's validation-loss
+    # gap instead of closing it ((1,2,1) M=8: +1.18 % with LEP, +0.36 % without; (2,2,1) M=4: +4.6 % / +2.4 %).
+    # The error of one sample's gradient is added to a different sample's, which at these sizes adds more noise than
+    # it removes (benchmarks/RESULTS.md).
+    cb_lazy_error_propagation: bool = False
     # SC: PowerSGD of data-parallel gradients on the chosen pipeline ranks (needs dp > 1).
     sc_rank: int = 128
     sc_warmup: int | float = 0.1  # steps of plain all-reduce, or a fraction of the run's optimizer steps
     sc_min_compression_ratio: float = 2.0
+    # "tf32": SC's products M·Q, Mᵀ·P and P·Qᵀ on TF32 tensor cores (CUDA), "fp32": full IEEE fp32. The
+    # orthonormalisation is IEEE fp32 either way. TF32 is the default because those products are most of SC's compute.
+    sc_matmul_precision: str = "tf32"
+    # With the default compressed_stages, SC runs only if the data-parallel all-reduce is slower than this bus bandwidth
+    # (GB/s), measured once at setup: on NVLink-class links (~100-350 GB/s) SC's compute costs more than the exact
+    # all-reduce; on InfiniBand- (~25) or Ethernet-class (~4) links it saves more than it costs. float("inf") = always.
+    sc_max_link_gbps: float = 50.0
     # Pipeline ranks whose DP gradients SC compresses; default all but the last (the only one if pp=1): Optimus-CC
     # leaves the last stage exact because its all-reduce overlaps the other stages' cool-down. On links slow enough
     # that this all-reduce outlasts the cool-down (Ethernet-like, see benchmarks/RESULTS.md), list every stage.
@@ -43,6 +54,16 @@ class CompressionConfig:
         for name in ("cb_min_compression_ratio", "sc_min_compression_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}={getattr(self, name)!r}` must be >= 0.")
+        if self.sc_matmul_precision not in ("tf32", "fp32"):
+            raise ValueError(
+                f"`sc_matmul_precision={self.sc_matmul_precision!r}` must be 'tf32' (tensor cores, the default) or"
+                f" 'fp32' (full IEEE fp32 products)."
+            )
+        gbps = self.sc_max_link_gbps
+        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0:
+            raise ValueError(
+                f"`sc_max_link_gbps={gbps!r}` must be a bandwidth in GB/s > 0 (float('inf') compresses on any link)."
+            )
         warmup = self.sc_warmup
         if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or warmup < 0 or (isinstance(warmup, float) and warmup >= 1):
             raise ValueError(
@@ -55,6 +76,12 @@ class CompressionConfig:
                     f"`compressed_stages={list(self.compressed_stages)}` has {bad} outside [0, {pipeline_parallel_size}):"
                     f" name pipeline ranks 0 .. pipeline_parallel_size - 1."
                 )
+
+    def compresses_on_link(self, measured_gbps: float | None) -> bool:
+        """Whether SC runs, given the data-parallel link's measured bus bandwidth (None: not measured)."""
+        if self.compressed_stages is not None:
+            return True
+        return measured_gbps is not None and measured_gbps < self.sc_max_link_gbps
 
     def stages_to_compress(self, pipeline_parallel_size: int) -> set[int]:
         if self.compressed_stages is not None:
@@ -78,8 +105,11 @@ class CompressionConfig:
         notes = []
         if pp == 1 and asked & {"cb_rank", "cb_epilogue_only", "cb_min_compression_ratio", "cb_lazy_error_propagation"}:
             notes.append("compressed backpropagation (cb_*) has nothing to compress: pipeline_parallel_size is 1")
-        if dp == 1 and asked & {"sc_rank", "sc_warmup", "sc_min_compression_ratio", "compressed_stages"}:
+        if dp == 1 and asked & {"sc_rank", "sc_warmup", "sc_min_compression_ratio", "sc_matmul_precision", "sc_max_link_gbps",
+                                "compressed_stages"}:
             notes.append("selective stage compression (sc_*, compressed_stages) has nothing to compress: data_parallel_size is 1")
+        elif self.compressed_stages is not None and "sc_max_link_gbps" in asked:
+            notes.append("sc_max_link_gbps has no effect: compressed_stages names the stages, so no link is measured")
         if (pp == 1 or not tied) and "fused_embedding_sync" in asked:
             notes.append("fused_embedding_sync has no effect: no tied embedding is split across pipeline stages")
         return notes

@@ -8,7 +8,10 @@ triangular solve, batched over any number of matrices, with no host synchronisat
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -23,10 +26,35 @@ FINAL_SHIFT = 1e-10  # input ~orthonormal: no breakdown to prevent; a bias below
 TINY = 1e-30  # floor of norms and scales: an all-zero P stays zero instead of dividing by zero
 
 
+@contextlib.contextmanager
+def fp32_matmul_precision(precision: Literal["tf32", "ieee"]) -> Iterator[None]:
+    """Run the block's fp32 CUDA matmuls at ``precision``, then restore the caller's setting.
+
+    Through torch's per-backend flag (``torch.backends.cuda.matmul.fp32_precision``), set and restored in the same
+    API, so a user's ``torch.set_float32_matmul_precision`` still reads back as they left it. The flag is read when
+    a kernel is launched, so this costs nothing on the GPU. CPU matmuls ignore it.
+    """
+    flags = torch.backends.cuda.matmul
+    before = flags.fp32_precision
+    flags.fp32_precision = precision
+    try:
+        yield
+    finally:
+        flags.fp32_precision = before
+
+
 def orthonormalize(p: Tensor) -> Tensor:
     """fp32 matrix (or batch [..., n, r], n >= r) with orthonormal columns whose span contains that of ``p``.
 
-    Cholesky-QR: with PᵀP = LLᵀ, P·L⁻ᵀ has orthonormal columns spanning the same space as P. One pass loses
+    Always in full fp32 (IEEE) matmuls, whatever the caller allowed: the Gram matrix's rounding decides whether the
+    Cholesky factorisation breaks down (see the shifts above), and TF32's 10-bit mantissa would be far above it.
+    """
+    with fp32_matmul_precision("ieee"):
+        return _orthonormalize(p)
+
+
+def _orthonormalize(p: Tensor) -> Tensor:
+    """Cholesky-QR: with PᵀP = LLᵀ, P·L⁻ᵀ has orthonormal columns spanning the same space as P. One pass loses
     orthogonality as cond(P)² grows and breaks down on rank-deficient P, so passes repeat with diagonal shifts
     (shifted CholeskyQR, Fukaya et al. 2020), after scaling P's columns to unit norm (same span; no overflow or
     underflow in the Gram matrix whatever the gradient's magnitude). Like Gram-Schmidt it works column by column, so

@@ -15,21 +15,30 @@ It is written here rather than called because the hook is slow on GPUs (GPT-350M
 - the hook calls ``torch.cuda.synchronize()`` once per bucket; here nothing waits on the host;
 - it chains its three collectives through future callbacks, which gloo runs on its own threads (the order of
   collectives across buckets then differs between ranks); here they are issued in order by the caller.
-Factors are computed and summed in fp32 whatever the gradient dtype.
+Factors are stored and summed in fp32 whatever the gradient dtype; the bulk products run on TF32 tensor cores unless
+``matmul_precision='fp32'`` (see ``MATMUL_PRECISIONS``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_3d.compression.lowrank import orthonormalize
+from lightning_3d.compression.lowrank import fp32_matmul_precision, orthonormalize
 from lightning_3d.compression.stats import CommunicationStats
+
+# The power step's three bulk products (M·Q, Mᵀ·P, P·Qᵀ) on CUDA: "tf32" runs them on tensor cores, "fp32" in full
+# IEEE fp32. They are most of SC's compute (GPT-1.3B, one H200: benchmarks/RESULTS.md). TF32 rounds each product to
+# ~5e-4 relative, far below what a rank-r factorisation leaves out, and error feedback carries M - P·Qᵀ exactly as
+# applied. The orthonormalisation always runs in IEEE fp32 (``lowrank.orthonormalize``).
+MATMUL_PRECISIONS = {"tf32": "tf32", "fp32": "ieee"}
+
 
 def compression_sizes(shape: torch.Size, rank: int, min_rate: float) -> tuple[bool, int, int]:
     """(compress?, elements before, elements sent) for one gradient viewed as shape[0] x rest (torch's rule)."""
@@ -66,9 +75,13 @@ class DataParallelPowerSGD:
         min_compression_rate: float = 2.0,
         seed: int = 0,
         stats: CommunicationStats | None = None,
+        matmul_precision: Literal["tf32", "fp32"] = "tf32",
     ) -> None:
         if rank < 1:
             raise ValueError(f"PowerSGD rank={rank!r} must be a positive integer.")
+        if matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision={matmul_precision!r}: choose 'tf32' or 'fp32'.")
+        self.matmul_precision = matmul_precision
         self.group = dp_group
         self.world_size = dist.get_world_size(dp_group)
         self.matrix_rank, self.min_compression_rate = rank, min_compression_rate
@@ -151,19 +164,29 @@ class DataParallelPowerSGD:
                 torch.manual_seed(s.rng.randint(1_000_000_000))
                 for q in qs:
                     q.copy_(torch.randn(*q.shape, device="cpu", dtype=torch.float32))
+        precision = MATMUL_PRECISIONS[self.matmul_precision]
         for (matrix, _), p, q in zip(matrices, ps, qs, strict=True):
-            torch.bmm(matrix, q.copy_(orthonormalize(q)), out=p)
+            q.copy_(orthonormalize(q))
+            with fp32_matmul_precision(precision):
+                torch.bmm(matrix, q, out=p)
         dist.all_reduce(s.p_memory_dict[index], group=self.group)  # summed: orthonormalised next, scale irrelevant
         for (matrix, _), p, q in zip(matrices, ps, qs, strict=True):
-            torch.bmm(matrix.mT, p.copy_(orthonormalize(p)), out=q)
+            p.copy_(orthonormalize(p))
+            with fp32_matmul_precision(precision):
+                torch.bmm(matrix.mT, p, out=q)
         dist.all_reduce(s.q_memory_dict[index], group=self.group)
         s.q_memory_dict[index].div_(self.world_size)
+        # One product P·Qᵀ, applied on every replica (the same factors give the same bits everywhere); the error
+        # kept is the input minus exactly that product, as in torch's hook.
         for ((n, m), pairs), (matrix, error_matrix), p, q in zip(groups.items(), matrices, ps, qs, strict=True):
             if error_matrix is not None:  # views of the bucket and of its error buffer: written in place
-                torch.baddbmm(matrix, p, q.mT, alpha=-1, out=error_matrix)  # error feedback: what P·Qᵀ missed
-                torch.bmm(p, q.mT, out=matrix)
+                error_matrix.copy_(matrix)
+                with fp32_matmul_precision(precision):
+                    torch.bmm(p, q.mT, out=matrix)
+                error_matrix.sub_(matrix)
             else:
-                approximation = torch.bmm(p, q.mT)
+                with fp32_matmul_precision(precision):
+                    approximation = torch.bmm(p, q.mT)
                 residual = matrix.sub_(approximation)
                 for i, (view, error_view) in enumerate(pairs):
                     error_view.view(n, m).copy_(residual[i])

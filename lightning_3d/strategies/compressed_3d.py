@@ -22,7 +22,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig
 from lightning_3d.compression.config import CompressionConfig
+from lightning_3d.compression.link import allreduce_bus_gbps
 from lightning_3d.compression.selective import DataParallelPowerSGD
 from lightning_3d.compression.stats import CommunicationStats
 from lightning_3d.pipeline.microbatch import split_batch
@@ -85,10 +86,12 @@ class Compressed3DStrategy(ParallelStrategy):
         cb_rank: int = 16,
         cb_epilogue_only: bool = True,
         cb_min_compression_ratio: float = 2.0,
-        cb_lazy_error_propagation: bool = True,
+        cb_lazy_error_propagation: bool = False,
         sc_rank: int = 128,
         sc_warmup: int | float = 0.1,
         sc_min_compression_ratio: float = 2.0,
+        sc_matmul_precision: Literal["tf32", "fp32"] = "tf32",
+        sc_max_link_gbps: float = 50.0,
         compressed_stages: Sequence[int] | None = None,
         fused_embedding_sync: bool = True,
         compression_seed: int = 0,
@@ -129,7 +132,8 @@ class Compressed3DStrategy(ParallelStrategy):
             )
         self.compression = CompressionConfig(
             compression, compressed_backprop, cb_rank, cb_epilogue_only, cb_min_compression_ratio, cb_lazy_error_propagation, sc_rank,
-            sc_warmup, sc_min_compression_ratio, list(compressed_stages) if compressed_stages is not None else None,
+            sc_warmup, sc_min_compression_ratio, sc_matmul_precision, sc_max_link_gbps,
+            list(compressed_stages) if compressed_stages is not None else None,
             fused_embedding_sync, compression_seed,
         )
         self.compression.validate(pipeline_parallel_size)
@@ -154,6 +158,7 @@ class Compressed3DStrategy(ParallelStrategy):
         self._tied: list[torch.nn.Parameter] = []
         self._fused_tied = False
         self._sc: DataParallelPowerSGD | None = None
+        self._dp_link_gbps: float | None = None
         self._warned_unused = False
 
     # ----- environment --------------------------------------------------------------------------------------
@@ -307,6 +312,8 @@ class Compressed3DStrategy(ParallelStrategy):
 
     def _build_grad_sync(self) -> None:
         """(Re)create the data-parallel gradient synchronizer of this rank's stages (it registers gradient hooks)."""
+        # SC's default depends on the link; measured here, after every configuration check, before the buckets exist.
+        self._measure_data_parallel_link()
         self._grad_sync = GradientSynchronizer(
             self._stage_params, self.dp_group, self.dims.dp, self.bucket_size_mb,
             exclude={id(p) for p in self._tied} if self._fused_tied else set(),
@@ -343,9 +350,34 @@ class Compressed3DStrategy(ParallelStrategy):
         """Bytes this rank put on the wire per kind, before and after compression (see ``compression.stats``)."""
         return self.comm_stats.as_dict(which)
 
+    @property
+    def data_parallel_link_gbps(self) -> float | None:
+        """Bus bandwidth (GB/s) of the data-parallel all-reduce measured at setup, the slowest replica group's, which
+        turned SC on or off by default (``sc_max_link_gbps``); None where nothing was measured (dp = 1, compression
+        off, or ``compressed_stages`` given)."""
+        return self._dp_link_gbps
+
     def _compresses_dp(self) -> bool:
         cfg = self.compression
-        return cfg.enabled and self.dims.dp > 1 and self.pp_rank in cfg.stages_to_compress(self.dims.pp)
+        return (cfg.enabled and self.dims.dp > 1 and self.pp_rank in cfg.stages_to_compress(self.dims.pp)
+                and cfg.compresses_on_link(self._dp_link_gbps))
+
+    def _measure_data_parallel_link(self) -> None:
+        """Time one all-reduce on every data-parallel group at once, once; the slowest decides for every rank, so all
+        replicas agree. Only where the answer matters: SC's default stages with dp > 1."""
+        cfg = self.compression
+        if self._dp_link_gbps is not None or not cfg.enabled or self.dims.dp == 1 or cfg.compressed_stages is not None:
+            return
+        measured = torch.tensor([allreduce_bus_gbps(self.dp_group, self.root_device)], device=self.root_device)
+        dist.all_reduce(measured, op=dist.ReduceOp.MIN)
+        self._dp_link_gbps = float(measured)
+        verdict = ("on: slower than" if cfg.compresses_on_link(self._dp_link_gbps) else
+                   "off: PowerSGD's compute would cost more than it saves at or above")
+        rank_zero_info(
+            f"Compressed3DStrategy: the data-parallel all-reduce runs at {self._dp_link_gbps:.1f} GB/s (bus bandwidth);"
+            f" selective stage compression is {verdict} sc_max_link_gbps={cfg.sc_max_link_gbps:g}. Pass"
+            f" compressed_stages=[...] to choose the compressed stages yourself."
+        )
 
     def _setup_selective_compression(self, trainer: pl.Trainer) -> None:
         if not self._compresses_dp() or self._sc is not None:
@@ -354,6 +386,7 @@ class Compressed3DStrategy(ParallelStrategy):
         self._sc = DataParallelPowerSGD(
             self.dp_group, self.compression.sc_rank, self.compression.warmup_steps(int(total)),
             self.compression.sc_min_compression_ratio, self.compression.seed, self.comm_stats,
+            self.compression.sc_matmul_precision,
         )
         self._grad_sync.attach_compressor(self._sc)
 
@@ -561,7 +594,17 @@ class Compressed3DStrategy(ParallelStrategy):
         return {name: obj.state_dict() for name, obj in states.items()}
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
-        for name, obj in self.rank_states().items():
+        states = self.rank_states()
+        if "selective_compression" in state and "selective_compression" not in states:
+            link = self._dp_link_gbps
+            why = (f"its data-parallel link measured {link:.1f} GB/s, at or above sc_max_link_gbps" if link is not None
+                   else "compression is off or compressed_stages leaves this stage out")
+            rank_zero_warn(
+                "Compressed3DStrategy: the checkpoint holds selective-compression state (PowerSGD error feedback) but"
+                f" this run does not compress data-parallel gradients on this rank ({why}); that state is dropped."
+                " Pass compressed_stages=[...] to keep compressing."
+            )
+        for name, obj in states.items():
             if name in state:
                 obj.load_state_dict(state[name])
 

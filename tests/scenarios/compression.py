@@ -14,6 +14,9 @@ H, SEQ_LEN = 48, 16
 
 
 def strategy(dp, pp, tp, m, **kw) -> Compressed3DStrategy:
+    """LEP on wherever compression is (it is off by default): these scenarios check it too."""
+    if kw.get("compression", True):
+        kw.setdefault("cb_lazy_error_propagation", True)
     return Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                 num_microbatches=m, **kw)
 
@@ -44,10 +47,10 @@ def epilogue_counts(schedule: str, epilogue_only: bool) -> dict:
 
 
 def selective_and_bytes() -> dict:
-    """(2,2,1), SC on stage 0 only after 2 warm-up steps, CB rank 4 on every send: which stages compress and the byte
-    counts."""
+    """(2,2,1), SC on stage 0 only after 2 warm-up steps (IEEE fp32 products), CB rank 4 on every send: which stages
+    compress, with which options, and the byte counts."""
     s = strategy(2, 2, 1, 4, cb_rank=4, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_rank=4, sc_warmup=2,
-                 compressed_stages=[0])
+                 compressed_stages=[0], sc_matmul_precision="fp32")
     model = make_model()
     trainer(s, 4).fit(model, datamodule=TestData(16))
     stats = s.communication_stats()
@@ -55,7 +58,7 @@ def selective_and_bytes() -> dict:
     row = [stats[k][b] for k in ("forward_activations", "backward_activation_grads", "dp_gradients")
            for b in ("bytes_before", "bytes_after")]
     row += [stats["embedding_sync"]["bytes_before"], float(sc is not None), float(sc.state.iter if sc else -1),
-            expected_dp_bytes(model, s), float(s.pp_rank)]
+            expected_dp_bytes(model, s), float(s.pp_rank), float(sc.matmul_precision == "fp32" if sc else -1)]
     gathered = torch.zeros(4, len(row), dtype=torch.float64)
     gathered[torch.distributed.get_rank()] = torch.tensor(row, dtype=torch.float64)
     torch.distributed.all_reduce(gathered)
@@ -104,6 +107,21 @@ def full_stack_222() -> dict:
     return {"losses": recorder.losses, "bytes": {k: row for k, row in zip(kinds, sent.tolist())}}
 
 
+def link_decides() -> dict:
+    """Default compressed_stages at (2,2,1): SC follows the data-parallel all-reduce measured at setup. Whatever gloo's
+    speed, it is above 1e-9 GB/s (SC off) and below infinity (SC on, on stage 0). Rows: [GB/s, SC on, pp rank]."""
+    out = {}
+    for name, threshold in (("tiny_threshold", 1e-9), ("infinite_threshold", float("inf"))):
+        s = strategy(2, 2, 1, 2, sc_max_link_gbps=threshold, sc_warmup=0)
+        trainer(s, 1).fit(make_model(), datamodule=TestData(8))
+        rows = torch.zeros(4, 3, dtype=torch.float64)
+        rows[torch.distributed.get_rank()] = torch.tensor(
+            [s.data_parallel_link_gbps, float(s.selective_compression is not None), float(s.pp_rank)], dtype=torch.float64)
+        torch.distributed.all_reduce(rows)
+        out[name] = rows.tolist()
+    return out
+
+
 def main() -> None:
     args = parse_args()
     report = {
@@ -112,6 +130,7 @@ def main() -> None:
                      epilogue_counts("interleaved_1f1b", True)],
         "selective": selective_and_bytes(),
         "learning": learns(),
+        "link": link_decides(),
     }
     write_report(args.report, report)
 

@@ -125,7 +125,8 @@ def resumable_data(global_batch: int) -> pl.LightningDataModule:
 
 def resume(dp: int, pp: int, tp: int, schedule: str, workdir: Path, compressed: bool = False) -> dict:
     # Compressed: CB + LEP at rank 4, SC at rank 4 compressing from step 3 on; its state rides in the checkpoint.
-    options = dict(cb_rank=4, cb_min_compression_ratio=0.0, sc_rank=4, sc_warmup=2) if compressed else dict(compression=False)
+    options = (dict(cb_rank=4, cb_min_compression_ratio=0.0, cb_lazy_error_propagation=True, sc_rank=4, sc_warmup=2)
+               if compressed else dict(compression=False))
 
     def strategy():
         return Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,

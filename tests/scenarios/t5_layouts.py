@@ -179,7 +179,8 @@ def run(cfg: dict, work: Path, hf_dir: str) -> dict:
     if cfg.get("pretrained"):
         return pretrained(cfg, hf_dir, str(work / cfg["pretrained"]))
     global_batch = cfg["dp"] * cfg["m"] * 2
-    compression = (dict(cb_rank=64, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_warmup=100) if cfg.get("compressed")
+    compression = (dict(cb_rank=64, cb_epilogue_only=False, cb_min_compression_ratio=0.0, cb_lazy_error_propagation=True,
+                        sc_warmup=100) if cfg.get("compressed")
                    else dict(compression=False))
     strategy = Compressed3DStrategy(
         data_parallel_size=cfg["dp"], pipeline_parallel_size=cfg["pp"], tensor_parallel_size=cfg["tp"],
