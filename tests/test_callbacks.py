@@ -264,3 +264,27 @@ def test_all_callbacks_on_a_compressed_3d_run(tmp_path) -> None:
         assert r["norms_before"][key] > 0 and r["norms_after"] == {key: 0.0}, r
         assert r["buffers_zero"] and r["num_buffers"] == 1 and r["memories_empty"], r
         assert r["resets"] == 2 and r["warmup_reset"] and r["observers_detached"]
+
+
+def test_sc_anywhere_follows_the_measured_link_and_diagnostics_say_when_lep_is_off() -> None:
+    """What the callbacks read: SC runs somewhere only on a link slower than sc_max_link_gbps (once measured), and
+    CompressionDiagnostics says that its LEP cosine has nothing to pair when LEP is off (the default)."""
+    from types import SimpleNamespace
+
+    from lightning_3d import Compressed3DStrategy, ParallelDims
+    from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig
+
+    s = Compressed3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2,
+                             parallel_devices=[torch.device("cpu")] * 4)
+    s.dims, s.pp_rank, s.tp_rank = ParallelDims(2, 2, 1, 4), 1, 0
+    assert not s.compresses_data_parallel_anywhere  # nothing measured yet
+    s._dp_link_gbps = 212.0  # NVLink-class
+    assert not s.compresses_data_parallel_anywhere
+    s._dp_link_gbps = 25.0  # InfiniBand-class
+    assert s.compresses_data_parallel_anywhere
+    s._runtime = SimpleNamespace(codec=CompressedBackprop(CompressedBackpropConfig()), observer=None)
+    diagnostics = CompressionDiagnostics(every_n_steps=1, plot=False)
+    diagnostics._strategy = s
+    with pytest.warns(UserWarning, match=r"needs LEP errors and LEP is off \(cb_lazy_error_propagation=False"):
+        diagnostics.on_fit_start(SimpleNamespace(strategy=s), None)
+    assert s.compressed_backprop.observer is diagnostics.recorder  # the other diagnostics still run

@@ -154,12 +154,15 @@ class CompressionDiagnostics(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         s = self._strategy
-        cfg, codec, sc = s.compression, s.compressed_backprop, s.selective_compression
-        sc_anywhere = cfg.enabled and s.dims.dp > 1 and bool(cfg.stages_to_compress(s.dims.pp))
-        if codec is None and not sc_anywhere:
-            rank_zero_warn("CompressionDiagnostics: compression is off for this run (compression=False, or no pipeline"
-                           " and data parallelism to compress), so there is nothing to diagnose.")
+        codec, sc = s.compressed_backprop, s.selective_compression
+        if codec is None and not s.compresses_data_parallel_anywhere:
+            rank_zero_warn("CompressionDiagnostics: compression is off for this run (compression=False, no pipeline"
+                           " and data parallelism to compress, or SC left off on a data-parallel link faster than"
+                           " sc_max_link_gbps), so there is nothing to diagnose.")
             return
+        if codec is not None and not codec.config.lazy_error_propagation:
+            rank_zero_warn("CompressionDiagnostics: cos(e_i, a_i - a_(i+1)) needs LEP errors and LEP is off"
+                           " (cb_lazy_error_propagation=False, the default); the other diagnostics are logged.")
         if self.plot:
             self._dir = output_dir(trainer, None)
         prefix = f"diag/sc/pp{s.pp_rank}" + (f"/tp{s.tp_rank}" if s.dims.tp > 1 else "")

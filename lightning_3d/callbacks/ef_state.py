@@ -51,14 +51,15 @@ class CompressionStateMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         s = self._strategy
         cfg = s.compression
-        sc_anywhere = cfg.enabled and s.dims.dp > 1 and bool(cfg.stages_to_compress(s.dims.pp))
+        sc_anywhere = s.compresses_data_parallel_anywhere
         if s.compressed_backprop is None and not sc_anywhere:
             rank_zero_warn("CompressionStateMonitor: compression is off for this run; there is no error-feedback state.")
         self._warmup_step = None
         if self.reset_at_warmup_end:
             if not sc_anywhere:
                 rank_zero_warn("CompressionStateMonitor(reset_at_warmup_end=True): selective compression is off in this"
-                               " run, so its warm-up never ends; no automatic reset.")
+                               " run (no data parallelism, no stage chosen, or a data-parallel link faster than"
+                               " sc_max_link_gbps), so its warm-up never ends; no automatic reset.")
             elif s.selective_compression is not None:
                 self._warmup_step = s.selective_compression.warmup_steps
             else:  # a stage without SC (e.g. the last) computes the same step as the ranks that have it

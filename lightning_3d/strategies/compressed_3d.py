@@ -357,10 +357,15 @@ class Compressed3DStrategy(ParallelStrategy):
         off, or ``compressed_stages`` given)."""
         return self._dp_link_gbps
 
-    def _compresses_dp(self) -> bool:
+    @property
+    def compresses_data_parallel_anywhere(self) -> bool:
+        """Whether SC runs on some pipeline rank of this job (the same answer on every rank, once set up)."""
         cfg = self.compression
-        return (cfg.enabled and self.dims.dp > 1 and self.pp_rank in cfg.stages_to_compress(self.dims.pp)
+        return (cfg.enabled and self.dims.dp > 1 and bool(cfg.stages_to_compress(self.dims.pp))
                 and cfg.compresses_on_link(self._dp_link_gbps))
+
+    def _compresses_dp(self) -> bool:
+        return self.compresses_data_parallel_anywhere and self.pp_rank in self.compression.stages_to_compress(self.dims.pp)
 
     def _measure_data_parallel_link(self) -> None:
         """Time one all-reduce on every data-parallel group at once, once; the slowest decides for every rank, so all
