@@ -24,8 +24,8 @@ class CompressionConfig:
     cb_min_compression_ratio: float = 2.0
     # LEP (Optimus-CC's error feedback for CB) is off by default: in every GPT-125M run it widened CB's validation-loss
     # gap instead of closing it ((1,2,1) M=8: +1.18 % with LEP, +0.36 % without; (2,2,1) M=4: +4.6 % / +2.4 %).
-    # The error of one sample's gradient is added to a different sample's, which at these sizes adds more noise than
-    # it removes (benchmarks/RESULTS.md).
+    # A likely reason (not isolated): the error left by one sample's gradient is added to a different sample's.
+    # One seed per run (benchmarks/RESULTS.md).
     cb_lazy_error_propagation: bool = False
     # SC: PowerSGD of data-parallel gradients on the chosen pipeline ranks (needs dp > 1).
     sc_rank: int = 128
