@@ -215,8 +215,8 @@ def worker(args: argparse.Namespace) -> None:
                     "comm_bytes_last_step": {k: {"before": int(b), "after": int(a)} for k, (b, a) in zip(kinds, sent.tolist())},
                     "step_s": times[0].tolist(), "loop_s": times[1].tolist(), "final_loss": self.loss,
                     # the measured link behind SC's default (None where nothing was measured)
-                    "dp_link_gbps": getattr(trainer.strategy, "data_parallel_link_gbps", None),
-                    "sc_on_rank0": getattr(trainer.strategy, "selective_compression", None) is not None,
+                    "dp_link_gbps": trainer.strategy.data_parallel_link_gbps,
+                    "sc_on_rank0": trainer.strategy.selective_compression is not None,
                     "peak_mem_gb": mem[0].item() / 1e9 if cuda else None,
                     "peak_reserved_gb": mem[1].item() / 1e9 if cuda else None,
                     "start_mem_gb": mem[2].item() / 1e9 if cuda else None,

@@ -22,8 +22,9 @@ class CompressionConfig:
     # send at rank 16 cost +12% validation loss in a 125M run (dp=1, pp=2, 2000 steps), the cool-down sends only +3%.
     cb_epilogue_only: bool = True
     cb_min_compression_ratio: float = 2.0
-    # LEP (Optimus-CC's error feedback for CB) is off by default: in every GPT-125M run it widened CB's validation-loss
-    # gap instead of closing it ((1,2,1) M=8: +1.18 % with LEP, +0.36 % without; (2,2,1) M=4: +4.6 % / +2.4 %).
+    # LEP (Optimus-CC's error feedback for CB) is off by default: in both GPT-125M runs that compared it, it widened
+    # CB's validation-loss gap instead of closing it ((1,2,1) M=8: +1.18 % with LEP, +0.36 % without; (2,2,1) M=4:
+    # +4.6 % / +2.4 %).
     # A likely reason (not isolated): the error left by one sample's gradient is added to a different sample's.
     # One seed per run (benchmarks/RESULTS.md).
     cb_lazy_error_propagation: bool = False
