@@ -59,7 +59,7 @@ def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> 
     m, mb = args.num_microbatches, args.micro_batch_size
     step_s, losses, index = [], [], 0
     profiler = StepProfiler(args)
-    for step in range(args.warmup + args.steps):
+    for step in range(total_steps(args)):
         profiler.at_step(step, 0)
         _sync(device)
         start = time.perf_counter()
@@ -77,8 +77,9 @@ def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> 
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))  # synchronises, as Lightning's loss logging does
         _sync(device)
-        if step >= args.warmup:
+        if args.warmup <= step < args.warmup + args.steps:
             step_s.append(time.perf_counter() - start)
+    profiler.finish()
     return _result(step_s, losses, device)
 
 
@@ -126,12 +127,12 @@ class FSDPGPT(GPT):
 class StepTimer(pl.Callback):
     """Wall time from the first batch of an optimizer step to the end of its last (GPU-synchronised)."""
 
-    def __init__(self, batches_per_step: int, warmup: int, profiler: "StepProfiler") -> None:
-        self.batches_per_step, self.warmup, self.profiler = batches_per_step, warmup, profiler
+    def __init__(self, batches_per_step: int, warmup: int, timed: int, profiler: "StepProfiler") -> None:
+        self.batches_per_step, self.warmup, self.timed, self.profiler = batches_per_step, warmup, timed, profiler
         self.step_s: list[float] = []
         self.losses: list[float] = []
         self._start = 0.0
-        self._loss = 0.0
+        self._loss: Tensor | float = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, idx: int) -> None:
         if idx % self.batches_per_step == 0:
@@ -140,14 +141,20 @@ class StepTimer(pl.Callback):
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, out: Any, batch: Any, idx: int) -> None:
-        # Lightning hands back each batch's loss divided by the accumulation count: their sum is the step's mean
-        self._loss += float(out["loss"] if isinstance(out, dict) else out)
+        # Lightning hands back each batch's loss divided by the accumulation count: their sum is the step's mean.
+        # Summed on the device and read once per step, as the plain loop does: reading it per micro-batch would stall
+        # the accumulating peers (DDP, FSDP2) on a host sync that ours, one call per step, does not pay.
+        self._loss = self._loss + (out["loss"] if isinstance(out, dict) else out).detach()
         if (idx + 1) % self.batches_per_step == 0:
+            loss = float(self._loss)
             _sync(trainer.strategy.root_device)
-            if trainer.global_step > self.warmup:
+            if self.warmup < trainer.global_step <= self.warmup + self.timed:  # global_step counts this step
                 self.step_s.append(time.perf_counter() - self._start)
-            self.losses.append(self._loss)
+            self.losses.append(loss)
             self._loss = 0.0
+
+    def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+        self.profiler.finish()
 
 
 def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
@@ -160,7 +167,8 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
     if name == "ours":
         strategy = Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=m,
                                         schedule=args.schedule if system["pp"] > 1 else "1f1b",
-                                        compression=system["cc"], fused_embedding_sync=system["cc"])
+                                        compression=system["cc"], fused_embedding_sync=system["cc"],
+                                        gradient_accumulation_fusion=not system["nofuse"])
         module, batch, accumulate = make_gpt(args, system), mb * m, 1
     elif name == "ddp":
         strategy = DDPStrategy(gradient_as_bucket_view=True)
@@ -169,8 +177,8 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
         strategy = ModelParallelStrategy(data_parallel_size=system["dp"], tensor_parallel_size=system["tp"],
                                          save_distributed_checkpoint=True)
         module, batch, accumulate = make_gpt(args, system, FSDPGPT), mb, m
-    steps = args.warmup + args.steps
-    timer = StepTimer(accumulate, args.warmup, StepProfiler(args))
+    steps = total_steps(args)
+    timer = StepTimer(accumulate, args.warmup, args.steps, StepProfiler(args))
     trainer = pl.Trainer(accelerator=args.accelerator, devices=system["world"], strategy=strategy,
                          precision="bf16-mixed", max_steps=steps, accumulate_grad_batches=accumulate,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -185,10 +193,13 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
 
 
 class StepProfiler:
-    """``--profile``: rank 0 records steps warmup+1 and warmup+2 with torch.profiler and prints the kernel table."""
+    """``--profile``: rank 0 records two extra steps after the timed ones with torch.profiler (so the profiler's
+    overhead stays out of the timings) and prints the kernel table; ``--trace``: it also writes their timeline
+    (Chrome trace, gzip) beside the system's result."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.first = args.warmup + 1 if args.profile else -1
+        self.first = args.warmup + args.steps if args.profile or args.trace else -1
+        self.trace = args.result.with_suffix(".trace.json.gz") if args.trace and args.result else None
         self._prof = None
 
     def at_step(self, step: int, rank: int) -> None:
@@ -200,13 +211,25 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(activities=activities)
             self._prof.__enter__()
-        elif step == self.first + 2 and self._prof is not None:
+        elif step == self.first + 2:
+            self.finish()
+
+    def finish(self) -> None:
+        """Close the recording (after the second profiled step, or when training ends right after it) and report."""
+        if self._prof is not None:
             self._prof.__exit__(None, None, None)
+            if self.trace is not None:
+                self._prof.export_chrome_trace(str(self.trace))  # a .gz name is written compressed
             averages = self._prof.key_averages()
             print("PROFILE (2 steps, rank 0) by device time\n"
                   + averages.table(sort_by="self_device_time_total", row_limit=30)
                   + "\nPROFILE by CPU time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
             self._prof = None
+
+
+def total_steps(args: argparse.Namespace) -> int:
+    """Warm-up and timed steps, and the two profiled steps after them if asked for."""
+    return args.warmup + args.steps + (2 if args.profile or args.trace else 0)
 
 
 def _result(step_s: list[float], losses: list[float], device: torch.device, reduce: bool = False) -> dict:

@@ -7,8 +7,9 @@ Systems (each in fresh processes started by torchrun, same model, same initial w
   ours@DP,PP,TP  ``Compressed3DStrategy`` (compression off unless ``+cc``)
 Suffixes: ``+compile`` (per-block torch.compile, and the loss), ``+autotune`` (compile with
 "max-autotune-no-cudagraphs"), ``+ckpt`` (activation checkpointing), ``+cc``
-(ours only: the default compression stack). Every system takes ``--num-microbatches`` micro-batches of
-``--micro-batch-size`` sequences per replica and optimizer step (gradient accumulation for the peers).
+(ours only: the default compression stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``).
+Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
+step (gradient accumulation for the peers).
 
     python benchmarks/peers.py --preset 1.3b --seq-length 2048 --systems plain plain+compile ours@1,1,1 ours@1,1,1+compile
     python benchmarks/peers.py --preset 1.3b --gpus 2 --systems ddp fsdp@2,1 fsdp@1,2 ours@2,1,1 ours@1,2,1 ours@1,1,2
@@ -33,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.train_throughput import ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, environment  # noqa: E402
 
 SYSTEMS = ("plain", "ddp", "fsdp", "ours")
-SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res")
+SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse")
+OURS_ONLY = ("cc", "nofuse")
 
 
 def parse_system(text: str, gpus: int) -> dict:
@@ -41,9 +43,9 @@ def parse_system(text: str, gpus: int) -> dict:
     head, *suffixes = text.split("+")
     name, _, sizes = head.partition("@")
     bad = [s for s in suffixes if s not in SUFFIXES]
-    if name not in SYSTEMS or bad or ("cc" in suffixes and name != "ours"):
+    if name not in SYSTEMS or bad or (name != "ours" and any(s in OURS_ONLY for s in suffixes)):
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME[@sizes][+{'|+'.join(SUFFIXES)}] with NAME in {SYSTEMS}"
-                                         " (+cc for ours only)")
+                                         f" (+{', +'.join(OURS_ONLY)} for ours only)")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
     if name == "plain":
         dp, pp, tp = 1, 1, 1
@@ -76,14 +78,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=1, help="run the whole list this many times, interleaved")
     p.add_argument("--profile", action="store_true", help="rank 0 prints a torch.profiler table of 2 steps (log)")
+    p.add_argument("--trace", action="store_true", help="--profile, and rank 0 writes the two steps' timeline"
+                   " (Chrome trace, gzip) as NN.trace.json.gz beside each system's log")
     p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: smoke test only")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per system")
     p.add_argument("--out", type=Path, default=Path("peers.json"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.profile and args.accelerator == "cpu":
-        p.error("--profile is for GPU runs (torch 2.13's CPU profiler crashed in this loop on CPU)")
     args.parsed = [parse_system(s, args.gpus) for s in args.systems]
     for s in args.parsed:
         if s["world"] > args.gpus:

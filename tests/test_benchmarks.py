@@ -3,6 +3,7 @@ broken script wastes a lease. Timings are not checked (never timed assertions in
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -136,12 +137,16 @@ def test_peers_train_the_same_model_on_the_same_tokens(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks/peers.py"), "--accelerator", "cpu", "--preset", "tiny",
            "--vocab-size", "4096", "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "2",
            "--gpus", "2", "--systems", "plain", "fsdp@1,2", "ours@1,2,1", "--warmup", "1", "--steps", "2",
-           "--timeout", "300", "--out", str(out)]
+           "--trace", "--timeout", "300", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=900)
     rows = {r["label"]: r for r in json.loads(out.read_text())["results"]}
     assert list(rows) == ["plain", "fsdp@1,2", "ours@1,2,1"]
-    for row in rows.values():
+    for index, row in enumerate(rows.values()):
+        # --trace records two more steps after the timed ones and keeps them out of the timings
         assert row["error"] is None and row["step_ms"]["n"] == 2, row
+        with gzip.open(tmp_path / "p_logs" / f"{index:02d}.trace.json.gz", "rt") as f:
+            names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+        assert any("aten::mm" in n or "aten::addmm" in n for n in names), sorted(names)[:20]
         assert row["tokens_per_step"] == 1 * 2 * 2 * 32
         assert abs(row["first_loss"] - rows["plain"]["first_loss"]) <= 1e-3 * rows["plain"]["first_loss"], rows
 
@@ -188,6 +193,36 @@ def test_peers_system_suffixes() -> None:
     system = parse_system("ours@2,1,1+compile+fp32res", gpus=2)
     assert (system["world"], system["compile"], system["fp32res"], system["cc"]) == (2, True, True, False)
     assert parse_system("plain+fp32res", gpus=1)["fp32res"] and not parse_system("plain", gpus=1)["fp32res"]
-    for bad in ("plain+cc", "ddp+cc", "ours@1,1,1+fast"):
+    assert parse_system("ours@1,1,1+nofuse", gpus=1)["nofuse"] and not system["nofuse"]
+    for bad in ("plain+cc", "ddp+cc", "fsdp@1,1+nofuse", "ours@1,1,1+fast"):
         with pytest.raises(argparse.ArgumentTypeError, match="for ours only"):
             parse_system(bad, gpus=1)
+
+
+def test_trace_summary_accounts_every_microsecond(tmp_path: Path) -> None:
+    from benchmarks.trace_summary import summarize
+
+    def kernel(name: str, ts: float, dur: float, corr: int) -> dict:
+        return {"cat": "kernel", "ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 7, "args": {"correlation": corr}}
+
+    events = [
+        {"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 0, "dur": 50, "tid": 1},
+        {"cat": "cpu_op", "ph": "X", "name": "aten::add_", "ts": 60, "dur": 20, "tid": 1},
+        {"cat": "cuda_runtime", "ph": "X", "name": "cudaLaunchKernel", "ts": 10, "dur": 5, "tid": 1,
+         "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "ph": "X", "name": "cudaLaunchKernel", "ts": 65, "dur": 5, "tid": 1,
+         "args": {"correlation": 2}},
+        kernel("nvjet_sm90_gemm", 1000, 3000, 1),  # 1.0-4.0 ms
+        kernel("void at::native::vectorized_elementwise_kernel<add>", 3500, 1000, 2),  # 3.5-4.5 ms, overlaps the GEMM
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 4000, 2000, 3),  # 4.0-6.0 ms: 1.5 ms of it alone
+        kernel("triton_poi_fused_add_0", 8000, 1000, 4),  # after 2 ms idle
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize(path)
+    assert s["kernels"] == 4 and s["span_ms"] == 8.0
+    assert s["compute_ms"] == 4.5  # 1.0-4.5 and 8.0-9.0
+    assert s["nccl_ms"] == 2.0 and s["nccl_only_ms"] == 1.5 and s["idle_ms"] == 2.0
+    assert s["compute_by_family_ms"] == {"gemm": 3.0, "elementwise/copy/reduce": 1.0, "triton": 1.0}
+    assert s["largest_other_ms"] == {"aten::add_: void at::native::vectorized_elementwise_kernel<add>": 1.0}

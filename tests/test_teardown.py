@@ -14,11 +14,14 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data import SyntheticLMDataModule
+from lightning_3d.strategies import wgrad_fusion
 
 
 def hooked(module: torch.nn.Module) -> int:
-    """Parameters carrying a post-accumulate-grad hook (the gradient synchronizer's)."""
-    return sum(bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in module.parameters())
+    """Parameters the gradient synchronizer follows: by a post-accumulate-grad hook, or (weights under gradient-accumulation
+    fusion) by a registered gradient slot."""
+    slotted = {id(weight) for weight, _ in wgrad_fusion._SLOTS.values()}
+    return sum(bool(getattr(p, "_post_accumulate_grad_hooks", None)) or id(p) in slotted for p in module.parameters())
 
 
 def fit_twice(pipeline: bool) -> tuple[list[weakref.ref], list[int], int]:

@@ -47,6 +47,7 @@ from lightning_3d.strategies.stage_builder import (
     check_tensor_parallel_shapes,
     plan_pipeline,
 )
+from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_accumulation
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -66,6 +67,10 @@ class Compressed3DStrategy(ParallelStrategy):
         pipeline_layer_split: layers per stage, overriding the even split.
         bucket_size_mb: size of the data-parallel all-reduce buckets of uncompressed stages (a stage under SC is
             synchronised as one bucket: its cost is per matrix shape, not per byte).
+        gradient_accumulation_fusion: accumulate the weight gradients of ``nn.Linear`` layers inside the backward's
+            GEMM, in fp32 buffers that double as the all-reduce buckets (Megatron-LM's option of the same name), for
+            modules that implement the pipeline protocol (the recipes), with tensor_parallel_size=1; it applies to
+            plain fp32 weights used once per forward and not tied to another module (see ``wgrad_fusion``).
     """
 
     strategy_name = "compressed_3d"
@@ -81,6 +86,7 @@ class Compressed3DStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         pipeline_layer_split: Sequence[int] | None = None,
         bucket_size_mb: float = 25.0,
+        gradient_accumulation_fusion: bool = True,
         compression: bool = True,
         compressed_backprop: bool = True,
         cb_rank: int = 16,
@@ -145,6 +151,8 @@ class Compressed3DStrategy(ParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.pipeline_layer_split = list(pipeline_layer_split) if pipeline_layer_split is not None else None
         self.bucket_size_mb = bucket_size_mb
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self._fused_weights: list[torch.nn.Parameter] = []
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -284,6 +292,7 @@ class Compressed3DStrategy(ParallelStrategy):
         self._tied = self._tied_copies(module) if dims.pp > 1 else []
         self._fused_tied = bool(self._tied) and self.compression.fused_embedding_sync
         self._stage_params = {index: list(stage.parameters()) for index, stage in stages.items()}
+        self._fuse_gradient_accumulation(stages)
         self._build_grad_sync()
         self._warn_unused(tied=bool(module.pipeline_tied_parameters()))
         self._runtime = PipelineRuntime(
@@ -318,11 +327,24 @@ class Compressed3DStrategy(ParallelStrategy):
             self._stage_params, self.dp_group, self.dims.dp, self.bucket_size_mb,
             exclude={id(p) for p in self._tied} if self._fused_tied else set(),
             compressed_stages=set(self._stage_params) if self._compresses_dp() else set(), stats=self.comm_stats,
+            fused=self._fused_weights,
         )
         if self._sc is not None:
             self._grad_sync.attach_compressor(self._sc)
         if self._runtime is not None:
             self._runtime.before_last_backward = self._grad_sync.arm
+
+    def _fuse_gradient_accumulation(self, stages: dict[int, torch.nn.Module]) -> None:
+        if not self.gradient_accumulation_fusion:
+            return
+        if self.dims.tp > 1:
+            rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion does not apply with tensor_parallel_size > 1"
+                           " (the weights are DTensors); their gradients accumulate as autograd's.")
+            return
+        linears = [m for stage in stages.values() for m in fusable_linears(stage, exclude={id(p) for p in self._tied})]
+        self._fused_weights = fuse_gradient_accumulation(linears)
+        rank_zero_info(f"Compressed3DStrategy: gradient_accumulation_fusion on {len(linears)} nn.Linear weights of this"
+                       " rank's stages.")
 
     def _warn_unused(self, tied: bool) -> None:
         notes = self.compression.unused_options(self.dims.dp, self.dims.pp, tied)

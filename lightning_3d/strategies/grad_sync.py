@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d.compression.selective import DataParallelPowerSGD
 from lightning_3d.compression.stats import CommunicationStats
+from lightning_3d.strategies.wgrad_fusion import register_slot, unregister_slot
 
 
 def local(t: Tensor) -> Tensor:
@@ -35,6 +36,7 @@ class Bucket:
     flat: Tensor | None = None
     work: dist.Work | torch.futures.Future | None = None
     compressed: bool = False  # selective stage compression (SC) applies to this bucket
+    buffer: Tensor | None = None  # fused weights: the persistent flat fp32 gradients, each weight's .grad a view of it
 
 
 class GradientSynchronizer:
@@ -51,9 +53,12 @@ class GradientSynchronizer:
         compressor: DataParallelPowerSGD | None = None,
         compressed_stages: set[int | None] = frozenset(),
         stats: CommunicationStats | None = None,
+        fused: Sequence[nn.Parameter] = (),
     ) -> None:
         """``exclude``: ids of parameters synchronised elsewhere (fused embedding sync); ``compressed_stages``:
-        stages whose buckets go through ``compressor`` (SC); they ignore ``bucket_size_mb`` (see below)."""
+        stages whose buckets go through ``compressor`` (SC); they ignore ``bucket_size_mb`` (see below); ``fused``:
+        weights of ``FusedGradLinear`` layers, whose gradients accumulate straight into their buckets (wgrad_fusion)."""
+        self._fused = {id(p) for p in fused}
         self.dp_group, self.dp_size, self.overlap = dp_group, dp_size, overlap
         self.compressor, self.stats = compressor, stats
         self.buckets: list[Bucket] = []
@@ -61,6 +66,7 @@ class GradientSynchronizer:
         self._armed: set[int | None] = set()
         self._next_launch = 0
         self._syncing = False
+        self._fused_accumulations = 0
         cap = bucket_size_mb * 2**20
         # Later stages finish their backward first (interleaved schedules); within a stage, gradients arrive
         # roughly in reverse registration order.
@@ -73,15 +79,18 @@ class GradientSynchronizer:
                 # one bucket; benchmarks/sc_kernels.py), and the compressed collectives are small enough to gain
                 # nothing from overlap.
                 # Adjacent shapes let the compressor work on views of the bucket, in place.
-                for dtype in dict.fromkeys(local(p).dtype for p in params):
-                    same_dtype = [p for p in params if local(p).dtype == dtype]
+                for kind in dict.fromkeys(self._kind(p) for p in params):
+                    same_dtype = [p for p in params if self._kind(p) == kind]
                     order = {shape: i for i, shape in enumerate(dict.fromkeys(local(p).shape for p in same_dtype))}
                     self._add_bucket(sorted(same_dtype, key=lambda p: order[local(p).shape]), stage)
                 continue
+            # Fused weights first, in their own buckets (their gradients are the buckets), then the rest (biases,
+            # norms: small): alternating them would cut a bucket at every layer.
+            params = [p for p in params if id(p) in self._fused] + [p for p in params if id(p) not in self._fused]
             current: list[nn.Parameter] = []
             size = 0.0
             for p in params:
-                if current and (size + _nbytes(p) > cap or local(p).dtype != local(current[0]).dtype):
+                if current and (size + _nbytes(p) > cap or self._kind(p) != self._kind(current[0])):
                     self._add_bucket(current, stage)
                     current, size = [], 0.0
                 current.append(p)
@@ -92,7 +101,9 @@ class GradientSynchronizer:
         self.attach_compressor(compressor)
         # Every parameter, bucketed or synchronised elsewhere, gets its gradient placement aligned.
         self._all = [p for params in params_by_stage.values() for p in params if p.requires_grad]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._all]
+        # Not on fused weights: their op reports each accumulation, and autograd still runs their (empty) hooks.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._all
+                       if id(p) not in self._fused]
 
     def attach_compressor(self, compressor: DataParallelPowerSGD | None) -> None:
         """Route the buckets of the compressed stages through ``compressor`` (SC) from now on."""
@@ -102,16 +113,27 @@ class GradientSynchronizer:
         compressed = [i for i, b in enumerate(self.buckets) if b.compressed]
         self._last_compressed = compressed[-1] if compressed else -1
 
+    def _kind(self, p: nn.Parameter) -> tuple[torch.dtype, bool]:
+        """Buckets hold one dtype, and either only fused weights or none."""
+        return local(p).dtype, id(p) in self._fused
+
     def _add_bucket(self, params: list[nn.Parameter], stage: int | None) -> None:
         bucket = Bucket(params, stage)
         self.buckets.append(bucket)
         for p in params:
             self._bucket_of[id(p)] = bucket
+        if id(params[0]) in self._fused:
+            bucket.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            offset = 0
+            for p in params:
+                register_slot(p, bucket.buffer[offset : offset + p.numel()].view_as(p), self._on_grad_ready)
+                offset += p.numel()
 
     # ----- step protocol ---------------------------------------------------------------------------------
     def begin(self, sync: bool) -> None:
         """Start a backward phase; ``sync`` is False while accumulating gradients over several batches."""
         self._syncing = sync and self.dp_size > 1
+        self._fused_accumulations = 0
         self._armed.clear()
         self._next_launch = 0
         for b in self.buckets:
@@ -124,6 +146,12 @@ class GradientSynchronizer:
 
     def finish(self) -> None:
         """Launch what is left (in order), wait for all buckets and write the averages back."""
+        if self._fused and self._fused_accumulations == 0:
+            raise RuntimeError(
+                "No fused nn.Linear weight received a gradient in this backward: the compiler dropped the fused"
+                " accumulation (lightning_3d::accumulate_weight_grad), or this stage's linear layers were not used."
+                " Pass gradient_accumulation_fusion=False to Compressed3DStrategy and report the torch version."
+            )
         for p in self._all:
             align_grad_placement(p, allow_communication=True)
         if not self._syncing:
@@ -136,6 +164,11 @@ class GradientSynchronizer:
             if b.compressed:  # the hook wrote the averaged, decompressed gradients into the flat buffer
                 b.flat = b.work.value()
                 self.compressor.finished(self.buckets.index(b), b.flat)
+            if b.buffer is not None:  # the weights' .grad are views of the buffer, averaged in place
+                if b.flat.data_ptr() != b.buffer.data_ptr():
+                    b.buffer.copy_(b.flat)
+                b.flat, b.work = None, None
+                continue
             offset = 0
             for p in b.params:
                 n = local(p).numel()
@@ -151,6 +184,16 @@ class GradientSynchronizer:
     # ----- internals ---------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of.get(id(param))
+        if bucket is not None and bucket.work is not None:
+            # Only a fused weight can get here (autograd sums a parameter's uses before its hook fires; the fused op
+            # reports each use): the layer ran twice in one forward and its bucket already left with half its gradient.
+            raise RuntimeError(
+                f"A weight of shape {tuple(param.shape)} received gradient after its data-parallel bucket was sent: its"
+                " nn.Linear is called more than once per forward, which gradient-accumulation fusion cannot follow."
+                " Pass gradient_accumulation_fusion=False to Compressed3DStrategy."
+            )
+        if id(param) in self._fused:
+            self._fused_accumulations += 1
         final = bucket is not None and bucket.stage in self._armed
         align_grad_placement(param, allow_communication=final)
         if not (self._syncing and final and self.overlap):
@@ -164,8 +207,12 @@ class GradientSynchronizer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        if bucket.buffer is not None:
+            grads = [self._grad_in_slot(p) for p in bucket.params]
+            flat = bucket.buffer  # already laid out as the bucket: no copy in, none back
+        else:
+            grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
         bucket.flat = flat
         if bucket.compressed:
             index = self.buckets.index(bucket)
@@ -177,10 +224,25 @@ class GradientSynchronizer:
         flat.div_(self.dp_size)  # gloo has no AVG; dividing first also keeps bf16 sums in range
         bucket.work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
 
+    @staticmethod
+    def _grad_in_slot(p: nn.Parameter) -> Tensor:
+        """A fused weight's gradient, made to live in its slot (zero if it got none this step)."""
+        slot = p._fused_grad_owner.grad_slot
+        if p.grad is None:
+            slot.zero_()
+        elif p.grad.data_ptr() != slot.data_ptr():
+            slot.copy_(p.grad)
+        p.grad = slot
+        return slot
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for b in self.buckets:
+            if b.buffer is not None:
+                for p in b.params:
+                    unregister_slot(p)
 
 
 def align_grad_placement(param: nn.Parameter, allow_communication: bool) -> None:

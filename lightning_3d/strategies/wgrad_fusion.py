@@ -1,0 +1,163 @@
+"""Gradient-accumulation fusion: weight gradients of ``nn.Linear`` layers added straight into fp32 buffers.
+
+Under autocast a linear layer's weight gradient takes three passes over memory per micro-batch: the GEMM writes a
+bf16 gradient, its cast back to the fp32 parameter writes an fp32 copy, and autograd's ``AccumulateGrad`` reads the
+running ``.grad`` and that copy and writes the sum. Megatron-LM's ``gradient_accumulation_fusion`` has the GEMM
+accumulate into an fp32 buffer instead (cuBLAS with bf16 inputs, fp32 C and beta = 1): one pass, no temporaries, and
+the micro-batch's contribution is never rounded to bf16. PyTorch has the GEMM (``torch.addmm(..., out_dtype=)``) but
+no layer that uses it, so this file adds the layer; the data-parallel synchronizer lays the buffers out as its
+all-reduce buckets, so no gradient is copied into a bucket either (what DDP's ``gradient_as_bucket_view`` saves).
+
+A fused layer's weight gets its gradient from a custom op called in the layer's backward, which torch.compile keeps
+as one opaque call inside a compiled block. The op keeps autograd's contract: it writes into ``weight.grad`` (the
+weight's slot of its bucket, once the synchronizer owns the layer), assigning when ``grad`` is None and adding
+otherwise, and then tells the synchronizer that the gradient moved, as a post-accumulate-grad hook would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+# data_ptr of a weight's gradient slot -> (weight, called after every accumulation). Filled by the synchronizer; the op
+# looks the slot up at run time, which works inside compiled code where a Python closure per layer would not.
+_SLOTS: dict[int, tuple[nn.Parameter, Callable[[nn.Parameter], None] | None]] = {}
+
+
+def register_slot(weight: nn.Parameter, slot: Tensor, on_accumulated: Callable[[nn.Parameter], None] | None) -> None:
+    """Make ``slot`` (a tensor shaped like ``weight``) the place ``weight``'s gradient accumulates in."""
+    owner = _owner_of(weight)
+    owner.grad_slot = slot
+    _SLOTS[slot.data_ptr()] = (weight, on_accumulated)
+
+
+def unregister_slot(weight: nn.Parameter) -> None:
+    slot = getattr(_owner_of(weight), "grad_slot", None)
+    if slot is not None:
+        _SLOTS.pop(slot.data_ptr(), None)
+
+
+def _owner_of(weight: nn.Parameter) -> "FusedGradLinear":
+    owner = getattr(weight, "_fused_grad_owner", None)
+    if owner is None:
+        raise ValueError("This parameter is not the weight of a FusedGradLinear (see fuse_gradient_accumulation).")
+    return owner
+
+
+# Declared pure on purpose: with a declared mutation, AOTAutograd would hand the op a copy of the slot and write it back
+# after the block's backward, when the slot's bucket may already be in its in-place all-reduce. Pure, it must be kept
+# from dead-code elimination (it returns nothing): registered as side-effectful, as compiled autograd's
+# ``accumulate_grad_`` is. The synchronizer checks every step that the accumulations happened.
+@torch.library.custom_op("lightning_3d::accumulate_weight_grad", mutates_args=())
+def accumulate_weight_grad(slot: Tensor, grad_output: Tensor, saved_input: Tensor) -> None:
+    """weight.grad (= ``slot`` or None) += grad_outputᵀ · input, over every leading (token) dimension."""
+    weight, on_accumulated = _SLOTS.get(slot.data_ptr(), (None, None))
+    if weight is None:
+        raise RuntimeError(
+            "A FusedGradLinear ran its backward without a registered gradient slot (the strategy that owned it was torn"
+            " down). Train it under Compressed3DStrategy, or build the model again without gradient_accumulation_fusion."
+        )
+    g = grad_output.reshape(-1, grad_output.shape[-1]).t()
+    x = saved_input.reshape(-1, saved_input.shape[-1])
+    grad = weight.grad
+    if grad is not None and grad.data_ptr() != slot.data_ptr():  # someone put another tensor there: add to it
+        grad.add_(torch.mm(g, x))
+    elif slot.is_cuda and g.dtype != slot.dtype:
+        # The fused path: bf16 inputs, fp32 output, accumulated in the GEMM's epilogue (beta = 1), or written (beta = 0).
+        if grad is None:
+            torch.mm(g, x, out_dtype=slot.dtype, out=slot)
+        else:
+            torch.addmm(slot, g, x, out_dtype=slot.dtype, out=slot)
+    elif grad is None:
+        # Elsewhere exactly what autograd does: the product in the input dtype, then cast (first micro-batch) or added.
+        slot.copy_(torch.mm(g, x))
+    else:
+        slot.add_(torch.mm(g, x))
+    if grad is None:
+        weight.grad = slot
+    if on_accumulated is not None:
+        on_accumulated(weight)
+
+
+@accumulate_weight_grad.register_fake
+def _(slot: Tensor, grad_output: Tensor, saved_input: Tensor) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.lightning_3d.accumulate_weight_grad.default)
+
+
+class _LinearWithFusedWeightGrad(torch.autograd.Function):
+    """``F.linear`` under the caller's autocast state, with the weight gradient handed to ``accumulate_weight_grad``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, slot: Tensor) -> Tensor:  # type: ignore[override]
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        with torch.autocast(device, enabled=False):  # the casts autocast would make, made once, here
+            x_cast, w_cast = x.to(dtype), weight.to(dtype)
+            out = F.linear(x_cast, w_cast, bias.to(dtype) if bias is not None else None)
+        ctx.save_for_backward(x_cast, w_cast)
+        # Kept off save_for_backward on purpose: the slot is written by earlier micro-batches' backwards while later
+        # ones still hold it, which autograd's saved-tensor version check would reject.
+        ctx.slot = slot
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        x_cast, w_cast = ctx.saved_tensors
+        grad_input = grad_output @ w_cast if ctx.needs_input_grad[0] else None
+        accumulate_weight_grad(ctx.slot, grad_output, x_cast)
+        grad_bias = None
+        if ctx.bias_dtype is not None:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_input, None, grad_bias, None
+
+
+class FusedGradLinear(nn.Linear):
+    """``nn.Linear`` whose weight gradient accumulates in ``grad_slot`` (fp32) inside the backward's GEMM.
+
+    The slot is a non-persistent buffer (out of the state dict): torch.compile then passes it into a compiled block
+    like a parameter, so one compiled graph still serves every block."""
+
+    grad_slot: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _LinearWithFusedWeightGrad.apply(x, self.weight, self.bias, self.grad_slot)
+
+
+def fusable_linears(module: nn.Module, exclude: Iterable[int] = ()) -> list[nn.Linear]:
+    """The layers of ``module`` that can take gradient-accumulation fusion: plain ``nn.Linear`` (subclasses such as a
+    tied output head are left alone) with a trainable fp32 weight that is a plain tensor (tensor-parallel DTensor
+    weights are not fused) and belongs to no other module (a weight tied to an embedding gets gradients from both)."""
+    excluded = set(exclude)
+    uses: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    found = []
+    for m in module.modules():
+        if type(m) is not nn.Linear and type(m) is not FusedGradLinear:
+            continue
+        w = m.weight
+        if (isinstance(w, DTensor) or w.dtype != torch.float32 or not w.requires_grad or uses[id(w)] != 1
+                or id(w) in excluded):
+            continue
+        found.append(m)
+    return found
+
+
+def fuse_gradient_accumulation(linears: Iterable[nn.Linear]) -> list[nn.Parameter]:
+    """Turn ``linears`` into ``FusedGradLinear`` in place (names and state dicts unchanged); their weights."""
+    weights = []
+    for m in linears:
+        if type(m) is nn.Linear:
+            m.__class__ = FusedGradLinear
+            m.register_buffer("grad_slot", torch.empty(0, device=m.weight.device), persistent=False)
+        m.weight._fused_grad_owner = m
+        weights.append(m.weight)
+    return weights

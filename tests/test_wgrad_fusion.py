@@ -1,0 +1,134 @@
+"""Gradient-accumulation fusion (``gradient_accumulation_fusion``): which layers it takes, that training is the same
+as autograd's accumulation, that the gradients live in the buckets, and the errors it raises. The multi-process
+layouts of tests/test_distributed.py run with it on (the default) against single-process references."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+import lightning_3d.recipes.training as training
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.recipes import GPT
+from lightning_3d.recipes.data import SyntheticLMDataModule
+from lightning_3d.strategies.grad_sync import GradientSynchronizer
+from lightning_3d.strategies.wgrad_fusion import FusedGradLinear, fusable_linears, fuse_gradient_accumulation
+
+
+def fit(fusion: bool, precision: str = "32-true", steps: int = 3, **gpt) -> tuple[GPT, list[float], list[dict]]:
+    """Train the tiny GPT on one process; the model, the losses and each step's gradients (before the optimizer)."""
+    losses: list[float] = []
+    grads: list[dict] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
+
+        def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+            grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
+
+    torch.manual_seed(0)
+    model = GPT("tiny", vocab_size=512, seq_length=32, **gpt)
+    data = SyntheticLMDataModule(vocab_size=512, seq_length=32, batch_size=4, num_samples=64)
+    strategy = Compressed3DStrategy(num_microbatches=2, gradient_accumulation_fusion=fusion)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, callbacks=[Record()])
+    trainer.fit(model, datamodule=data)
+    return model, losses, grads
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fused_accumulation_trains_like_autograd(precision: str) -> None:
+    fused_model, fused_losses, fused_grads = fit(True, precision)
+    plain_model, plain_losses, plain_grads = fit(False, precision)
+    fused = [m for m in fused_model.modules() if isinstance(m, FusedGradLinear)]
+    layers = fused_model.config.num_layers
+    assert len(fused) == 6 * layers  # q, k, v, attention proj, fc, mlp proj per block; the tied head is left alone
+    assert not any(isinstance(m, FusedGradLinear) for m in plain_model.modules())
+    assert type(fused_model.model.head) is type(plain_model.model.head)
+    assert list(fused_model.state_dict()) == list(plain_model.state_dict())  # the slots are not checkpointed
+    # Off the GPU the fused op computes what autograd does (product in the input dtype, then cast and add); only the
+    # bias gradient's summation order differs.
+    tolerance = dict(rtol=1e-5, atol=1e-7) if precision == "32-true" else dict(rtol=1e-2, atol=1e-5)
+    assert torch.allclose(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    for step_fused, step_plain in zip(fused_grads, plain_grads, strict=True):
+        for name, grad in step_plain.items():
+            assert torch.allclose(step_fused[name], grad, **tolerance), name
+    for a, b in zip(fused_model.parameters(), plain_model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_gradients_are_views_of_one_bucket_and_compile_keeps_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
+    model, losses, grads = fit(True, steps=2, compile=True)
+    _, eager_losses, eager_grads = fit(True, steps=2)
+    assert torch.allclose(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for name, grad in eager_grads[-1].items():
+        assert torch.allclose(grads[-1][name], grad, rtol=1e-4, atol=1e-7), name
+    # During the run every fused weight's .grad was a slot of a single flat buffer (the tiny model fits one 25 MB
+    # bucket): nothing was copied into or out of a bucket.
+    sync = model.trainer.strategy._grad_sync
+    assert sync is None  # released at teardown; rebuild one over the same weights to look at the layout
+    weights = [m.weight for m in model.modules() if isinstance(m, FusedGradLinear)]
+    sync = GradientSynchronizer({0: list(model.parameters())}, None, 1, fused=weights)
+    try:
+        buffers = {b.buffer.data_ptr() for b in sync.buckets if b.buffer is not None}
+        assert len(buffers) == 1
+        storages = {m.grad_slot.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, FusedGradLinear)}
+        assert storages == buffers
+        assert all(not b.params or (b.buffer is not None) == (id(b.params[0]) in sync._fused) for b in sync.buckets)
+    finally:
+        sync.remove_hooks()
+
+
+def test_fusable_linears_skips_what_it_cannot_fuse() -> None:
+    tied = nn.Embedding(8, 4)
+    head = nn.Linear(4, 8, bias=False)
+    head.weight = tied.weight  # a weight shared with another module gets gradient from both
+    bf16 = nn.Linear(4, 4).to(torch.bfloat16)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    excluded, plain = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    class Sub(nn.Linear):
+        pass
+
+    model = nn.ModuleList([tied, head, bf16, frozen, excluded, plain, Sub(4, 4)])
+    assert fusable_linears(model, exclude={id(excluded.weight)}) == [plain]
+    fuse_gradient_accumulation([plain])
+    assert type(plain) is FusedGradLinear and fusable_linears(model, exclude={id(excluded.weight)}) == [plain]
+
+
+def test_a_layer_called_twice_after_its_bucket_left_raises() -> None:
+    layer = nn.Linear(4, 4)
+    weights = fuse_gradient_accumulation([layer])
+    sync = GradientSynchronizer({0: [layer.weight, layer.bias]}, None, 1, fused=weights)
+    try:
+        bucket = sync._bucket_of[id(layer.weight)]
+        bucket.work = object()  # as if the bucket's all-reduce had been launched
+        with pytest.raises(RuntimeError, match=r"more than once per forward.*gradient_accumulation_fusion=False"):
+            sync._on_grad_ready(layer.weight)
+    finally:
+        sync.remove_hooks()
+
+
+def test_no_accumulation_in_a_backward_raises() -> None:
+    layer = nn.Linear(4, 4)
+    sync = GradientSynchronizer({0: [layer.weight]}, None, 1, fused=fuse_gradient_accumulation([layer]))
+    try:
+        sync.begin(sync=False)
+        with pytest.raises(RuntimeError, match="compiler dropped the fused accumulation"):
+            sync.finish()
+        layer(torch.randn(3, 4)).sum().backward()
+        sync.finish()  # one accumulation happened: no error
+        assert layer.weight.grad.data_ptr() == layer.grad_slot.data_ptr()
+    finally:
+        sync.remove_hooks()
+
+
+def test_backward_after_teardown_says_why() -> None:
+    model, _, _ = fit(True, steps=1)
+    with pytest.raises(RuntimeError, match="without a registered gradient slot"):
+        model.model(torch.randint(0, 512, (1, 8))).sum().backward()
