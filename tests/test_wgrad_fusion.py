@@ -101,6 +101,28 @@ def test_fusable_linears_skips_what_it_cannot_fuse() -> None:
     assert type(plain) is FusedGradLinear and fusable_linears(model, exclude={id(excluded.weight)}) == [plain]
 
 
+def test_plain_modules_and_tensor_parallel_are_told_it_does_not_apply(caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    with caplog.at_level("INFO"):
+        trainer.fit(BoringModel())
+    assert "BoringModel's gradients accumulate as autograd's" in caplog.text
+    assert not any(isinstance(m, FusedGradLinear) for m in trainer.lightning_module.modules())
+    strategy, stage = Compressed3DStrategy(), nn.Sequential(nn.Linear(4, 4))
+    strategy.dims = SimpleNamespace(tp=2)
+    with caplog.at_level("INFO"):
+        strategy._fuse_gradient_accumulation({0: stage})
+    assert "does not apply with tensor_parallel_size > 1" in caplog.text and type(stage[0]) is nn.Linear
+    strategy.dims = SimpleNamespace(tp=1)
+    strategy._fuse_gradient_accumulation({0: stage})
+    assert type(stage[0]) is FusedGradLinear and strategy._fused_weights == [stage[0].weight]
+
+
 def test_a_layer_called_twice_after_its_bucket_left_raises() -> None:
     layer = nn.Linear(4, 4)
     weights = fuse_gradient_accumulation([layer])

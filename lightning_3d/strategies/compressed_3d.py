@@ -274,6 +274,9 @@ class Compressed3DStrategy(ParallelStrategy):
                 f" {type(module).__name__} does not implement; use accumulate_grad_batches for plain modules."
             )
         if not uses_pipeline:
+            if self.gradient_accumulation_fusion:
+                rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion applies to modules with the pipeline"
+                               f" protocol (the recipes); {type(module).__name__}'s gradients accumulate as autograd's.")
             module.to(self.root_device)
             self.precision_plugin.convert_module(module)
             broadcast_parameters(module, self.dp_group, src=dist.get_global_rank(self.dp_group, 0))
