@@ -80,9 +80,9 @@ class GradientSynchronizer:
                 # nothing from overlap.
                 # Adjacent shapes let the compressor work on views of the bucket, in place.
                 for kind in dict.fromkeys(self._kind(p) for p in params):
-                    same_dtype = [p for p in params if self._kind(p) == kind]
-                    order = {shape: i for i, shape in enumerate(dict.fromkeys(local(p).shape for p in same_dtype))}
-                    self._add_bucket(sorted(same_dtype, key=lambda p: order[local(p).shape]), stage)
+                    same_kind = [p for p in params if self._kind(p) == kind]
+                    order = {shape: i for i, shape in enumerate(dict.fromkeys(local(p).shape for p in same_kind))}
+                    self._add_bucket(sorted(same_kind, key=lambda p: order[local(p).shape]), stage)
                 continue
             # Fused weights first, in their own buckets (their gradients are the buckets), then the rest (biases,
             # norms: small): alternating them would cut a bucket at every layer.
