@@ -81,7 +81,8 @@ def worker(args: argparse.Namespace) -> None:
     class Blocks(pl.LightningDataModule):
         def train_dataloader(self):
             data = PackedBlocks(args.data / "blocks.npy", 0, n - n_val)
-            return build_train_loader(data, args.batch_size, trainer=self.trainer, seed=0, shuffle=True, num_workers=2)
+            return build_train_loader(data, args.batch_size, trainer=self.trainer, seed=args.seed, shuffle=True,
+                                      num_workers=2)
 
         def val_dataloader(self):
             return build_eval_loader(PackedBlocks(args.data / "blocks.npy", n - n_val, n), args.batch_size,
@@ -115,14 +116,15 @@ def worker(args: argparse.Namespace) -> None:
 
     curves = Curves()
     strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, sc_warmup=args.sc_warmup,
-                                    **MODES[args.mode])
+                                    compression_seed=args.seed, **MODES[args.mode])
     trainer = pl.Trainer(accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
                          precision=args.precision, max_steps=args.steps, val_check_interval=args.val_every,
                          check_val_every_n_epoch=None, limit_val_batches=args.val_batches, gradient_clip_val=1.0,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
                          callbacks=[curves], use_distributed_sampler=False)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = GPT(args.preset, vocab_size=meta["vocab_size"], seq_length=meta["seq_length"], learning_rate=args.lr,
+                init_seed=1234 + args.seed,
                 min_learning_rate=args.lr / 10, warmup_steps=args.steps // 20, decay_steps=args.steps)
     trainer.fit(model, datamodule=Blocks())
 
@@ -152,7 +154,8 @@ def run(args: argparse.Namespace) -> None:
         results[mode] = json.loads(result.read_text())
         print(mode, "final val loss", results[mode]["val"][-1], flush=True)
     finals = {m: r["val"][-1][1] for m, r in results.items()}
-    summary = {"command": " ".join(sys.argv), "layout": args.layout, "steps": args.steps, "final_val_loss": finals,
+    summary = {"command": " ".join(sys.argv), "layout": args.layout, "steps": args.steps, "seed": args.seed,
+               "final_val_loss": finals,
                "relative_to_off": {m: v / finals["off"] - 1 for m, v in finals.items()} if "off" in finals else None,
                "curves": results}
     args.out.write_text(json.dumps(summary, indent=1))
@@ -214,6 +217,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="another run of the same experiment: initial weights (init_seed 1234 + seed), data order and"
+                             " compression's random start all change; 0 is the runs recorded before it existed")
     parser.add_argument("--sc-warmup", type=steps_or_fraction, default=0.1,
                         help="plain all-reduce before PowerSGD: steps (an integer) or a fraction of --steps")
     parser.add_argument("--val-every", type=int, default=250)

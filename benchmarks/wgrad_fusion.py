@@ -1,12 +1,13 @@
 """Gradient-accumulation fusion on one GPU: one GPT block's linear layers, autograd's accumulation against ours.
 
 For each layer shape of a GPT preset (q, k, v, proj: h x h; fc: 4h x h; mlp proj: h x 4h) and one micro-batch of
-``tokens`` rows, times forward + backward of ``accumulate`` micro-batches under bf16 autocast, accumulating the weight
-gradient (a) as autograd does (bf16 GEMM, cast to fp32, add into .grad) and (b) with ``FusedGradLinear`` (the GEMM
-adds into an fp32 slot), and reports the gradients' relative difference (fp32 accumulation in the GEMM is the more
-exact of the two).
+``tokens`` rows, times forward + backward of ``accumulate`` micro-batches under bf16 autocast (``--precision bf16``), accumulating
+the weight gradient (a) as autograd does (bf16 GEMM, cast to fp32, add into .grad) and (b) with ``FusedGradLinear``
+(the GEMM adds into an fp32 slot), and reports the gradients' relative difference (fp32 accumulation in the GEMM is
+the more exact of the two). ``--precision fp32`` runs the same in fp32 throughout (the GEMM's epilogue against
+autograd's product and separate add; the two should agree to rounding).
 
-    python benchmarks/wgrad_fusion.py --preset 1.3b --tokens 8192 --accumulate 8
+    python benchmarks/wgrad_fusion.py --preset 1.3b --tokens 8192 --accumulate 8 [--precision fp32]
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ def block_linears(hidden: int, ffn: int, device: torch.device) -> list[nn.Linear
     return [nn.Linear(i, o, device=device) for i, o in shapes]
 
 
-def run(layers: list[nn.Linear], inputs: list[dict[int, torch.Tensor]], grads_out: list[dict[int, torch.Tensor]]) -> None:
+def run(layers: list[nn.Linear], inputs: list[dict[int, torch.Tensor]], grads_out: list[dict[int, torch.Tensor]],
+        autocast: bool = True) -> None:
     """``inputs[k][width]``: micro-batch k's activations (and output gradients) of that width."""
     for layer in layers:
         layer.weight.grad = None
     for x, g in zip(inputs, grads_out):
         for layer in layers:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 y = layer(x[layer.in_features])
             y.backward(g[layer.out_features])
 
@@ -60,6 +62,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192, help="rows of one micro-batch (micro-batch size x sequence)")
     p.add_argument("--accumulate", type=int, default=8, help="micro-batches per optimizer step")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: autocast with bf16 activations (the mixed-precision path); fp32: fp32 throughout")
     p.add_argument("--out", type=Path, default=Path("wgrad_fusion.json"))
     args = p.parse_args()
     device = torch.device("cuda")
@@ -75,14 +79,15 @@ def main() -> None:
     for layer, slot in zip(fused, slots):
         register_slot(layer.weight, slot, None)
     def activations(requires_grad: bool) -> list[dict[int, torch.Tensor]]:
-        return [{w: torch.randn(args.tokens, w, device=device, dtype=torch.bfloat16, requires_grad=requires_grad)
+        return [{w: torch.randn(args.tokens, w, device=device, dtype=dtype, requires_grad=requires_grad)
                  for w in (h, f)} for _ in range(args.accumulate)]
 
+    dtype, autocast = (torch.bfloat16, True) if args.precision == "bf16" else (torch.float32, False)
     inputs, grads_out = activations(True), activations(False)
-    ref_ms = time_ms(lambda: run(reference, inputs, grads_out), args.repeats)
-    fused_ms = time_ms(lambda: run(fused, inputs, grads_out), args.repeats)
-    run(reference, inputs, grads_out)
-    run(fused, inputs, grads_out)
+    ref_ms = time_ms(lambda: run(reference, inputs, grads_out, autocast), args.repeats)
+    fused_ms = time_ms(lambda: run(fused, inputs, grads_out, autocast), args.repeats)
+    run(reference, inputs, grads_out, autocast)
+    run(fused, inputs, grads_out, autocast)
     with torch.no_grad():
         exact = [sum(g[layer.out_features].float().t() @ x[layer.in_features].float()
                      for x, g in zip(inputs, grads_out)) for layer in reference]
@@ -91,7 +96,7 @@ def main() -> None:
         return float((a - b).norm() / b.norm())
     result = {
         "environment": environment(argparse.Namespace(accelerator="gpu", regime="nvlink")),
-        "preset": args.preset, "tokens": args.tokens, "accumulate": args.accumulate,
+        "preset": args.preset, "precision": args.precision, "tokens": args.tokens, "accumulate": args.accumulate,
         "autograd_ms_per_step": ref_ms, "fused_ms_per_step": fused_ms, "speedup": ref_ms / fused_ms,
         "rel_error_vs_fp32": {"autograd": max(rel(l.weight.grad, e) for l, e in zip(reference, exact)),
                               "fused": max(rel(l.weight.grad, e) for l, e in zip(fused, exact))},

@@ -1,11 +1,15 @@
-"""Compressed3DStrategy: data x pipeline x tensor parallel training inside Lightning's own loop."""
+"""Compressed3DStrategy: data x pipeline x tensor parallel training inside Lightning's own loop.
+
+This file holds the options, the process groups and the model set-up. The rest of the class lives beside it, one
+concern per file: ``pipeline_steps`` (Lightning's step hooks), ``compression_setup`` (CB, SC and FE state, the link
+test, byte accounting) and ``checkpoint_hooks`` (sharded checkpoints).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -22,23 +26,21 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.optim import Optimizer
 
-from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig
 from lightning_3d.compression.config import CompressionConfig
-from lightning_3d.compression.link import allreduce_bus_gbps
 from lightning_3d.compression.selective import DataParallelPowerSGD
 from lightning_3d.compression.stats import CommunicationStats
-from lightning_3d.pipeline.microbatch import split_batch
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.runtime import PipelineRuntime
-from lightning_3d.strategies import checkpoint as ckpt
-from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_norm_, sync_tied_gradients
-from lightning_3d.strategies.parallel_dims import SCHEDULES, ParallelDims, new_subgroups, resolve_sizes
+from lightning_3d.strategies.checkpoint_hooks import CheckpointHooksMixin
+from lightning_3d.strategies.compression_setup import CompressionMixin
+from lightning_3d.strategies.grad_sync import GradientSynchronizer
+from lightning_3d.strategies.parallel_dims import ParallelDims, check_schedule, new_subgroups, resolve_sizes
+from lightning_3d.strategies.pipeline_steps import PipelineStepsMixin
 from lightning_3d.strategies.protocol import missing_protocol_methods
 from lightning_3d.strategies.stage_builder import (
     broadcast_parameters,
@@ -52,7 +54,7 @@ from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
-class Compressed3DStrategy(ParallelStrategy):
+class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooksMixin, ParallelStrategy):
     """Train with data, pipeline and tensor parallelism at once; ``Compressed3DStrategy()`` is plain data parallel.
 
     Args:
@@ -110,32 +112,7 @@ class Compressed3DStrategy(ParallelStrategy):
         precision_plugin=None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
-        for name, value in (("num_microbatches", num_microbatches), ("pipeline_parallel_size", pipeline_parallel_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}={value!r}` must be a positive integer.")
-        if virtual_stages is None:
-            virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
-        if schedule == "interleaved_1f1b":
-            if pipeline_parallel_size < 2 or virtual_stages < 2:
-                raise ValueError(
-                    f"The interleaved schedule needs pipeline_parallel_size >= 2 and virtual_stages >= 2 (got"
-                    f" {pipeline_parallel_size} and {virtual_stages}); use schedule='1f1b' otherwise."
-                )
-            if num_microbatches % pipeline_parallel_size != 0:
-                raise ValueError(
-                    f"The interleaved schedule needs num_microbatches ({num_microbatches}) to be a multiple of"
-                    f" pipeline_parallel_size ({pipeline_parallel_size})."
-                )
-        elif virtual_stages != 1:
-            raise ValueError(f"virtual_stages={virtual_stages} only applies to schedule='interleaved_1f1b'.")
-        if schedule == "1f1b" and num_microbatches < pipeline_parallel_size:
-            raise ValueError(
-                f"The 1F1B schedule with num_microbatches={num_microbatches} < pipeline_parallel_size="
-                f"{pipeline_parallel_size} leaves stages idle most of the step; use at least"
-                f" {pipeline_parallel_size} micro-batches (or schedule='gpipe')."
-            )
+        virtual_stages = check_schedule(schedule, pipeline_parallel_size, virtual_stages, num_microbatches)
         self.compression = CompressionConfig(
             compression, compressed_backprop, cb_rank, cb_epilogue_only, cb_min_compression_ratio, cb_lazy_error_propagation, sc_rank,
             sc_warmup, sc_min_compression_ratio, sc_matmul_precision, sc_max_link_gbps,
@@ -313,14 +290,9 @@ class Compressed3DStrategy(ParallelStrategy):
             before_last_backward=self._grad_sync.arm,
             stats=self.comm_stats,
         )
-        if self.compression.enabled and self.compression.compressed_backprop and dims.pp > 1:
-            cfg = self.compression
-            self._runtime.codec = CompressedBackprop(
-                CompressedBackpropConfig(cfg.cb_rank, cfg.cb_epilogue_only, cfg.cb_min_compression_ratio,
-                                         cfg.cb_lazy_error_propagation, cfg.seed),
-                tp_group=self.tp_mesh.get_group() if dims.tp > 1 else None,
-                split_over_tp=dims.tp > 1 and not self.sequence_parallel,
-            )
+        codec = self._build_codec()
+        if codec is not None:
+            self._runtime.codec = codec
 
     def _build_grad_sync(self) -> None:
         """(Re)create the data-parallel gradient synchronizer of this rank's stages (it registers gradient hooks)."""
@@ -349,87 +321,10 @@ class Compressed3DStrategy(ParallelStrategy):
         rank_zero_info(f"Compressed3DStrategy: gradient_accumulation_fusion on {len(linears)} nn.Linear weights of this"
                        " rank's stages.")
 
-    def _warn_unused(self, tied: bool) -> None:
-        notes = self.compression.unused_options(self.dims.dp, self.dims.pp, tied)
-        if notes and not self._warned_unused:
-            rank_zero_warn("Compressed3DStrategy: " + "; ".join(notes) + ".")
-        self._warned_unused = True
-
     @property
     def pipeline_runtime(self) -> PipelineRuntime | None:
         """This rank's pipeline executor (None for plain data parallelism); callbacks attach observers to it."""
         return self._runtime
-
-    @property
-    def compressed_backprop(self) -> CompressedBackprop | None:
-        """The activation-gradient codec (CB + LEP) of this rank, if compressed backpropagation is active."""
-        codec = self._runtime.codec if self._runtime is not None else None
-        return codec if isinstance(codec, CompressedBackprop) else None
-
-    @property
-    def selective_compression(self) -> DataParallelPowerSGD | None:
-        """The PowerSGD state of this rank's data-parallel gradients (SC), if it compresses them."""
-        return self._sc
-
-    def communication_stats(self, which: Literal["total", "last_step"] = "total") -> dict[str, dict[str, int]]:
-        """Bytes this rank put on the wire per kind, before and after compression (see ``compression.stats``)."""
-        return self.comm_stats.as_dict(which)
-
-    @property
-    def data_parallel_link_gbps(self) -> float | None:
-        """Bus bandwidth (GB/s) of the data-parallel all-reduce measured at setup, the slowest replica group's, which
-        turned SC on or off by default (``sc_max_link_gbps``); None where nothing was measured (dp = 1, compression
-        off, or ``compressed_stages`` given)."""
-        return self._dp_link_gbps
-
-    @property
-    def compresses_data_parallel_anywhere(self) -> bool:
-        """Whether SC runs on some pipeline rank of this job (the same answer on every rank, once set up)."""
-        cfg = self.compression
-        return (cfg.enabled and self.dims.dp > 1 and bool(cfg.stages_to_compress(self.dims.pp))
-                and cfg.compresses_on_link(self._dp_link_gbps))
-
-    def _compresses_dp(self) -> bool:
-        return self.compresses_data_parallel_anywhere and self.pp_rank in self.compression.stages_to_compress(self.dims.pp)
-
-    def _measure_data_parallel_link(self) -> None:
-        """Time one all-reduce on every data-parallel group at once, once; the slowest decides for every rank, so all
-        replicas agree. Only where the answer matters: SC's default stages with dp > 1."""
-        cfg = self.compression
-        if self._dp_link_gbps is not None or not cfg.enabled or self.dims.dp == 1 or cfg.compressed_stages is not None:
-            return
-        measured = torch.tensor([allreduce_bus_gbps(self.dp_group, self.root_device)], device=self.root_device)
-        dist.all_reduce(measured, op=dist.ReduceOp.MIN)
-        self._dp_link_gbps = float(measured)
-        verdict = ("on: slower than" if cfg.compresses_on_link(self._dp_link_gbps) else
-                   "off: PowerSGD's compute would cost more than it saves at or above")
-        rank_zero_info(
-            f"Compressed3DStrategy: the data-parallel all-reduce runs at {self._dp_link_gbps:.1f} GB/s (bus bandwidth);"
-            f" selective stage compression is {verdict} sc_max_link_gbps={cfg.sc_max_link_gbps:g}. Pass"
-            f" compressed_stages=[...] to choose the compressed stages yourself."
-        )
-
-    def _setup_selective_compression(self, trainer: pl.Trainer) -> None:
-        if not self._compresses_dp() or self._sc is not None:
-            return
-        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        self._sc = DataParallelPowerSGD(
-            self.dp_group, self.compression.sc_rank, self.compression.warmup_steps(int(total)),
-            self.compression.sc_min_compression_ratio, self.compression.seed, self.comm_stats,
-            self.compression.sc_matmul_precision,
-        )
-        self._grad_sync.attach_compressor(self._sc)
-
-    def _check_optimizers_for_compression(self) -> None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        sharded = [o for o in self.optimizers if isinstance(getattr(o, "_optimizer", o), ZeroRedundancyOptimizer)]
-        if sharded and self._compresses_dp():
-            raise TypeError(
-                "Selective stage compression averages full gradients with PowerSGD, which a sharded optimizer"
-                " (ZeroRedundancyOptimizer) cannot consume. Use a regular optimizer, or pass compression=False"
-                " (or compressed_stages=[] to keep compressed backpropagation only)."
-            )
 
     def _tied_copies(self, module: pl.LightningModule) -> list[torch.nn.Parameter]:
         named = dict(module.named_parameters())
@@ -442,107 +337,6 @@ class Compressed3DStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         self.lightning_module.to(self.root_device)
-
-    # ----- steps ----------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        self._sync_blocked = True
-        try:
-            yield
-        finally:
-            self._sync_blocked = False
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._runtime is None:
-            self._log_communication()
-            return super().training_step(*args, **kwargs)
-        batch, batch_idx = args[0], args[1]
-        module = self.lightning_module
-        self._log_communication()
-        if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
-            module.zero_grad(set_to_none=True)  # what Lightning's zero_grad would do, before our backward runs
-        microbatches = split_batch(batch, self.num_microbatches)
-        self._grad_sync.begin(sync=not self._sync_blocked)
-        loss = self._runtime.train_step(microbatches, loss_scale=1.0 / module.trainer.accumulate_grad_batches)
-        self._grad_sync.finish()
-        if not self._sync_blocked:
-            if self._fused_tied:
-                sync_tied_gradients(self._tied, self.fused_tied_group, divide_by=self.dims.dp, stats=self.comm_stats)
-            else:
-                sync_tied_gradients(self._tied, self.tied_group, stats=self.comm_stats)
-        # Lightning zeroes gradients between training_step and backward; keep ours out of its reach.
-        self._stashed_grads = [(p, p.grad) for p in module.parameters()]
-        for p in module.parameters():
-            p.grad = None
-        return self._report_loss(loss, "train")
-
-    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
-        return output
-
-    def _log_communication(self) -> None:
-        """Log the byte counters of the previous optimizer step (host-side numbers, no synchronisation)."""
-        last = self.comm_stats.as_dict("last_step")
-        before = sum(v["bytes_before"] for v in last.values())
-        after = sum(v["bytes_after"] for v in last.values())
-        if before:
-            self.lightning_module.log_dict(
-                {"comm/bytes_sent": float(after), "comm/compression_ratio": before / max(after, 1)},
-                on_step=True, on_epoch=False, sync_dist=False,
-            )
-
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._runtime is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        module = self.lightning_module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        for p, grad in self._stashed_grads or []:  # the pipeline already ran the backward in training_step
-            p.grad = grad
-        self._stashed_grads = None
-        return self.precision_plugin.post_backward(closure_loss, module)
-
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        self._grad_sync.begin(sync=not self._sync_blocked)
-        self._grad_sync.arm(None)
-
-    def post_backward(self, closure_loss: Tensor) -> None:
-        self._grad_sync.finish()
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("val", args, kwargs) if self._runtime else super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test", args, kwargs) if self._runtime else super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._runtime is not None and self.dims.pp > 1:
-            raise RuntimeError(
-                "trainer.predict is not available with pipeline_parallel_size > 1 (outputs live on the last stage"
-                " only); predict with pipeline_parallel_size=1."
-            )
-        return super().predict_step(*args, **kwargs)
-
-    def _eval_step(self, stage: str, args: tuple, kwargs: dict) -> Tensor:
-        loss = self._runtime.eval_step(split_batch(args[0], self.num_microbatches, uneven=True))
-        return self._report_loss(loss, stage)
-
-    def _report_loss(self, loss: Tensor | None, stage: str) -> Tensor:
-        """Average the last stage's loss over replicas and give it to every rank, then log it."""
-        contributes = loss is not None and self.tp_rank == 0
-        value = loss.detach().float() / self.dims.dp if contributes else torch.zeros((), device=self.root_device)
-        dist.all_reduce(value)
-        module = self.lightning_module
-        if callable(getattr(module, "log_pipeline_loss", None)):
-            module.log_pipeline_loss(value, stage)
-        else:
-            module.log(f"{stage}_loss", value, prog_bar=True, sync_dist=False)
-        return value
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        skip = {id(p) for p in self._tied} if self.pp_rank == self.dims.pp - 1 else set()
-        clip_grad_norm_(params, clip_val, self.model_parallel_group, self.tp_rank, self.root_device, skip)
 
     # ----- collectives Lightning asks for -----------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
@@ -566,82 +360,7 @@ class Compressed3DStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ----- checkpoints -----------------------------------------------------------------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return ckpt.model_state(self.lightning_module)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return ckpt.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in load_checkpoint
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("Compressed3DStrategy writes sharded checkpoints itself and takes no storage_options.")
-        path = Path(self.broadcast(str(filepath)))
-        ckpt.save(checkpoint, path, {}, self.global_rank)
-        ckpt.save_rank_state(path, self.global_rank, self._layout_key(), self.rank_state_dict())
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        module = self.lightning_module
-        padded = module.padded_parameters() if callable(getattr(module, "padded_parameters", None)) else []
-        tied = module.pipeline_tied_parameters() if callable(getattr(module, "pipeline_tied_parameters", None)) else {}
-        aliases = {**{last: first for first, last in tied.items()}, **tied}
-        meta = ckpt.load(path, module, optimizers, {}, strict=module.strict_loading, padded=padded, aliases=aliases)
-        states = ckpt.load_rank_state(path, self.global_rank, self._layout_key(), self.root_device)
-        if states is not None:
-            self.load_rank_state_dict(states)
-        elif self.rank_state_dict():
-            rank_zero_warn(
-                f"{path} holds no compression state for this layout {self._layout_key()}; error-feedback buffers"
-                " and warm-start factors start afresh."
-            )
-        return meta
-
-    def _layout_key(self) -> tuple:
-        return (self.dims.dp, self.dims.pp, self.dims.tp, self.virtual_stages, self.schedule)
-
-    def rank_states(self) -> dict[str, Any]:
-        """This rank's stateful compression objects (``state_dict``/``load_state_dict``), by name."""
-        states = {"communication": self.comm_stats}
-        if self.compressed_backprop is not None:
-            states["compressed_backprop"] = self.compressed_backprop
-        if self._sc is not None:
-            states["selective_compression"] = self._sc
-        return states
-
-    def rank_state_dict(self) -> dict[str, Any]:
-        """The compression state of this rank (LEP errors, warm-start factors, PowerSGD memories, counters)."""
-        states = self.rank_states()
-        if len(states) == 1:  # counters only: nothing that changes training
-            return {}
-        return {name: obj.state_dict() for name, obj in states.items()}
-
-    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
-        states = self.rank_states()
-        if "selective_compression" in state and "selective_compression" not in states:
-            link = self._dp_link_gbps
-            why = (f"its data-parallel link measured {link:.1f} GB/s, at or above sc_max_link_gbps" if link is not None
-                   else "compression is off or compressed_stages leaves this stage out")
-            rank_zero_warn(
-                "Compressed3DStrategy: the checkpoint holds selective-compression state (PowerSGD error feedback) but"
-                f" this run does not compress data-parallel gradients on this rank ({why}); that state is dropped."
-                " Pass compressed_stages=[...] to keep compressing."
-            )
-        for name, obj in states.items():
-            if name in state:
-                obj.load_state_dict(state[name])
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            ckpt.remove(Path(filepath))
-
+    # ----- teardown ----------------------------------------------------------------------------------------------
     def teardown(self) -> None:
         # The synchronizer's gradient hooks are held by autograd's C++ state, out of the garbage collector's sight:
         # parameter -> hook -> synchronizer -> parameter would be a cycle never freed, keeping every trained model's

@@ -4,7 +4,8 @@ Under autocast a linear layer's weight gradient takes three passes over memory p
 bf16 gradient, its cast back to the fp32 parameter writes an fp32 copy, and autograd's ``AccumulateGrad`` reads the
 running ``.grad`` and that copy and writes the sum. Megatron-LM's ``gradient_accumulation_fusion`` has the GEMM
 accumulate into an fp32 buffer instead (cuBLAS with bf16 inputs, fp32 C and beta = 1): one pass, no temporaries, and
-the micro-batch's contribution is never rounded to bf16. PyTorch has the GEMM (``torch.addmm(..., out_dtype=)``) but
+the micro-batch's contribution is never rounded to bf16. (In fp32 training on a GPU the GEMM likewise adds into the
+slot, saving the product's temporary and the separate add.) PyTorch has the GEMM (``torch.addmm(..., out_dtype=)``) but
 no layer that uses it, so this file adds the layer; the data-parallel synchronizer lays the buffers out as its
 all-reduce buckets, so no gradient is copied into a bucket either (what DDP's ``gradient_as_bucket_view`` saves).
 
@@ -72,6 +73,12 @@ def accumulate_weight_grad(slot: Tensor, grad_output: Tensor, saved_input: Tenso
             torch.mm(g, x, out_dtype=slot.dtype, out=slot)
         else:
             torch.addmm(slot, g, x, out_dtype=slot.dtype, out=slot)
+    elif slot.is_cuda:
+        # fp32 training on a GPU: the same epilogue, without the mixed-precision output (no temporary, no extra pass).
+        if grad is None:
+            torch.mm(g, x, out=slot)
+        else:
+            slot.addmm_(g, x)
     elif grad is None:
         # Elsewhere exactly what autograd does: the product in the input dtype, then cast (first micro-batch) or added.
         slot.copy_(torch.mm(g, x))

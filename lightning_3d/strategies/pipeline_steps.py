@@ -1,0 +1,113 @@
+"""How Lightning's step hooks run through the pipeline: the whole forward and backward of a batch happen in
+``training_step`` (the schedule interleaves them per micro-batch), so ``backward`` only hands the gradients back.
+
+Part of ``Compressed3DStrategy`` (a mixin, for the file size); modules without the pipeline protocol fall through to
+Lightning's own hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_3d.pipeline.microbatch import split_batch
+from lightning_3d.strategies.grad_sync import clip_grad_norm_, sync_tied_gradients
+
+
+class PipelineStepsMixin:
+    """Training, evaluation and clipping hooks of ``Compressed3DStrategy`` (see the module docstring)."""
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        self._sync_blocked = True
+        try:
+            yield
+        finally:
+            self._sync_blocked = False
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is None:
+            self._log_communication()
+            return super().training_step(*args, **kwargs)
+        batch, batch_idx = args[0], args[1]
+        module = self.lightning_module
+        self._log_communication()
+        if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
+            module.zero_grad(set_to_none=True)  # what Lightning's zero_grad would do, before our backward runs
+        microbatches = split_batch(batch, self.num_microbatches)
+        self._grad_sync.begin(sync=not self._sync_blocked)
+        loss = self._runtime.train_step(microbatches, loss_scale=1.0 / module.trainer.accumulate_grad_batches)
+        self._grad_sync.finish()
+        if not self._sync_blocked:
+            if self._fused_tied:
+                sync_tied_gradients(self._tied, self.fused_tied_group, divide_by=self.dims.dp, stats=self.comm_stats)
+            else:
+                sync_tied_gradients(self._tied, self.tied_group, stats=self.comm_stats)
+        # Lightning zeroes gradients between training_step and backward; keep ours out of its reach.
+        self._stashed_grads = [(p, p.grad) for p in module.parameters()]
+        for p in module.parameters():
+            p.grad = None
+        return self._report_loss(loss, "train")
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
+        return output
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._runtime is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, grad in self._stashed_grads or []:  # the pipeline already ran the backward in training_step
+            p.grad = grad
+        self._stashed_grads = None
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self._grad_sync.begin(sync=not self._sync_blocked)
+        self._grad_sync.arm(None)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        self._grad_sync.finish()
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("val", args, kwargs) if self._runtime else super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test", args, kwargs) if self._runtime else super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None and self.dims.pp > 1:
+            raise RuntimeError(
+                "trainer.predict is not available with pipeline_parallel_size > 1 (outputs live on the last stage"
+                " only); predict with pipeline_parallel_size=1."
+            )
+        return super().predict_step(*args, **kwargs)
+
+    def _eval_step(self, stage: str, args: tuple, kwargs: dict) -> Tensor:
+        loss = self._runtime.eval_step(split_batch(args[0], self.num_microbatches, uneven=True))
+        return self._report_loss(loss, stage)
+
+    def _report_loss(self, loss: Tensor | None, stage: str) -> Tensor:
+        """Average the last stage's loss over replicas and give it to every rank, then log it."""
+        contributes = loss is not None and self.tp_rank == 0
+        value = loss.detach().float() / self.dims.dp if contributes else torch.zeros((), device=self.root_device)
+        dist.all_reduce(value)
+        module = self.lightning_module
+        if callable(getattr(module, "log_pipeline_loss", None)):
+            module.log_pipeline_loss(value, stage)
+        else:
+            module.log(f"{stage}_loss", value, prog_bar=True, sync_dist=False)
+        return value
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        skip = {id(p) for p in self._tied} if self.pp_rank == self.dims.pp - 1 else set()
+        clip_grad_norm_(params, clip_val, self.model_parallel_group, self.tp_rank, self.root_device, skip)
