@@ -18,12 +18,14 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.processes import kill_launch  # noqa: E402
 
 # "all" is the library's defaults: CB on the cool-down sends only, without LEP, FE, and SC only where the measured
 # data-parallel link is slower than sc_max_link_gbps (so not on one NVLink host). "all-sc" is the same with SC forced
@@ -136,23 +138,35 @@ def run(args: argparse.Namespace) -> None:
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     gpus = visible_gpus() if args.accelerator == "gpu" and args.concurrent else []
     placement = gpu_placement(len(args.modes), dp * pp * tp, gpus)
-    for i, mode in enumerate(args.modes):
-        result = args.out.with_name(f"{args.out.stem}_{mode}.json")
-        if placement[i] is not None:
-            env = {**env, "CUDA_VISIBLE_DEVICES": placement[i]}
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp * pp * tp}",
-               f"--master-port={29500 + 17 * i}", __file__, "worker", "--mode", mode, "--result", str(result),
-               *sys.argv[2:]]
-        log = open(args.out.with_name(f"{args.out.stem}_{mode}.log"), "w")  # kept next to the results
-        procs[mode] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), result)
-        if not args.concurrent:  # one after the other; --concurrent shares the GPUs (loss curves only, no timing)
-            procs[mode][0].wait()
-    for mode, (proc, result) in procs.items():
-        if proc.wait() != 0:
-            tail = "\n".join(args.out.with_name(f"{args.out.stem}_{mode}.log").read_text(errors="replace").splitlines()[-40:])
-            raise SystemExit(f"mode {mode} failed with exit code {proc.returncode}; last lines of its log:\n{tail}")
-        results[mode] = json.loads(result.read_text())
-        print(mode, "final val loss", results[mode]["val"][-1], flush=True)
+    failures = []
+    try:
+        for i, mode in enumerate(args.modes):
+            result = args.out.with_name(f"{args.out.stem}_{mode}.json")
+            if placement[i] is not None:
+                env = {**env, "CUDA_VISIBLE_DEVICES": placement[i]}
+            # --standalone: a free port per launch, so concurrent modes, and launches that a stopped run left behind
+            # on the same machine, never meet at one rendezvous.
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp * pp * tp}",
+                   __file__, "worker", "--mode", mode, "--result", str(result), *sys.argv[2:]]
+            with open(args.out.with_name(f"{args.out.stem}_{mode}.log"), "w") as log:  # kept next to the results
+                procs[mode] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True), result)
+            if not args.concurrent:  # one after the other; --concurrent shares the GPUs (loss curves only, no timing)
+                procs[mode][0].wait()
+        for mode, (proc, result) in procs.items():  # every mode runs to its end, even when another failed
+            if proc.wait() != 0:
+                log = args.out.with_name(f"{args.out.stem}_{mode}.log").read_text(errors="replace")
+                failures.append(f"mode {mode} failed with exit code {proc.returncode}; the end of its log:\n"
+                                + "\n".join(log.splitlines()[-40:]))
+                continue
+            results[mode] = json.loads(result.read_text())
+            print(mode, "final val loss", results[mode]["val"][-1], flush=True)
+    finally:  # also when this driver is stopped (SIGTERM from `timeout`, Ctrl-C): no worker may outlive it
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                kill_launch(proc)
+    if not results:
+        raise SystemExit("\n\n".join(failures))
     finals = {m: r["val"][-1][1] for m, r in results.items()}
     summary = {"command": " ".join(sys.argv), "layout": args.layout, "steps": args.steps, "seed": args.seed,
                "final_val_loss": finals,
@@ -161,6 +175,8 @@ def run(args: argparse.Namespace) -> None:
     args.out.write_text(json.dumps(summary, indent=1))
     plot(results, args.out.with_suffix(".png"))
     print(json.dumps({k: summary[k] for k in ("final_val_loss", "relative_to_off")}, indent=1))
+    if failures:
+        raise SystemExit("\n\n".join(failures))
 
 
 def visible_gpus() -> list[str]:
@@ -234,6 +250,8 @@ def main() -> None:
     parser.add_argument("--mode", default="off", choices=tuple(MODES))
     parser.add_argument("--result", type=Path)
     args = parser.parse_args()
+    if args.command == "run":  # `timeout` stops the driver with SIGTERM: exit through run's cleanup of the workers
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     {"prepare": prepare, "run": run, "worker": worker}[args.command](args)
 
 

@@ -18,10 +18,8 @@ step (gradient accumulation for the peers).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.processes import kill_launch  # noqa: E402
 from benchmarks.train_throughput import ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, environment  # noqa: E402
 
 SYSTEMS = ("plain", "ddp", "fsdp", "ours")
@@ -96,27 +95,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def descendants(pid: int) -> list[int]:
-    """All processes below ``pid`` (Linux /proc), children first."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, frontier = [], [pid]
-    while frontier:
-        children = [c for p in frontier for c in parents.get(p, [])]
-        found += children
-        frontier = children
-    return found
-
-
-def signal_all(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
 def launch(args: argparse.Namespace, system: dict, out_dir: Path, index: int) -> dict:
     """One system in fresh processes (torchrun --standalone picks a free port); its rank-0 result or an error."""
     result = out_dir / f"{index:02d}.json"
@@ -132,14 +110,9 @@ def launch(args: argparse.Namespace, system: dict, out_dir: Path, index: int) ->
             code = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             code = "timeout"
-            # torchrun starts each worker in a session of its own, so killing torchrun alone would leave the workers
-            # running (holding the GPUs through the next systems' measurements). First SIGUSR1: the workers print
-            # every thread's Python stack (peer_workers.run_worker), so the log says where a stuck system waits.
-            workers = descendants(proc.pid)
-            signal_all(workers, signal.SIGUSR1)
-            time.sleep(3)
-            signal_all([proc.pid, *workers], signal.SIGKILL)
-            proc.wait()
+            # Every worker, not only torchrun (benchmarks.processes says why). SIGUSR1 first: the workers print every
+            # thread's Python stack (peer_workers.run_worker), so the log says where a stuck system waits.
+            kill_launch(proc, stacks_first=True)
     wall = round(time.monotonic() - start, 1)
     if code == 0 and result.exists():
         return {**json.loads(result.read_text()), "wall_s": wall, "error": None}

@@ -176,22 +176,31 @@ def test_convergence_places_concurrent_modes_on_their_own_gpus() -> None:
     assert gpu_placement(2, 2, []) == [None, None]  # CPU
 
 
+def _tiny_blocks(folder: Path) -> Path:
+    """A packed-blocks folder as ``convergence.py prepare`` writes it: 200 random blocks of 17 tokens."""
+    import numpy as np
+
+    folder.mkdir()
+    np.save(folder / "blocks.npy", np.random.default_rng(0).integers(0, 256, size=(200, 17), dtype=np.int32))
+    (folder / "meta.json").write_text(json.dumps({"vocab_size": 256, "seq_length": 16, "num_blocks": 200}))
+    return folder
+
+
+def _convergence_cmd(data: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "benchmarks/convergence.py"), "run", "--data", str(data), "--layout", "1,1,1",
+            "--preset", "tiny", "--steps", str(steps), "--batch-size", "2", "--num-microbatches", "1", "--val-every",
+            "2", "--val-batches", "1", "--log-every", "1", "--accelerator", "cpu", "--precision", "32-true",
+            "--out", str(out), *extra]
+
+
 def test_convergence_seed_gives_another_run_and_zero_the_recorded_one(tmp_path: Path) -> None:
     """--seed changes the initial weights and the data order (the first logged loss differs), 0 is the default, and
     the summary records it; the run goes end to end (torchrun worker, curves, validation, JSON) on CPU."""
-    import numpy as np
-
-    data = tmp_path / "data"
-    data.mkdir()
-    np.save(data / "blocks.npy", np.random.default_rng(0).integers(0, 256, size=(200, 17), dtype=np.int32))
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 256, "seq_length": 16, "num_blocks": 200}))
+    data = _tiny_blocks(tmp_path / "data")
     first_loss = {}
     for seed in (None, 0, 1):
         out = tmp_path / f"seed{seed}.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks/convergence.py"), "run", "--data", str(data), "--layout",
-               "1,1,1", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--num-microbatches", "1",
-               "--val-every", "2", "--val-batches", "1", "--log-every", "1", "--accelerator", "cpu", "--precision",
-               "32-true", "--modes", "off", "--out", str(out), *([] if seed is None else ["--seed", str(seed)])]
+        cmd = _convergence_cmd(data, out, 2, "--modes", "off", *([] if seed is None else ["--seed", str(seed)]))
         subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
         summary = json.loads(out.read_text())
         assert summary["seed"] == (seed or 0)
@@ -200,6 +209,36 @@ def test_convergence_seed_gives_another_run_and_zero_the_recorded_one(tmp_path: 
         first_loss[seed] = curve["train"][0][1]
     assert first_loss[None] == first_loss[0]  # the default is seed 0: the same run, bit for bit on CPU
     assert first_loss[1] != first_loss[0]
+
+
+def test_convergence_stopped_by_sigterm_leaves_no_worker_behind(tmp_path: Path) -> None:
+    """`timeout` stops the driver with SIGTERM. torchrun runs its workers in sessions of their own; before, they went
+    on training (holding GPUs and a fixed port) after the driver was gone, and the next launch on the machine hung.
+    Two concurrent modes; the driver is stopped mid-training; every process it started must be gone."""
+    import signal
+    import time
+
+    from benchmarks.processes import descendants
+
+    data = _tiny_blocks(tmp_path / "data")
+    cmd = _convergence_cmd(data, tmp_path / "r.json", 100000, "--modes", "off", "sc", "--concurrent")
+    driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, started = time.monotonic() + 300, []
+    while time.monotonic() < deadline:  # until both launches train: a result file is written at each validation
+        started = descendants(driver.pid)
+        if all((tmp_path / f"r_{m}.json").exists() for m in ("off", "sc")):
+            break
+        assert driver.poll() is None, "the run ended before it was stopped"
+        time.sleep(0.5)
+    else:
+        pytest.fail("the two modes did not start training within 300 s")
+    assert len(started) >= 4  # two torchrun agents and their workers
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+    time.sleep(1)
+    alive = [pid for pid in started if Path(f"/proc/{pid}").exists()
+             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert alive == []
 
 
 def test_all_stages_mode_compresses_every_stage() -> None:
