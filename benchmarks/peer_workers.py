@@ -20,7 +20,8 @@ from lightning_3d.recipes.data import SyntheticLMDataModule
 from lightning_3d.recipes.data.synthetic import SyntheticTokens
 from lightning_3d.recipes.gpt.model import GPTModel
 from lightning_3d.recipes.training import compile_blocks
-from lightning_3d.strategies.stage_builder import materialize_, replicate_plain_parameters
+from lightning_3d.strategies.stage_builder import replicate_plain_parameters
+from lightning_3d.utils.tensors import materialize_
 
 
 def run_worker(args: argparse.Namespace, system: dict) -> None:

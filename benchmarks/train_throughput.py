@@ -149,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_3d import Compressed3DStrategy
-    from lightning_3d.compression.stats import KINDS as TRAFFIC_KINDS
+    from lightning_3d.utils.comm_stats import KINDS as TRAFFIC_KINDS
     from lightning_3d.recipes import GPT, T5
     from lightning_3d.recipes.data import SyntheticLMDataModule, SyntheticSeq2SeqDataModule
 

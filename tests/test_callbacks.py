@@ -17,9 +17,10 @@ from lightning_3d import MicroBatches
 from lightning_3d.callbacks import (
     CommunicationMonitor, CompressionDiagnostics, CompressionStateMonitor, PipelineTimeline, ThroughputMFUMonitor,
 )
-from lightning_3d.callbacks.comm_monitor import ObserverFanout, attach, detach
+from lightning_3d.callbacks.plumbing import ObserverFanout, attach, detach
 from lightning_3d.callbacks.diagnostics import DiagnosticsRecorder, cosine
-from lightning_3d.callbacks.timeline import SpanRecorder, chrome_trace, idle_gaps
+from lightning_3d.callbacks.plumbing import SpanRecorder
+from lightning_3d.callbacks.timeline import chrome_trace, idle_gaps
 from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig
 from lightning_3d.pipeline.codec import BoundaryKey
 from lightning_3d.recipes import GPT

@@ -11,7 +11,7 @@ from lightning_3d.compression.backprop import CompressedBackprop, CompressedBack
 from lightning_3d.compression.lowrank import orthonormalize
 from lightning_3d.compression.config import CompressionConfig
 from lightning_3d.compression.selective import DataParallelPowerSGD
-from lightning_3d.compression.stats import CommunicationStats
+from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.codec import BoundaryKey
 
 

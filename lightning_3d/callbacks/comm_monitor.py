@@ -1,14 +1,7 @@
-"""CommunicationMonitor: bytes on the wire per traffic kind and time spent waiting for pipeline receives, per step.
-
-Also home of the plumbing the callbacks share: the strategy check, the one place that reaches the pipeline runtime,
-the fan-out of its single observer slot, gathering to rank 0, rank-0 logging and the output directory (the span
-clock, ``SpanRecorder``, lives in ``timeline``).
-"""
+"""CommunicationMonitor: bytes on the wire per traffic kind and time spent waiting for pipeline receives, per step."""
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,109 +9,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_3d.compression.stats import KINDS
-from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
+from lightning_3d.callbacks.plumbing import (
+    SpanRecorder, attach, detach, log_rank_zero, pipeline_runtime, require_compressed_3d,
+)
+from lightning_3d.utils.comm_stats import KINDS
 
 
-# ----- plumbing shared by the callbacks ----------------------------------------------------------------------------
-def require_compressed_3d(callback: Callback, trainer: pl.Trainer) -> Compressed3DStrategy:
-    strategy = trainer.strategy
-    if not isinstance(strategy, Compressed3DStrategy):
-        name = type(callback).__name__
-        raise TypeError(
-            f"{name} reads the state of lightning_3d.Compressed3DStrategy, but this Trainer uses"
-            f" {type(strategy).__name__}. Pass `strategy=Compressed3DStrategy(...)` (or strategy='compressed_3d')"
-            f" to the Trainer, or remove {name} from its callbacks."
-        )
-    return strategy
-
-
-def pipeline_runtime(strategy: Compressed3DStrategy) -> Any:
-    return strategy.pipeline_runtime
-
-
-class RuntimeListener:
-    """One callback's share of ``RuntimeObserver``; ``span`` returns None for spans it does not time."""
-
-    def on_step(self, phase: str, train: bool, num_microbatches: int) -> None:
-        pass
-
-    def span(self, name: str, stage: int, microbatch: int) -> contextlib.AbstractContextManager | None:
-        return None
-
-    def on_received(self, stage: int, microbatch: int, tensors: list[torch.Tensor]) -> None:
-        pass
-
-
-class ObserverFanout:
-    """Shares ``PipelineRuntime.observer`` (one slot) between several listeners (a foreign observer included)."""
-
-    def __init__(self, listeners: list[Any]) -> None:
-        self.listeners = listeners
-
-    def on_step(self, phase: str, train: bool, num_microbatches: int) -> None:
-        for listener in self.listeners:
-            listener.on_step(phase, train, num_microbatches)
-
-    def span(self, name: str, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
-        active = [cm for cm in (l.span(name, stage, microbatch) for l in self.listeners) if cm is not None]
-        return active[0] if len(active) == 1 else _Nested(active)
-
-    def on_received(self, stage: int, microbatch: int, tensors: list[torch.Tensor]) -> None:
-        for listener in self.listeners:
-            listener.on_received(stage, microbatch, tensors)
-
-
-class _Nested(contextlib.ExitStack):
-    def __init__(self, managers: list[contextlib.AbstractContextManager]) -> None:
-        super().__init__()
-        self.managers = managers
-
-    def __enter__(self) -> None:
-        for cm in self.managers:
-            self.enter_context(cm)
-
-
-def attach(runtime: Any, listener: Any) -> None:
-    if not isinstance(runtime.observer, ObserverFanout):
-        runtime.observer = ObserverFanout([runtime.observer] if runtime.observer is not None else [])
-    if listener not in runtime.observer.listeners:
-        runtime.observer.listeners.append(listener)
-
-
-def detach(runtime: Any, listener: Any) -> None:
-    fanout = runtime.observer
-    if isinstance(fanout, ObserverFanout) and listener in fanout.listeners:
-        fanout.listeners.remove(listener)
-        if len(fanout.listeners) <= 1 and not isinstance(next(iter(fanout.listeners), None), RuntimeListener):
-            runtime.observer = fanout.listeners[0] if fanout.listeners else None  # give a foreign observer its slot back
-
-
-def log_rank_zero(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    if trainer.is_global_zero and metrics:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-
-
-def gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (a collective: call it on all ranks at the same point)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def output_dir(trainer: pl.Trainer, given: str | None) -> Path:
-    """``given``, else the trainer's log dir, else its root dir (``trainer.log_dir`` is a collective)."""
-    return Path(given or trainer.log_dir or trainer.default_root_dir)
-
-
-# ----- the monitor ------------------------------------------------------------------------------------------------
 class CommunicationMonitor(Callback):
     """Log, every ``log_every_n_steps`` optimizer steps, the step's communication summed over all ranks:
 
-    - ``comm/step/{kind}/bytes_before`` and ``.../bytes_after`` for each kind of ``lightning_3d.compression.stats``
+    - ``comm/step/{kind}/bytes_before`` and ``.../bytes_after`` for each kind of ``lightning_3d.utils.comm_stats``
       (forward_activations, backward_activation_grads, dp_gradients, embedding_sync): the payload an uncompressed
       run would send and what was sent, counted on the host from shapes (no synchronisation);
     - ``comm/step/bytes_before``, ``comm/step/bytes_after`` and ``comm/step/compression_ratio`` over all kinds;
@@ -156,8 +56,6 @@ class CommunicationMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._runtime = pipeline_runtime(self._strategy)
         if self._runtime is not None:
-            from lightning_3d.callbacks.timeline import SpanRecorder  # timeline builds on this module's helpers
-
             self._waits = SpanRecorder(self._strategy.root_device, names=("wait",))
             attach(self._runtime, self._waits)
 

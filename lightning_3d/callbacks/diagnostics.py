@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_3d.callbacks.comm_monitor import (
+from lightning_3d.callbacks.plumbing import (
     RuntimeListener, attach, detach, gather, log_rank_zero, output_dir, pipeline_runtime, require_compressed_3d,
 )
 from lightning_3d.pipeline.codec import BoundaryKey

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_3d.callbacks.comm_monitor import gather, log_rank_zero, require_compressed_3d
+from lightning_3d.callbacks.plumbing import gather, log_rank_zero, require_compressed_3d
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 
 

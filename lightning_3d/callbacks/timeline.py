@@ -1,88 +1,22 @@
-"""PipelineTimeline: one training step's forward / backward / wait spans on every rank, as a Chrome trace and a PNG.
-
-"""
+"""PipelineTimeline: one training step's forward / backward / wait spans on every rank, as a Chrome trace and a PNG."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_3d.callbacks.comm_monitor import (
-    RuntimeListener, attach, detach, gather, output_dir, pipeline_runtime, require_compressed_3d,
+from lightning_3d.callbacks.plumbing import (
+    SpanRecorder, attach, detach, gather, output_dir, pipeline_runtime, require_compressed_3d,
 )
 
 COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C44E52", "idle": "#D9D9D9"}
 
 
-class _Span:
-    __slots__ = ("clock", "key", "start")
-
-    def __init__(self, clock: SpanRecorder, key: tuple[str, int, int]) -> None:
-        self.clock, self.key = clock, key
-
-    def __enter__(self) -> None:
-        self.start = self.clock.now()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.clock.spans.append((*self.key, self.start, self.clock.now()))
-
-
-class SpanRecorder(RuntimeListener):
-    """Times the spans (``names``, or all) of the next training pipeline step after ``arm()``.
-
-    GPU: CUDA events recorded on the current stream around each span, read once in ``result()`` (one host
-    synchronisation); CPU: ``time.perf_counter``. Times are seconds from the step's start.
-    """
-
-    def __init__(self, device: torch.device, names: tuple[str, ...] | None = None) -> None:
-        self.cuda, self.names = device.type == "cuda", names
-        self.armed = self.recording = self.finished = False
-        self.spans: list[tuple] = []
-        self.wall_start, self.start, self.end = 0.0, None, None
-
-    def arm(self) -> None:
-        self.armed, self.finished, self.spans = True, False, []
-
-    def now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def on_step(self, phase: str, train: bool, num_microbatches: int) -> None:
-        if not (train and self.armed):
-            return
-        if phase == "begin" and not self.recording:
-            self.recording, self.wall_start, self.start = True, time.time(), self.now()
-        elif phase == "end" and self.recording:
-            self.recording, self.armed, self.finished, self.end = False, False, True, self.now()
-
-    def span(self, name: str, stage: int, microbatch: int) -> contextlib.AbstractContextManager | None:
-        if not self.recording or (self.names is not None and name not in self.names):
-            return None
-        return _Span(self, (name, stage, microbatch))
-
-    def result(self) -> tuple[list[tuple[str, int, int, float, float]], float]:
-        """(spans as (name, stage, micro-batch, start s, end s), step duration s); resets ``finished``."""
-        self.finished = False
-        if self.cuda:
-            self.end.synchronize()
-            since = lambda ev: self.start.elapsed_time(ev) / 1e3  # noqa: E731
-        else:
-            since = lambda t: t - self.start  # noqa: E731
-        return [(n, s, m, since(a), since(b)) for n, s, m, a, b in self.spans], since(self.end)
-
-
-# ----- the timeline ----------------------------------------------------------------------------------------------
 class PipelineTimeline(Callback):
     """Record training step ``step`` (the optimizer step, counted from 0) on every rank: the forward, backward and
     receive-wait spans of each (stage, micro-batch) and the idle gaps between them (sends, compression, bookkeeping).

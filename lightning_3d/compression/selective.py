@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_3d.compression.lowrank import fp32_matmul_precision, orthonormalize
-from lightning_3d.compression.stats import CommunicationStats
+from lightning_3d.utils.comm_stats import CommunicationStats
 
 # The power step's three bulk products (M·Q, Mᵀ·P, P·Qᵀ) on CUDA: "tf32" runs them on tensor cores, "fp32" in full
 # IEEE fp32. They are most of SC's compute (GPT-1.3B, one H200: benchmarks/RESULTS.md). TF32 rounds each product to

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_3d.compression.stats import CommunicationStats
+from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.codec import BoundaryKey, GradientCodec, IdentityCodec
 from lightning_3d.pipeline.microbatch import signature
 from lightning_3d.pipeline.p2p import PipelineChannels, TensorMeta

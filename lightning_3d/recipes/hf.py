@@ -82,7 +82,8 @@ def _from_hf(name: str, get, config: GPTConfig) -> Tensor:
     return t.t() if kind == "weight" and "ln" not in mod else t
 
 
-def _pad_rows(t: Tensor, rows: int) -> Tensor:
+def pad_rows(t: Tensor, rows: int) -> Tensor:
+    """``t`` with zero rows appended up to ``rows`` (the vocabulary padded to a multiple of 128 x tp)."""
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
 
 
@@ -107,7 +108,7 @@ def hf_to_gpt_state_dict(hf_state: dict[str, Tensor], hf_config: Any) -> tuple[d
     get = lambda k: state[k] if k in state or k != "lm_head.weight" else state["transformer.wte.weight"]  # noqa: E731
     config = _gpt_config_from_hf(hf_config if isinstance(hf_config, dict) else hf_config.to_dict(), get)
     out = {n: _from_hf(n, get, config) for n in gpt_param_names(config) + ["head.weight"] * config.tie_embeddings}
-    out.update({n: _pad_rows(out[n], config.padded_vocab_size(1)) for n in ("embed.wte.weight", "head.weight")})
+    out.update({n: pad_rows(out[n], config.padded_vocab_size(1)) for n in ("embed.wte.weight", "head.weight")})
     return {k: v.contiguous() for k, v in out.items()}, config
 
 
@@ -239,7 +240,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
 
 
 # ----- import for fine-tuning --------------------------------------------------------------------------------
-def _hf_weights(path: Path, rename=None, fallbacks: dict[str, str] | None = None):
+def hf_weights(path: Path, rename=None, fallbacks: dict[str, str] | None = None):
     """``get(name)`` over a ``save_pretrained`` directory, reading one tensor at a time from safetensors. Names are the
     files' keys through ``rename`` (default: GPT-2's, with the ``transformer.`` prefix); a missing name is read as its
     ``fallbacks`` entry (a tied weight stored once). ``get.names`` is the set of stored names."""
@@ -276,7 +277,7 @@ def _pretrained_kwargs(path: Path, overrides: dict) -> dict:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json).")
     hf = json.loads((path / "config.json").read_text())  # weights are opened only once the config is a GPT-2's
-    config = _gpt_config_from_hf(hf, lambda name: _hf_weights(path)(name), str(path))
+    config = _gpt_config_from_hf(hf, lambda name: hf_weights(path)(name), str(path))
     ours = {**config.to_dict(), "ffn_hidden_size": config.ffn_size}
     for field in _MUST_MATCH:
         if overrides.get(field) is not None and overrides[field] != ours[field]:
@@ -301,10 +302,10 @@ class PretrainedGPT(GPT):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Every parameter (this rank's shard of it) gets its GPT-2 tensor; vocabulary padding rows are zero."""
-        weights, config = _hf_weights(Path(self.hparams.pretrained_path)), self.config
+        weights, config = hf_weights(Path(self.hparams.pretrained_path)), self.config
         for name, param in self.model.named_parameters():
             key = "embed.wte.weight" if name == "head.weight" and config.tie_embeddings else name
-            copy_full_into(param, _pad_rows(_from_hf(key, weights, config), param.shape[0]).to(param.device, param.dtype))
+            copy_full_into(param, pad_rows(_from_hf(key, weights, config), param.shape[0]).to(param.device, param.dtype))
         head = self.model.head
         if head is not None and head.padding_mask is not None:
             mask = torch.zeros(head.out_features, device=head.weight.device)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_3d.recipes.gpt.model import copy_full_into
-from lightning_3d.recipes.hf import _hf_weights, _pad_rows, checkpoint_entries, checkpoint_hparams, hf_tokenizer, load_model_tensors
+from lightning_3d.recipes.hf import hf_weights, pad_rows, checkpoint_entries, checkpoint_hparams, hf_tokenizer, load_model_tensors
 from lightning_3d.recipes.t5.config import FEED_FORWARD, T5Config
 from lightning_3d.recipes.t5.model import T5Model
 from lightning_3d.recipes.t5.module import T5
@@ -124,7 +124,7 @@ def hf_to_t5_state_dict(hf_state: dict[str, Tensor], hf_config: Any) -> tuple[di
     get = lambda k: hf_state[k] if k in hf_state or k not in fallback else hf_state[fallback[k]]  # noqa: E731
     names = t5_param_names(config) + ["lm_head.weight"] * config.tie_embeddings
     out = {n: _from_hf(n, get, config, "The state dict") for n in names}
-    out.update({n: _pad_rows(out[n], config.padded_vocab_size(1)) for n in _VOCAB_ROWS})
+    out.update({n: pad_rows(out[n], config.padded_vocab_size(1)) for n in _VOCAB_ROWS})
     return {k: v.contiguous() for k, v in out.items()}, config
 
 
@@ -207,7 +207,7 @@ def _pretrained(path: Path) -> tuple[T5Config, Any]:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json).")
     config = t5_config_from_hf(json.loads((path / "config.json").read_text()), str(path))
-    get = _hf_weights(path, rename=lambda k: k, fallbacks={"lm_head.weight": "shared.weight",
+    get = hf_weights(path, rename=lambda k: k, fallbacks={"lm_head.weight": "shared.weight",
                                                             "shared.weight": "encoder.embed_tokens.weight"})
     if config.tie_embeddings and "lm_head.weight" in get.names and not torch.equal(get("lm_head.weight"), get("shared.weight")):
         raise ValueError(f"{path} ties lm_head to the shared embedding in its config, but stores a different lm_head.weight;"
@@ -239,7 +239,7 @@ class PretrainedT5(T5):
         config, get = _pretrained(path)
         for name, param in self.model.named_parameters():
             full = _from_hf(name, get, config, str(path))
-            full = _pad_rows(full, param.shape[0]) if name in _VOCAB_ROWS else full
+            full = pad_rows(full, param.shape[0]) if name in _VOCAB_ROWS else full
             copy_full_into(param, full.to(param.device, param.dtype))
         self._reset_padding_mask()
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_3d.compression.config import CompressionConfig
 from lightning_3d.compression.selective import DataParallelPowerSGD
-from lightning_3d.compression.stats import CommunicationStats
+from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies.checkpoint_hooks import CheckpointHooksMixin

@@ -54,7 +54,7 @@ class CompressionMixin:
         return self._sc
 
     def communication_stats(self, which: Literal["total", "last_step"] = "total") -> dict[str, dict[str, int]]:
-        """Bytes this rank put on the wire per kind, before and after compression (see ``compression.stats``)."""
+        """Bytes this rank put on the wire per kind, before and after compression (see ``lightning_3d.utils.comm_stats``)."""
         return self.comm_stats.as_dict(which)
 
     @property

@@ -19,13 +19,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d.compression.selective import DataParallelPowerSGD
-from lightning_3d.compression.stats import CommunicationStats
+from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.strategies.wgrad_fusion import register_slot, unregister_slot
-
-
-def local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from lightning_3d.utils.tensors import local
 
 
 @dataclass(eq=False)  # buckets are found by identity (list.index), never compared by value

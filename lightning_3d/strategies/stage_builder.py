@@ -12,8 +12,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-from lightning_3d.strategies.grad_sync import local
 from lightning_3d.strategies.protocol import StageLayout, missing_protocol_methods, split_layers
+from lightning_3d.utils.tensors import local, materialize_
 
 
 @dataclass
@@ -133,24 +133,6 @@ def _local_outputs(module: nn.Module, outputs, mesh: DeviceMesh):
     if isinstance(outputs, tuple):
         return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
     return outputs
-
-
-def materialize_(module: nn.Module, device: torch.device) -> None:
-    """``module.to_empty(device)`` that keeps shared (tied) parameters shared.
-
-    Moving off the meta device replaces every parameter with a new ``Parameter`` per owning module, which
-    silently unties an embedding from its output projection; record the sharing first and restore it.
-    """
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                owners.setdefault(id(param), []).append((sub, name))
-    module.to_empty(device=device)
-    for places in owners.values():
-        first_module, first_name = places[0]
-        for sub, name in places[1:]:
-            setattr(sub, name, getattr(first_module, first_name))
 
 
 @torch.no_grad()

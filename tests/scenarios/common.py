@@ -139,7 +139,7 @@ def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulat
         module.configure_model()
     else:
         from lightning_3d.recipes.gpt.model import GPTModel
-        from lightning_3d.strategies.stage_builder import materialize_
+        from lightning_3d.utils.tensors import materialize_
 
         torch.backends.cuda.matmul.allow_tf32 = False
         with torch.device("meta"):

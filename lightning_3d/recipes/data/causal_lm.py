@@ -41,7 +41,8 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LIGHTNING_3D_CACHE") or Path.home() / ".cache" / "lightning_3d").expanduser()
 
 
-def _sha(obj: Any) -> str:
+def cache_key(obj: Any) -> str:
+    """A short content hash of a JSON-able description, naming a cache entry (data modules share it)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -166,7 +167,7 @@ class CausalLMDataModule(L.LightningDataModule):
     def packed_path(self, split: str) -> Path:
         """Cache file of the packed ``train`` blocks or of the ``val`` blocks from ``val_files``."""
         data = self._train_identity() if split == "train" else {"files": files_fingerprint(self.val_files or [])}
-        key = _sha([PACK_FORMAT_VERSION, data, self._tokenizer_identity(), self.hparams.seq_length])
+        key = cache_key([PACK_FORMAT_VERSION, data, self._tokenizer_identity(), self.hparams.seq_length])
         return self.cache_dir / "packed" / f"{split}-{key}.npy"
 
     def _documents(self, files: list[Path] | None, max_bytes: int | None) -> Callable[[], Iterator[str]]:

@@ -21,7 +21,7 @@ from typing import Literal
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_3d.recipes.data.causal_lm import CausalLMDataModule, _sha, default_cache_dir
+from lightning_3d.recipes.data.causal_lm import CausalLMDataModule, cache_key, default_cache_dir
 from lightning_3d.recipes.data.loader import ResumableDataLoader, build_eval_loader, train_loader_of
 from lightning_3d.recipes.data.packing import FILE_BUILDERS, resolve_data_files
 from lightning_3d.recipes.data.span_corruption import (
@@ -164,7 +164,7 @@ class Seq2SeqDataModule(L.LightningDataModule):
         if self.tokenizer_kind == "local":
             path = Path(hp.tokenizer).expanduser()
             tokenizer = {"files": files_fingerprint(sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path])}
-        key = _sha([PAIRS_FORMAT_VERSION, self._pairs_identity(files), tokenizer, hp.num_sentinels])
+        key = cache_key([PAIRS_FORMAT_VERSION, self._pairs_identity(files), tokenizer, hp.num_sentinels])
         return self.cache_dir / "seq2seq" / f"pairs-{split}-{key}.npz"
 
     def _read_pairs(self, files: list[Path]) -> tuple[list[str], list[str]]:

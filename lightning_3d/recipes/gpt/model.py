@@ -171,7 +171,7 @@ class GPTModel(nn.Module):
             shape = list(param.shape)
             if key in ("embed.wte.weight", "head.weight"):
                 shape[0] = cfg.vocab_size  # only real rows are random; padding rows are zero
-            generator = torch.Generator(device=param.device).manual_seed(_seed_for(seed, prefix + key))
+            generator = torch.Generator(device=param.device).manual_seed(seed_for(seed, prefix + key))
             values = torch.empty(shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=generator)
             if shape[0] != param.shape[0]:
                 values = torch.cat([values, values.new_zeros(param.shape[0] - shape[0], *shape[1:])])
@@ -190,7 +190,7 @@ def run_layers(model: GPTModel, x: Tensor, layers: Iterable[nn.Module]) -> Tenso
     return x
 
 
-def _seed_for(seed: int, name: str) -> int:
+def seed_for(seed: int, name: str) -> int:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 

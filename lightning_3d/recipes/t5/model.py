@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_3d.recipes.gpt.model import LMHead, _seed_for, copy_full_into
+from lightning_3d.recipes.gpt.model import LMHead, copy_full_into, seed_for
 from lightning_3d.recipes.t5.config import T5Config
 from lightning_3d.recipes.training import IGNORE_INDEX
-from lightning_3d.strategies.grad_sync import local
+from lightning_3d.utils.tensors import local
 
 # Added to masked attention scores: finite in fp32 and bf16 alike (finfo(float32).min becomes -inf in bf16).
 MASK_VALUE = torch.finfo(torch.bfloat16).min
@@ -288,7 +288,7 @@ class T5Model(nn.Module):
             shape = list(param.shape)
             if key in ("shared.weight", "lm_head.weight"):
                 shape[0] = cfg.vocab_size  # only real rows are random; padding rows are zero
-            generator = torch.Generator(device=param.device).manual_seed(_seed_for(seed, key))
+            generator = torch.Generator(device=param.device).manual_seed(seed_for(seed, key))
             values = torch.empty(shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=generator)
             if shape[0] != param.shape[0]:
                 values = torch.cat([values, values.new_zeros(param.shape[0] - shape[0], *shape[1:])])

@@ -19,7 +19,7 @@ from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_opti
                                            count_target_tokens, summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
-from lightning_3d.strategies.stage_builder import materialize_
+from lightning_3d.utils.tensors import materialize_
 
 
 class Perplexity(MeanMetric):
