@@ -1,5 +1,5 @@
 """Callbacks for Compressed3DStrategy runs: error-feedback state, compression diagnostics, communication,
-throughput/MFU and pipeline timelines (see DESIGN.md). All take plain typed arguments (usable from YAML)."""
+throughput/MFU and pipeline timelines (see docs/architecture.md). All take plain typed arguments (usable from YAML)."""
 
 from lightning_3d.callbacks.comm_monitor import CommunicationMonitor
 from lightning_3d.callbacks.diagnostics import CompressionDiagnostics

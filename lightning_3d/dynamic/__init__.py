@@ -1,1 +1,1 @@
-"""dynamic (see DESIGN.md)."""
+"""Dynamic micro-batching (DynaPipe-style): not built yet; docs/architecture.md describes where it will plug in."""
