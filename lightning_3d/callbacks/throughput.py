@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
+from lightning_3d.utils.compat import logger_connector
 
 # Dense BF16 peak of an H100 SXM / H200 (989.4 TFLOP/s without sparsity). Use ~495 for TF32 or ~67 for FP32 on
 # those GPUs, 312 for an A100 in BF16; the right number is the one of your GPU and compute dtype.
@@ -155,11 +156,11 @@ class ThroughputMFUMonitor(ThroughputMonitor):
 
     def _compute(self, trainer: pl.Trainer, iter_num: int | None = None) -> None:
         # The same gate and sink as ThroughputMonitor._compute (Lightning's own logger connector).
-        if not trainer._logger_connector.should_update_logs:
+        if not logger_connector(trainer).should_update_logs:
             return
         stage = trainer.state.stage
         self.last_metrics = self.metrics_from(self._throughputs[stage].compute(), stage.value)
-        trainer._logger_connector.log_metrics(self.last_metrics, step=iter_num)
+        logger_connector(trainer).log_metrics(self.last_metrics, step=iter_num)
 
     def metrics_from(self, raw: dict[str, float], prefix: str) -> dict[str, float]:
         """Whole-job ``Throughput.compute()`` values -> job and per-device metrics (TFLOP/s, MFU)."""

@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_3d.utils.compat import create_read_items
+
 META_FILE = "lightning_meta.pt"
 RANK_STATE_DIR = "rank_state"
 # Flattened optimizer state keys every setting by parameter name ("param_groups.<fqn>.lr"); unflattened, all
@@ -72,7 +74,7 @@ class ReshardingLoadPlanner(DefaultLoadPlanner):
       both have are read; extra rows keep their initial zeros.
     - A key missing from the checkpoint is read from its tied partner (``aliases``): a one-stage run saves
       optimizer state for the shared embedding only, a pipelined run needs it for the last stage's copy too.
-    This overrides ``create_local_plan``; ``_create_read_items`` is DCP's (private) helper for one entry.
+    This overrides ``create_local_plan``; ``compat.create_read_items`` is DCP's (private) helper for one entry.
     """
 
     def __init__(self, padded: Iterable[str], aliases: dict[str, str]) -> None:
@@ -81,8 +83,6 @@ class ReshardingLoadPlanner(DefaultLoadPlanner):
         self.aliases = aliases
 
     def create_local_plan(self) -> LoadPlan:
-        from torch.distributed.checkpoint.planner_helpers import _create_read_items
-
         saved = self.metadata.state_dict_metadata
         requests = []
         for fqn, obj in self.state_dict.items():
@@ -98,7 +98,7 @@ class ReshardingLoadPlanner(DefaultLoadPlanner):
                     )
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
-            items = _create_read_items(source, md, obj)
+            items = create_read_items(source, md, obj)
             if source != fqn:
                 items = [dataclasses.replace(i, dest_index=dataclasses.replace(i.dest_index, fqn=fqn)) for i in items]
             requests += items

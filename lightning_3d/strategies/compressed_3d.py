@@ -16,14 +16,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -50,6 +43,14 @@ from lightning_3d.strategies.stage_builder import (
     plan_pipeline,
 )
 from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_accumulation
+from lightning_3d.utils.compat import (
+    SubprocessScriptLauncher,
+    default_process_group_backend,
+    distributed_is_initialized,
+    init_dist_connection,
+    set_device_mesh,
+    sync_ddp_if_available,
+)
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -174,7 +175,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
 
     def _configure_launcher(self) -> None:
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         # Everything that can be wrong with the configuration is checked before the first collective.
@@ -188,17 +189,17 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.dims = ParallelDims(dp, pp, tp, world_size)
         self.device_mesh = self.dims.build_mesh(self.root_device.type)
         self.dp_rank, self.pp_rank, self.tp_rank = self.dims.coordinates(self.global_rank)
         self._create_groups()
-        self.lightning_module._device_mesh = self.device_mesh
+        set_device_mesh(self.lightning_module, self.device_mesh)
 
     def set_world_ranks(self) -> None:
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -340,7 +341,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
 
     # ----- collectives Lightning asks for -----------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -348,7 +349,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         holder = [obj]
         dist.broadcast_object_list(holder, src)
@@ -357,7 +358,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         """Mean over all ranks equals the mean over replicas: pipeline and tensor ranks hold equal values."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ----- teardown ----------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def replicate_plain_parameters(stage: nn.Module, tp_mesh: DeviceMesh) -> None:
     hands back local tensors, so the code around it is unchanged.
     """
     for sub in list(stage.modules()):
-        if any(p is not None and not isinstance(p, DTensor) for p in sub._parameters.values()):
+        if any(p is not None and not isinstance(p, DTensor) for _, p in sub.named_parameters(recurse=False)):
             distribute_module(sub, tp_mesh, None, _replicated_inputs, _local_outputs)
 
 

@@ -1,5 +1,6 @@
-"""Leaf helpers shared by every layer: communication byte accounting and small tensor utilities.
+"""Leaf helpers shared by every layer: communication byte accounting, small tensor utilities and the one module
+(``compat``) through which the package touches private torch and Lightning APIs.
 
-This package sits at the bottom of the import layering (docs/architecture.md): it imports only torch and the
-standard library, so pipeline, compression, strategies, callbacks and recipes may all use it.
+This package sits at the bottom of the import layering (docs/architecture.md): it imports only torch, Lightning and
+the standard library, so pipeline, compression, strategies, callbacks and recipes may all use it.
 """
