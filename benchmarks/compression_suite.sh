@@ -29,7 +29,7 @@ case $part in
     done ;;
   memory)
     # Variants in one process group leave memory behind (allocator state), so each runs in a launch of its own.
-    for mode in off cb-nolep cb cb-every; do
+    for mode in off cb cb-lep cb-every; do
       python benchmarks/train_throughput.py "${common[@]}" --steps 3 --layouts 1,4,1 --compression "$mode" \
           --out "$out/memory_1x4x1_${mode}.json"
     done ;;

@@ -46,11 +46,11 @@ ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", 
 COMPRESSION_MODES = {
     "off": dict(compression=False, fused_embedding_sync=False),
     "fe": dict(compression=False, fused_embedding_sync=True),
-    # cb, cb-nolep and all use the library's CB defaults (only the schedule's cool-down sends compressed);
-    # cb-every compresses every backward send (the default before cb_epilogue_only=True).
+    # cb, cb-lep and all use the library's CB defaults (only the schedule's cool-down sends compressed, LEP off);
+    # cb-lep adds lazy error propagation, cb-every compresses every backward send.
     "cb": dict(compression=True, compressed_stages=[], fused_embedding_sync=False),
     "cb-every": dict(compression=True, compressed_stages=[], cb_epilogue_only=False, fused_embedding_sync=False),
-    "cb-nolep": dict(compression=True, compressed_stages=[], cb_lazy_error_propagation=False, fused_embedding_sync=False),
+    "cb-lep": dict(compression=True, compressed_stages=[], cb_lazy_error_propagation=True, fused_embedding_sync=False),
     # sc: SC on its default stages on any link (by default it runs only where the measured link is slower than
     # sc_max_link_gbps); all: the library's defaults, SC included only on such a link.
     "sc": dict(compression=True, compressed_backprop=False, fused_embedding_sync=False, sc_max_link_gbps=float("inf")),
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compression", nargs="+", default=["off"], type=parse_variant, metavar="MODE[+CALLBACK]",
                    help="one or more variants, each run in turn by the same worker processes of a layout (one process"
                         " group, fresh model, trainer and strategy per variant). MODE: off (exact baseline, two-collective"
-                        " tied sync), fe, cb (with LEP, cool-down sends only), cb-every (every backward send), cb-nolep,"
+                        " tied sync), fe, cb (cool-down sends only, no LEP), cb-every (every backward send), cb-lep (cb with LEP),"
                         " sc, all (the defaults), all-stages (the defaults with SC on every stage); +CALLBACK attaches one of "
                         + ", ".join(CALLBACK_VARIANTS) + " (callback overhead)")
     p.add_argument("--cb-rank", type=int, default=16)
