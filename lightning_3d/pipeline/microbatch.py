@@ -75,11 +75,3 @@ def _tensors(batch: Any) -> list[Tensor]:
         return [t for item in batch for t in _tensors(item)]
     return []
 
-
-def count_tokens(microbatches: Sequence[Any]) -> int:
-    """Tokens of all micro-batches: the numel of each micro-batch's first integer tensor (for throughput)."""
-    total = 0
-    for mb in microbatches:
-        ints = [t for t in _tensors(mb) if not torch.is_floating_point(t)]
-        total += ints[0].numel() if ints else 0
-    return total
