@@ -8,6 +8,9 @@ Communication is not part of the list: every F of a non-first stage receives the
 every B of a non-last stage receives the next stage's gradient, in the order the sender produced them.
 ``check_schedule`` verifies this by simulation, so a schedule that could deadlock is rejected up front.
 
+Training schedules live in one registry (``SCHEDULES``, filled by ``register_schedule``) that holds each builder
+with its constraints; ``build_schedule`` and the strategy's argument validation both read it.
+
 Why not ``torch.distributed.pipelining``'s schedules: they are bound to ``PipelineStage`` objects whose
 receive buffers are sized once from the first micro-batch and whose micro-batch count is fixed at
 construction; we need a different count and different shapes at every step (dynamic micro-batching) and a
@@ -46,7 +49,9 @@ class ScheduleSpec:
     """A training schedule and the constraints under which its builder is correct.
 
     ``builder(rank, pp, virtual_stages, num_microbatches)`` returns one rank's action list. Stages are looped
-    (stage ``s`` on rank ``s % pp``); a non-``interleaved`` schedule has one stage per rank.
+    (stage ``s`` on rank ``s % pp``); a non-``interleaved`` schedule has one stage per rank. The runtime runs
+    ``check_schedule`` on every rank at the first step of each micro-batch count, before any communication, so
+    a builder that drops, repeats or misorders an action fails there with a message rather than hanging.
     """
 
     name: str
