@@ -2,7 +2,16 @@
 
 import pytest
 
-from lightning_3d.pipeline.schedules import Action, build_forward_only, build_schedule, check_schedule
+from lightning_3d.pipeline import schedules
+from lightning_3d.pipeline.schedules import (
+    Action,
+    ScheduleSpec,
+    build_forward_only,
+    build_schedule,
+    check_schedule,
+    register_schedule,
+)
+from lightning_3d.strategies import parallel_dims
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)]
 
@@ -12,17 +21,48 @@ CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b"
 def test_every_schedule_runs_to_completion(name: str, virtual: int, pp: int) -> None:
     if name == "interleaved_1f1b" and pp == 1:
         pytest.skip("interleaving needs two pipeline ranks")
-    for m in range(1, 17):
+    accepted = 0
+    for m in range(1, 2 * pp * virtual + 1):
         if name == "interleaved_1f1b" and m % pp:
+            # Megatron's interleaved warm-up needs whole groups of pp micro-batches: a clear error, not a bad schedule.
+            with pytest.raises(ValueError, match=rf"num_microbatches \({m}\) to be a multiple of pipeline_parallel_size \({pp}\)"):
+                build_schedule(name, pp, virtual, m, 0)
             continue
-        orders = [build_schedule(name, pp, virtual, m, r) for r in range(pp)]
-        check_schedule(orders, pp * virtual)
-        check_schedule([build_forward_only(pp, virtual, m, r) for r in range(pp)], pp * virtual)
+        # The simulator checks every F and B of every (stage, micro-batch) runs exactly once, on its own rank,
+        # in an order that neither deadlocks nor misorders a channel.
+        check_schedule([build_schedule(name, pp, virtual, m, r) for r in range(pp)], pp * virtual, m, train=True)
+        accepted += 1
+    assert accepted == (2 * virtual if name == "interleaved_1f1b" else 2 * pp * virtual)
+
+
+@pytest.mark.parametrize("virtual", [1, 2, 3])
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_forward_only_runs_every_microbatch_count(virtual: int, pp: int) -> None:
+    # Evaluation splits a last, smaller batch into any count of micro-batches, so every m >= 1 must work.
+    for m in range(1, 2 * pp * virtual + 1):
+        orders = [build_forward_only(pp, virtual, m, r) for r in range(pp)]
+        check_schedule(orders, pp * virtual, m, train=False)
+        # Each rank still starts with its first group of up to pp micro-batches through its first chunk
+        # (Megatron's forward order), and the last micro-batch ends on its last chunk.
         for r, order in enumerate(orders):
-            stages = {r + c * pp for c in range(virtual)}
-            expected = {(k, s, mb) for k in "FB" for s in stages for mb in range(m)}
-            assert {(a.kind, a.stage, a.microbatch) for a in order} == expected
-            assert len(order) == len(expected)
+            first = min(pp, m)
+            assert [(a.stage, a.microbatch) for a in order[:first]] == [(r, i) for i in range(first)]
+            assert (order[-1].stage, order[-1].microbatch) == (r + (virtual - 1) * pp, m - 1)
+
+
+def test_forward_only_with_a_partial_group_regression() -> None:
+    # pp=2, v=2, M=3: the old slot mapping ran micro-batch 3 (which does not exist) on stage 0 and never ran
+    # micro-batch 2 on stage 2. The last group holds the one remaining micro-batch.
+    orders = [build_forward_only(2, 2, 3, r) for r in range(2)]
+    assert [repr(a) for a in orders[0]] == ["F0,0", "F0,1", "F2,0", "F2,1", "F0,2", "F2,2"]
+    assert [repr(a) for a in orders[1]] == ["F1,0", "F1,1", "F3,0", "F3,1", "F1,2", "F3,2"]
+    check_schedule(orders, 4, 3, train=False)
+    # What the old code built: the simulator rejects it with a message naming the bad action.
+    old = [
+        tuple(Action("F", r + c * 2, mb) for c, mb in [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3)]) for r in range(2)
+    ]
+    with pytest.raises(ValueError, match=r"rank 0: F0,3 is out of range: 4 stages and 3 micro-batches"):
+        check_schedule(old, 4, 3, train=False)
 
 
 @pytest.mark.parametrize("pp,m", [(4, 8), (4, 4), (2, 5), (3, 2)])
@@ -55,20 +95,96 @@ def test_interleaved_order_matches_megatron() -> None:
 
 
 def test_bad_schedule_inputs() -> None:
-    with pytest.raises(ValueError, match="Unknown schedule 'zb'"):
+    with pytest.raises(ValueError, match="Unknown schedule 'zb'; choose one of 'gpipe', '1f1b', 'interleaved_1f1b'"):
         build_schedule("zb", 2, 1, 4, 0)
-    with pytest.raises(ValueError, match=r"number of micro-batches \(5\) to be a multiple of pipeline_parallel_size \(2\)"):
+    with pytest.raises(ValueError, match=r"num_microbatches \(5\) to be a multiple of pipeline_parallel_size \(2\)"):
         build_schedule("interleaved_1f1b", 2, 2, 5, 0)
+    with pytest.raises(ValueError, match="virtual_stages=2 only applies to interleaved schedules, not '1f1b'"):
+        build_schedule("1f1b", 2, 2, 4, 0)
 
 
 def test_simulator_rejects_a_deadlocking_order() -> None:
     good = [build_schedule("1f1b", 2, 1, 2, r) for r in range(2)]
-    check_schedule(good, 2)
+    check_schedule(good, 2, 2, train=True)
     # Rank 0 waits for the gradient of micro-batch 1 before sending its activation: a deadlock.
     bad = [tuple([Action("F", 0, 0), Action("B", 0, 1), Action("F", 0, 1), Action("B", 0, 0)]), good[1]]
     with pytest.raises(ValueError, match="runs before its forward|deadlocks"):
-        check_schedule(bad, 2)
+        check_schedule(bad, 2, 2, train=True)
     # Rank 1 consumes activations in another order than rank 0 sends them: a FIFO channel cannot do that.
     swapped = [good[0], tuple([Action("F", 1, 1), Action("B", 1, 1), Action("F", 1, 0), Action("B", 1, 0)])]
     with pytest.raises(ValueError, match="expects"):
-        check_schedule(swapped, 2)
+        check_schedule(swapped, 2, 2, train=True)
+
+
+def test_simulator_rejects_missing_repeated_and_misplaced_actions() -> None:
+    good = [build_schedule("1f1b", 2, 1, 3, r) for r in range(2)]
+    check_schedule(good, 2, 3, train=True)
+    dropped = [good[0], tuple(a for a in good[1] if repr(a) != "B1,2*")]
+    with pytest.raises(ValueError, match=r"schedule never runs B1,2"):
+        check_schedule(dropped, 2, 3, train=True)
+    # A whole micro-batch missing everywhere: nothing deadlocks, only the content check sees it.
+    with pytest.raises(ValueError, match=r"schedule never runs F0,2, F1,2, B0,2, B1,2"):
+        check_schedule([build_schedule("1f1b", 2, 1, 2, r) for r in range(2)], 2, 3, train=True)
+    repeated = [good[0] + (Action("F", 0, 1),), good[1]]
+    with pytest.raises(ValueError, match=r"schedule runs F0,1 more than once"):
+        check_schedule(repeated, 2, 3, train=True)
+    with pytest.raises(ValueError, match=r"rank 1: F2,0 is out of range: 2 stages and 3 micro-batches"):
+        check_schedule([good[0], good[1] + (Action("F", 2, 0),)], 2, 3, train=True)
+    with pytest.raises(ValueError, match=r"rank 0: F1,0 runs stage 1, which lives on rank 1"):
+        check_schedule([good[0] + (Action("F", 1, 0),), good[1]], 2, 3, train=True)
+    with pytest.raises(ValueError, match=r"rank 0: B0,0 is not an action of a forward-only schedule"):
+        check_schedule([(Action("F", 0, 0), Action("B", 0, 0)), (Action("F", 1, 0),)], 2, 1, train=False)
+    with pytest.raises(ValueError, match=r"schedule never runs B0,0, B1,0"):
+        check_schedule([build_forward_only(2, 1, 1, r) for r in range(2)], 2, 1, train=True)
+
+
+def _all_forwards_then_backwards_reversed(rank: int, pp: int, virtual_stages: int, m: int) -> list[Action]:
+    # Test-only schedule: the forward-only order, then every backward in exactly the reverse order. Every rank
+    # reverses the same sequence, so each gradient channel delivers in the order it is consumed, for every m.
+    forwards = list(build_forward_only(pp, virtual_stages, m, rank))
+    return forwards + [Action("B", a.stage, a.microbatch) for a in reversed(forwards)]
+
+
+@pytest.fixture
+def registry():
+    saved = dict(schedules.SCHEDULES)
+    yield schedules.SCHEDULES
+    schedules.SCHEDULES.clear()
+    schedules.SCHEDULES.update(saved)
+    build_schedule.cache_clear()
+
+
+def test_a_registered_schedule_is_built_checked_and_accepted_by_name(registry) -> None:
+    register_schedule(ScheduleSpec("test_reverse_gpipe", _all_forwards_then_backwards_reversed, title="reverse GPipe"))
+    register_schedule(ScheduleSpec("test_reverse_looped", _all_forwards_then_backwards_reversed, interleaved=True))
+    assert list(registry)[-2:] == ["test_reverse_gpipe", "test_reverse_looped"]
+    for pp in range(1, 5):
+        for m in range(1, 2 * pp + 1):
+            order = [build_schedule("test_reverse_gpipe", pp, 1, m, r) for r in range(pp)]
+            check_schedule(order, pp, m, train=True)
+            assert [repr(a) for a in order[0]][m:] == [f"B0,{i}*" for i in reversed(range(m))]
+    for pp in range(2, 5):
+        for v in (2, 3):
+            for m in range(1, 2 * pp * v + 1):  # no multiple-of-pp rule registered, so every count
+                check_schedule([build_schedule("test_reverse_looped", pp, v, m, r) for r in range(pp)], pp * v, m, train=True)
+    # The strategy's validation takes the registered names and constraints: an interleaved schedule defaults to
+    # two virtual stages, and without microbatch_multiple_of_pp it accepts 3 micro-batches on 2 ranks.
+    assert parallel_dims.check_schedule("test_reverse_gpipe", 4, None, 1) == 1
+    assert parallel_dims.check_schedule("test_reverse_looped", 2, None, 3) == 2
+    with pytest.raises(ValueError, match="needs pipeline_parallel_size >= 2 and virtual_stages >= 2"):
+        parallel_dims.check_schedule("test_reverse_looped", 1, None, 3)
+    with pytest.raises(ValueError, match="virtual_stages=2 only applies to interleaved schedules, not 'test_reverse_gpipe'"):
+        parallel_dims.check_schedule("test_reverse_gpipe", 2, 2, 4)
+    names = "'gpipe', '1f1b', 'interleaved_1f1b', 'test_reverse_gpipe', 'test_reverse_looped'"
+    with pytest.raises(ValueError, match=f"Unknown schedule 'zb'; choose one of {names}"):
+        parallel_dims.check_schedule("zb", 2, None, 4)
+
+
+def test_the_registry_holds_the_builtin_constraints() -> None:
+    assert list(schedules.SCHEDULES) == ["gpipe", "1f1b", "interleaved_1f1b"]
+    assert parallel_dims.check_schedule("interleaved_1f1b", 4, None, 8) == 2
+    assert parallel_dims.check_schedule("gpipe", 4, None, 1) == 1
+    with pytest.raises(ValueError, match=r"1F1B schedule with num_microbatches=3 < 4 at pipeline_parallel_size=4"):
+        parallel_dims.check_schedule("1f1b", 4, None, 3)
+    with pytest.raises(ValueError, match=r"num_microbatches \(6\) to be a multiple of pipeline_parallel_size \(4\)"):
+        parallel_dims.check_schedule("interleaved_1f1b", 4, 3, 6)

@@ -2,9 +2,11 @@
 
 from lightning_3d.pipeline.codec import BoundaryKey, GradientCodec, IdentityCodec
 from lightning_3d.pipeline.microbatch import MicroBatches, split_batch
-from lightning_3d.pipeline.schedules import Action, build_forward_only, build_schedule, check_schedule
+from lightning_3d.pipeline.schedules import (
+    Action, ScheduleSpec, build_forward_only, build_schedule, check_schedule, register_schedule,
+)
 
 __all__ = [
-    "Action", "BoundaryKey", "GradientCodec", "IdentityCodec", "MicroBatches",
-    "build_forward_only", "build_schedule", "check_schedule", "split_batch",
+    "Action", "BoundaryKey", "GradientCodec", "IdentityCodec", "MicroBatches", "ScheduleSpec",
+    "build_forward_only", "build_schedule", "check_schedule", "register_schedule", "split_batch",
 ]

@@ -105,7 +105,7 @@ class PipelineRuntime:
             orders = [build_forward_only(self.pp, self.virtual_stages, m, r) for r in range(self.pp)]
         key = ("train" if train else "eval", m)
         if key not in self._checked:
-            check_schedule(orders, self.num_stages)
+            check_schedule(orders, self.num_stages, m, train=train)
             self._checked.add(key)
         return orders
 

@@ -8,6 +8,9 @@ Communication is not part of the list: every F of a non-first stage receives the
 every B of a non-last stage receives the next stage's gradient, in the order the sender produced them.
 ``check_schedule`` verifies this by simulation, so a schedule that could deadlock is rejected up front.
 
+Training schedules live in one registry (``SCHEDULES``, filled by ``register_schedule``) that holds each builder
+with its constraints; ``build_schedule`` and the strategy's argument validation both read it.
+
 Why not ``torch.distributed.pipelining``'s schedules: they are bound to ``PipelineStage`` objects whose
 receive buffers are sized once from the first micro-batch and whose micro-batch count is fixed at
 construction; we need a different count and different shapes at every step (dynamic micro-batching) and a
@@ -16,6 +19,8 @@ hook on each send (compressed backpropagation).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -36,38 +41,91 @@ class Action:
         return f"{self.kind}{self.stage},{self.microbatch}{'*' if self.epilogue else ''}"
 
 
-def stages_of_rank(rank: int, pp: int, virtual_stages: int) -> list[int]:
-    return [rank + chunk * pp for chunk in range(virtual_stages)]
+Builder = Callable[[int, int, int, int], list[Action]]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A training schedule and the constraints under which its builder is correct.
+
+    ``builder(rank, pp, virtual_stages, num_microbatches)`` returns one rank's action list. Stages are looped
+    (stage ``s`` on rank ``s % pp``); a non-``interleaved`` schedule has one stage per rank. The runtime runs
+    ``check_schedule`` on every rank at the first step of each micro-batch count, before any communication, so
+    a builder that drops, repeats or misorders an action fails there with a message rather than hanging.
+    """
+
+    name: str
+    builder: Builder
+    # Several stages per rank (virtual_stages >= 2, default 2, and pp >= 2); otherwise virtual_stages must be 1.
+    interleaved: bool = False
+    # The builder only works for micro-batch counts that are multiples of pp: enforced at every build, since a
+    # `MicroBatches` batch can bring any count.
+    microbatch_multiple_of_pp: bool = False
+    # Configuration-time minimum of num_microbatches as a function of pp (a performance rule, not a correctness
+    # one: the builder must stay correct for every count down to 1, which `MicroBatches` batches can bring).
+    min_microbatches: Callable[[int], int] = lambda pp: 1
+    min_microbatches_reason: str = ""
+    title: str = ""
+
+    def check_microbatches(self, pp: int, num_microbatches: int) -> None:
+        """The hard constraint of the builder on the micro-batch count (raised at configuration and at every build)."""
+        if self.microbatch_multiple_of_pp and num_microbatches % pp != 0:
+            raise ValueError(
+                f"The {self.title or self.name} schedule needs num_microbatches ({num_microbatches}) to be a multiple of"
+                f" pipeline_parallel_size ({pp}); give a multiple of {pp} (or a `MicroBatches` batch of such a count)."
+            )
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {}
+
+
+def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
+    """Add a training schedule under ``spec.name``; the strategy's ``schedule=`` argument then accepts the name.
+
+    Register before the strategy is constructed, in every process. Re-registering a name replaces it.
+    """
+    if not spec.name or not isinstance(spec.name, str):
+        raise ValueError(f"A schedule needs a non-empty string name, got {spec.name!r}.")
+    SCHEDULES[spec.name] = spec
+    build_schedule.cache_clear()
+    return spec
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    spec = SCHEDULES.get(name)
+    if spec is None:
+        raise ValueError(f"Unknown schedule {name!r}; choose one of {', '.join(map(repr, SCHEDULES))}.")
+    return spec
 
 
 @lru_cache(maxsize=256)
 def build_schedule(name: str, pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[Action, ...]:
     """The training action list of one pipeline rank."""
-    if name == "gpipe":
-        order = _gpipe(rank, pp, num_microbatches)
-    elif name == "1f1b":
-        order = _one_f_one_b(rank, pp, num_microbatches)
-    elif name == "interleaved_1f1b":
-        order = _interleaved(rank, pp, virtual_stages, num_microbatches)
-    else:
-        raise ValueError(f"Unknown schedule {name!r}; choose one of 'gpipe', '1f1b', 'interleaved_1f1b'.")
-    return _mark_epilogue(order)
+    spec = schedule_spec(name)
+    if not spec.interleaved and virtual_stages != 1:
+        raise ValueError(f"virtual_stages={virtual_stages} only applies to interleaved schedules, not {name!r}.")
+    spec.check_microbatches(pp, num_microbatches)
+    return _mark_epilogue(spec.builder(rank, pp, virtual_stages, num_microbatches))
 
 
 @lru_cache(maxsize=256)
 def build_forward_only(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[Action, ...]:
-    """Evaluation: forwards only, in the forward order of the interleaved schedule (plain order when v = 1)."""
-    if virtual_stages == 1:
-        return tuple(Action("F", rank, m) for m in range(num_microbatches))
-    return tuple(Action("F", *_interleaved_slot(k, rank, pp, virtual_stages, False)) for k in range(num_microbatches * virtual_stages))
+    """Evaluation: forwards only, in the forward order of the interleaved schedule (plain order when v = 1).
+
+    Correct for every micro-batch count: evaluation splits a last, smaller batch into fewer micro-batches.
+    """
+    return tuple(
+        Action("F", *_interleaved_slot(k, rank, pp, virtual_stages, num_microbatches, False))
+        for k in range(num_microbatches * virtual_stages)
+    )
 
 
-def _gpipe(rank: int, pp: int, m: int) -> list[Action]:
+def _gpipe(rank: int, pp: int, v: int, m: int) -> list[Action]:
     # All forwards, then all backwards: simplest, most activation memory (all M in flight).
     return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
 
 
-def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
+def _one_f_one_b(rank: int, pp: int, v: int, m: int) -> list[Action]:
     # Warm up with as many forwards as there are later stages, then alternate, then drain:
     # at most pp - rank micro-batches are in flight on rank `rank`.
     warmup = min(pp - rank - 1, m)
@@ -78,33 +136,54 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
     return order
 
 
-def _interleaved_slot(k: int, rank: int, pp: int, v: int, backward: bool) -> tuple[int, int]:
+def _interleaved_slot(k: int, rank: int, pp: int, v: int, m: int, backward: bool) -> tuple[int, int]:
     """(stage, micro-batch) of the k-th forward (or backward) of a rank in Megatron's interleaved order.
 
     Micro-batches go in groups of pp through chunk 0, then the same group through chunk 1, and so on;
-    backwards visit the chunks in reverse.
+    backwards visit the chunks in reverse. When pp does not divide m, the last group holds the m % pp
+    remaining micro-batches (as in Megatron-core's schedule table): every rank walks the same
+    (group, chunk, micro-batch) sequence, so each channel delivers in the order its receiver consumes.
     """
-    chunk = (k // pp) % v
+    full_groups = m // pp
+    if k < full_groups * pp * v:
+        chunk = (k // pp) % v
+        microbatch = (k // (pp * v)) * pp + k % pp
+    else:
+        last_group = m - full_groups * pp
+        k -= full_groups * pp * v
+        chunk = k // last_group
+        microbatch = full_groups * pp + k % last_group
     if backward:
         chunk = v - 1 - chunk
-    microbatch = (k // (pp * v)) * pp + k % pp
     return rank + chunk * pp, microbatch
 
 
 def _interleaved(rank: int, pp: int, v: int, m: int) -> list[Action]:
-    if m % pp != 0:
-        raise ValueError(
-            f"The interleaved 1F1B schedule needs the number of micro-batches ({m}) to be a multiple of"
-            f" pipeline_parallel_size ({pp})."
-        )
+    # Megatron's warm-up below is only deadlock-free for m % pp == 0 (the simulator finds deadlocks otherwise,
+    # e.g. pp=4, v=3, m=5), hence ``microbatch_multiple_of_pp`` in its registration.
     total = m * v
     warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-    order = [Action("F", *_interleaved_slot(k, rank, pp, v, False)) for k in range(warmup)]
+    order = [Action("F", *_interleaved_slot(k, rank, pp, v, m, False)) for k in range(warmup)]
     for i in range(total - warmup):
-        order.append(Action("F", *_interleaved_slot(warmup + i, rank, pp, v, False)))
-        order.append(Action("B", *_interleaved_slot(i, rank, pp, v, True)))
-    order += [Action("B", *_interleaved_slot(k, rank, pp, v, True)) for k in range(total - warmup, total)]
+        order.append(Action("F", *_interleaved_slot(warmup + i, rank, pp, v, m, False)))
+        order.append(Action("B", *_interleaved_slot(i, rank, pp, v, m, True)))
+    order += [Action("B", *_interleaved_slot(k, rank, pp, v, m, True)) for k in range(total - warmup, total)]
     return order
+
+
+register_schedule(ScheduleSpec("gpipe", _gpipe, title="GPipe"))
+register_schedule(
+    ScheduleSpec(
+        "1f1b",
+        _one_f_one_b,
+        title="1F1B",
+        min_microbatches=lambda pp: pp,
+        min_microbatches_reason="fewer leave stages idle most of the step (use schedule='gpipe' for fewer)",
+    )
+)
+register_schedule(
+    ScheduleSpec("interleaved_1f1b", _interleaved, interleaved=True, microbatch_multiple_of_pp=True, title="interleaved 1F1B")
+)
 
 
 def _mark_epilogue(order: list[Action]) -> tuple[Action, ...]:
@@ -130,12 +209,17 @@ def message_order(
     ]
 
 
-def check_schedule(orders: list[tuple[Action, ...]], num_stages: int) -> None:
-    """Simulate the schedule with FIFO channels and blocking receives; raise if it deadlocks or misorders.
+def check_schedule(orders: list[tuple[Action, ...]], num_stages: int, num_microbatches: int, *, train: bool) -> None:
+    """Check a schedule's content, then simulate it with FIFO channels and blocking receives; raise if it is
+    incomplete, deadlocks or misorders.
 
-    Each rank executes its list in order; an F of stage s > 0 needs the activation of (s - 1, m), a B of a
-    non-last stage needs the gradient of (s + 1, m), and each message must be the next one in its channel.
+    Content: every stage runs on its own rank (``stage % pp``), every F of every (stage, micro-batch) in
+    ``range(num_stages) x range(num_microbatches)`` runs exactly once, and in training (``train``) every B
+    exactly once too; a forward-only schedule has no B. Simulation: each rank executes its list in order; an F
+    of stage s > 0 needs the activation of (s - 1, m), a B of a non-last stage needs the gradient of (s + 1, m),
+    and each message must be the next one in its channel.
     """
+    _check_content(orders, num_stages, num_microbatches, train)
     pp = len(orders)
     sent: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
     received: dict[tuple[str, int, int], int] = {}
@@ -172,3 +256,36 @@ def check_schedule(orders: list[tuple[Action, ...]], num_stages: int) -> None:
     stuck = [r for r in range(pp) if position[r] < len(orders[r])]
     if stuck:
         raise ValueError(f"schedule deadlocks: ranks {stuck} blocked at {[orders[r][position[r]] for r in stuck]}")
+
+
+def _check_content(orders: list[tuple[Action, ...]], num_stages: int, num_microbatches: int, train: bool) -> None:
+    pp = len(orders)
+    kinds = "FB" if train else "F"
+    for rank, order in enumerate(orders):
+        for a in order:
+            if a.kind not in kinds:
+                raise ValueError(f"rank {rank}: {a} is not an action of a {'training' if train else 'forward-only'} schedule")
+            if not (0 <= a.stage < num_stages and 0 <= a.microbatch < num_microbatches):
+                raise ValueError(
+                    f"rank {rank}: {a} is out of range: {num_stages} stages and {num_microbatches} micro-batches"
+                )
+            if a.stage % pp != rank:
+                raise ValueError(f"rank {rank}: {a} runs stage {a.stage}, which lives on rank {a.stage % pp}")
+    counts = Counter((a.kind, a.stage, a.microbatch) for order in orders for a in order)
+    repeated = sorted(key for key, n in counts.items() if n > 1)
+    if repeated:
+        raise ValueError(f"schedule runs {_describe(repeated)} more than once")
+    missing = [
+        (kind, stage, mb)
+        for kind in kinds
+        for stage in range(num_stages)
+        for mb in range(num_microbatches)
+        if (kind, stage, mb) not in counts
+    ]
+    if missing:
+        raise ValueError(f"schedule never runs {_describe(missing)}")
+
+
+def _describe(keys: list[tuple[str, int, int]], limit: int = 8) -> str:
+    shown = ", ".join(repr(Action(*key)) for key in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

@@ -14,38 +14,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+from lightning_3d.pipeline.schedules import schedule_spec
 
 
 def check_schedule(schedule: str, pipeline_parallel_size: int, virtual_stages: int | None, num_microbatches: int) -> int:
     """Validate the pipeline schedule options before any process group exists; returns ``virtual_stages`` resolved
-    (2 for the interleaved schedule unless given, else 1)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    (2 for an interleaved schedule unless given, else 1). Names and constraints come from the schedule registry."""
+    spec = schedule_spec(schedule)
     for name, value in (("num_microbatches", num_microbatches), ("pipeline_parallel_size", pipeline_parallel_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}={value!r}` must be a positive integer.")
     if virtual_stages is None:
-        virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
-    if schedule == "interleaved_1f1b":
-        if pipeline_parallel_size < 2 or virtual_stages < 2:
+        virtual_stages = 2 if spec.interleaved else 1
+    if spec.interleaved:
+        if pipeline_parallel_size < 2 or not isinstance(virtual_stages, int) or virtual_stages < 2:
             raise ValueError(
-                f"The interleaved schedule needs pipeline_parallel_size >= 2 and virtual_stages >= 2 (got"
+                f"The {spec.title or schedule} schedule needs pipeline_parallel_size >= 2 and virtual_stages >= 2 (got"
                 f" {pipeline_parallel_size} and {virtual_stages}); use schedule='1f1b' otherwise."
             )
-        if num_microbatches % pipeline_parallel_size != 0:
-            raise ValueError(
-                f"The interleaved schedule needs num_microbatches ({num_microbatches}) to be a multiple of"
-                f" pipeline_parallel_size ({pipeline_parallel_size})."
-            )
     elif virtual_stages != 1:
-        raise ValueError(f"virtual_stages={virtual_stages} only applies to schedule='interleaved_1f1b'.")
-    if schedule == "1f1b" and num_microbatches < pipeline_parallel_size:
+        raise ValueError(f"virtual_stages={virtual_stages} only applies to interleaved schedules, not {schedule!r}.")
+    spec.check_microbatches(pipeline_parallel_size, num_microbatches)
+    minimum = spec.min_microbatches(pipeline_parallel_size)
+    if num_microbatches < minimum:
         raise ValueError(
-            f"The 1F1B schedule with num_microbatches={num_microbatches} < pipeline_parallel_size="
-            f"{pipeline_parallel_size} leaves stages idle most of the step; use at least"
-            f" {pipeline_parallel_size} micro-batches (or schedule='gpipe')."
+            f"The {spec.title or schedule} schedule with num_microbatches={num_microbatches} < {minimum} at"
+            f" pipeline_parallel_size={pipeline_parallel_size}: {spec.min_microbatches_reason or 'too few micro-batches'};"
+            f" use at least {minimum} micro-batches."
         )
     return virtual_stages
 

@@ -54,7 +54,7 @@ def plan_pipeline(
             f"pipeline_parallel_size={pp} x virtual_stages={virtual_stages} = {num_stages} stages, but the model has"
             f" only {num_layers} layers: every stage needs at least one layer. Use fewer stages."
         )
-    if schedule == "interleaved_1f1b" and layer_split is None and num_layers % num_stages != 0:
+    if virtual_stages > 1 and layer_split is None and num_layers % num_stages != 0:
         raise ValueError(
             f"The interleaved schedule splits the {num_layers} layers into pipeline_parallel_size x virtual_stages ="
             f" {num_stages} equal stages, which does not divide evenly. Choose virtual_stages so that"
