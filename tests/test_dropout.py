@@ -44,3 +44,49 @@ def test_dropout_streams_under_3d_parallelism(tmp_path: Path) -> None:
     assert not report["other_seed_masks_equal"]
     assert report["checkpointing_grads_compared"] > 0
     assert report["checkpointing_grad_diff"] <= CHECKPOINT_TOLERANCE, report["checkpointing_grad_diff"]
+
+
+def _gpt_gradients(checkpointing: bool, tp_rank: int) -> list:
+    import torch
+
+    from lightning_3d.recipes.gpt.config import preset
+    from lightning_3d.recipes.gpt.model import GPTModel
+    from lightning_3d.strategies import rng
+
+    config = preset("tiny", vocab_size=300, seq_length=16, num_layers=2, hidden_size=48, num_heads=12, dropout=0.1)
+    rng.seed_parallel_rng(0, 0, tp_rank, seed=5)
+    model = GPTModel(config, 300, activation_checkpointing=checkpointing)
+    model.init_weights(1)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(ids).square().mean().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_checkpointing_recomputes_the_tensor_parallel_masks(monkeypatch) -> None:
+    """One process: the region's masks under torch.utils.checkpoint equal the first forward's (a tracker with a
+    state of its own, which checkpoint does not stash, fails this); a different tp rank's masks give other gradients."""
+    import torch
+
+    from lightning_3d.strategies import rng
+
+    # The seeding is process-wide: undo it for the tests that run after this one in the same process.
+    monkeypatch.setattr(rng, "_region_key", None)
+    monkeypatch.setattr(rng, "_region_device", None)
+
+    plain, checkpointed, other_rank = _gpt_gradients(False, 1), _gpt_gradients(True, 1), _gpt_gradients(False, 0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed, strict=True))  # the same ops on the same masks
+    assert not all(torch.equal(a, b) for a, b in zip(plain, other_rank, strict=True))
+
+
+def test_bad_global_seed(monkeypatch) -> None:
+    import pytest
+
+    from lightning_3d.strategies import rng
+
+    monkeypatch.setattr(rng, "_region_key", None)
+    monkeypatch.setattr(rng, "_region_device", None)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "seven")
+    with pytest.raises(ValueError, match=r"PL_GLOBAL_SEED='seven' is not an integer; set it with"):
+        rng.seed_parallel_rng(0, 0, 0)
+    with pytest.raises(ValueError, match="supports CPU and CUDA devices, not meta"):
+        rng.seed_parallel_rng(0, 0, 0, device="meta", seed=1)

@@ -17,8 +17,10 @@ every tp rank, so the default stream stays in step), mixes it with this rank's k
 the device's default generator with the result for the duration of the block, restoring the generator's state on
 exit. Its masks are therefore a function of the default CPU generator's state, which ``torch.utils.checkpoint``
 stashes and restores around the recomputation: activation checkpointing recomputes exactly the masks of the first
-forward, with no extra state to save (Megatron needs its own checkpoint function for its tracker's states), and a
-resumed run needs nothing beyond the default generators either.
+forward, with no extra state to save (Megatron needs its own checkpoint function for its tracker's states).
+
+Under ``torch.compile`` dynamo cannot trace the generator swap: a compiled function that enters the region (GPT's
+attention, T5's dropout modules, only when dropout > 0 in training) runs that frame eagerly, with the same masks.
 
 Outside :class:`~lightning_3d.Compressed3DStrategy` (nothing seeded here: single device, DDP) there is one stream
 and the region does nothing.
