@@ -19,8 +19,9 @@ exit. Its masks are therefore a function of the default CPU generator's state, w
 stashes and restores around the recomputation: activation checkpointing recomputes exactly the masks of the first
 forward, with no extra state to save (Megatron needs its own checkpoint function for its tracker's states).
 
-Under ``torch.compile`` dynamo cannot trace the generator swap: a compiled function that enters the region (GPT's
-attention, T5's dropout modules, only when dropout > 0 in training) runs that frame eagerly, with the same masks.
+Dynamo cannot trace the generator swap, so under ``torch.compile`` enter the region through
+:func:`in_tensor_parallel_region`, which compiled code calls eagerly (a graph break around that one call; the
+recipes do so only when dropout is on in training).
 
 Outside :class:`~lightning_3d.Compressed3DStrategy` (nothing seeded here: single device, DDP) there is one stream
 and the region does nothing.
@@ -31,9 +32,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 # The base seed when ``lightning.seed_everything`` was not called (Megatron-LM's default seed).
@@ -130,6 +132,14 @@ def tensor_parallel_region(device: torch.device | str | None = None, enabled: bo
         generator.set_state(saved)
 
 
+@torch.compiler.disable
+def in_tensor_parallel_region(fn: Callable[..., Tensor], *args: object, device: torch.device | str | None = None,
+                              **kwargs: object) -> Tensor:
+    """``fn(*args, **kwargs)`` inside :func:`tensor_parallel_region`; run eagerly from compiled code."""
+    with tensor_parallel_region(device):
+        return fn(*args, **kwargs)
+
+
 class ParallelDropout(nn.Dropout):
     """``nn.Dropout`` whose mask comes from the tensor-parallel region when its input is sharded over tp.
 
@@ -142,8 +152,9 @@ class ParallelDropout(nn.Dropout):
         self.sharded = sharded
 
     def forward(self, x: Tensor) -> Tensor:
-        with tensor_parallel_region(x.device, enabled=self.sharded and self.training and self.p > 0):
-            return super().forward(x)
+        if self.sharded and self.training and self.p > 0:
+            return in_tensor_parallel_region(F.dropout, x, self.p, True, self.inplace, device=x.device)
+        return super().forward(x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sharded={self.sharded}"
