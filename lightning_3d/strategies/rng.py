@@ -21,7 +21,7 @@ forward, with no extra state to save (Megatron needs its own checkpoint function
 
 Dynamo cannot trace the generator swap, so under ``torch.compile`` enter the region through
 :func:`in_tensor_parallel_region`, which compiled code calls eagerly (a graph break around that one call; the
-recipes do so only when dropout is on in training).
+recipes do so only when dropout is on in training and the streams are seeded).
 
 Outside :class:`~lightning_3d.Compressed3DStrategy` (nothing seeded here: single device, DDP) there is one stream
 and the region does nothing.
@@ -84,6 +84,7 @@ def seed_parallel_rng(dp_rank: int, pp_rank: int, tp_rank: int, device: torch.de
 
 
 def is_seeded() -> bool:
+    """Whether :func:`seed_parallel_rng` ran in this process (else the region is a no-op: one stream)."""
     return _region_key is not None
 
 
@@ -122,7 +123,7 @@ def tensor_parallel_region(device: torch.device | str | None = None, enabled: bo
     device = _region_device if device is None else torch.device(device)
     # From the CPU generator on CUDA runs too: torch.utils.checkpoint always stashes the CPU state, and a CPU draw
     # does not synchronise with the GPU.
-    draw = int(torch.empty((), dtype=torch.int64).random_().item())
+    draw = int(torch.empty((), dtype=torch.int64, device="cpu").random_().item())
     generator = _device_generator(device)
     saved = generator.get_state()
     generator.manual_seed(_splitmix64(draw ^ _region_key) & _MASK63)
@@ -152,7 +153,7 @@ class ParallelDropout(nn.Dropout):
         self.sharded = sharded
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sharded and self.training and self.p > 0:
+        if self.sharded and self.training and self.p > 0 and is_seeded():
             return in_tensor_parallel_region(F.dropout, x, self.p, True, self.inplace, device=x.device)
         return super().forward(x)
 

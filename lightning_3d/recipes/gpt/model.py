@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.recipes.gpt.config import GPTConfig
-from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region
+from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 
 
 class Attention(nn.Module):
@@ -40,12 +40,12 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        if self.training and self.dropout > 0:
+        if self.training and self.dropout > 0 and is_seeded():
             # The probabilities of this rank's own heads: their masks come from its tensor-parallel stream.
             y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, is_causal=True,
                                           dropout_p=self.dropout, device=x.device)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
