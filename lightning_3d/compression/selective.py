@@ -160,10 +160,10 @@ class DataParallelPowerSGD:
             qs.append(s.q_memory_dict[index][q_at : q_at + b * m * r].view(b, m, r))
             p_at, q_at = p_at + b * n * r, q_at + b * m * r
         if fresh:  # the same random Q on every replica: seeded from the shared generator, drawn on the CPU
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(s.rng.randint(1_000_000_000))
-                for q in qs:
-                    q.copy_(torch.randn(*q.shape, device="cpu", dtype=torch.float32))
+            # A generator of its own: torch.manual_seed would also reseed the CUDA generators, i.e. dropout's streams.
+            generator = torch.Generator().manual_seed(s.rng.randint(1_000_000_000))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, generator=generator, device="cpu", dtype=torch.float32))
         precision = MATMUL_PRECISIONS[self.matmul_precision]
         for (matrix, _), p, q in zip(matrices, ps, qs, strict=True):
             q.copy_(orthonormalize(q))

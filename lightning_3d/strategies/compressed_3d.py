@@ -35,6 +35,7 @@ from lightning_3d.strategies.grad_sync import GradientSynchronizer
 from lightning_3d.strategies.parallel_dims import ParallelDims, check_schedule, new_subgroups, resolve_sizes
 from lightning_3d.strategies.pipeline_steps import PipelineStepsMixin
 from lightning_3d.strategies.protocol import missing_protocol_methods
+from lightning_3d.strategies.rng import seed_parallel_rng
 from lightning_3d.strategies.stage_builder import (
     broadcast_parameters,
     build_stages,
@@ -227,6 +228,8 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
     # ----- model setup ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
+        # Dropout's streams: one per (dp, pp) rank, the same on its tp ranks, plus each tp rank's own (see rng.py).
+        seed_parallel_rng(self.dp_rank, self.pp_rank, self.tp_rank, self.root_device)
         module = self.lightning_module
         if self._prepared_module is not module:
             self._prepare(module)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.recipes.gpt.config import GPTConfig
+from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 
 
 class Attention(nn.Module):
@@ -39,7 +40,12 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if self.training and self.dropout > 0 and is_seeded():
+            # The probabilities of this rank's own heads: their masks come from its tensor-parallel stream.
+            y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, is_causal=True,
+                                          dropout_p=self.dropout, device=x.device)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -60,7 +66,8 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
-        self.drop = nn.Dropout(config.dropout)
+        # Replicated residual: the same masks on every tp rank; sharded under sequence parallelism (parallelize_gpt).
+        self.drop = ParallelDropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
@@ -74,6 +81,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(padded_vocab, config.hidden_size)
         self.wpe = nn.Embedding(config.seq_length, config.hidden_size)
+        # On the full (replicated) embeddings, before sequence parallelism shards them: the default stream.
         self.drop = nn.Dropout(config.dropout)
         self.max_positions = config.seq_length
         self.fp32_residual = config.fp32_residual

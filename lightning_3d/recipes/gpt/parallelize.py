@@ -70,6 +70,8 @@ def parallelize_gpt(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
             f"{prefix}.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             f"{prefix}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
         })
+        # Under sequence parallelism the residual dropout sees this rank's tokens only: its own masks.
+        module.layers[name].drop.sharded = sequence_parallel
         if sequence_parallel:
             plan.update({
                 f"{prefix}.ln1": SequenceParallel(use_local_output=True),

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_3d.recipes.gpt.model import LMHead, copy_full_into, seed_for
 from lightning_3d.recipes.t5.config import T5Config
 from lightning_3d.recipes.training import IGNORE_INDEX
+from lightning_3d.strategies.rng import ParallelDropout
 from lightning_3d.utils.tensors import local
 
 # Added to masked attention scores: finite in fp32 and bf16 alike (finfo(float32).min becomes -inf in bf16).
@@ -57,7 +58,8 @@ class Attention(nn.Module):
         self.v = nn.Linear(h, inner, bias=False)
         self.o = nn.Linear(inner, h, bias=False)
         self.head_dim = config.head_dim
-        self.dropout = config.dropout
+        # On the probabilities of this rank's own heads: its tensor-parallel stream.
+        self.drop = ParallelDropout(config.dropout, sharded=True)
 
     def forward(self, x: Tensor, bias: Tensor | None, memory: Tensor | None = None) -> Tensor:
         """``bias``: position bias plus mask, (1 or batch, heads or 1, queries, keys), or None."""
@@ -71,7 +73,7 @@ class Attention(nn.Module):
         if bias is not None:
             scores = scores + bias
         # Explicit rather than SDPA: its fused CPU/GPU kernels are slow (or fall back) with a bias that needs a gradient.
-        probs = F.dropout(scores.float().softmax(-1).to(v.dtype), self.dropout, self.training)
+        probs = self.drop(scores.float().softmax(-1).to(v.dtype))
         y = probs @ v
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
@@ -89,7 +91,8 @@ class FeedForward(nn.Module):
         else:
             self.wi = nn.Linear(h, f, bias=False)
         self.wo = nn.Linear(f, h, bias=False)
-        self.drop = nn.Dropout(config.dropout)
+        # On the hidden layer, whose columns are sharded over tp: each rank's own masks.
+        self.drop = ParallelDropout(config.dropout, sharded=True)
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x) if self.gated else F.relu(self.wi(x))
@@ -103,7 +106,7 @@ class EncoderBlock(nn.Module):
         self.self_attn = Attention(config)
         self.ff_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
         self.ff = FeedForward(config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = ParallelDropout(config.dropout)  # residual: sharded under sequence parallelism (parallelize_t5)
 
     def forward(self, x: Tensor, bias: Tensor) -> Tensor:
         x = x + self.drop(self.self_attn(self.self_attn_norm(x), bias))
@@ -119,7 +122,7 @@ class DecoderBlock(nn.Module):
         self.cross_attn = Attention(config)
         self.ff_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
         self.ff = FeedForward(config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = ParallelDropout(config.dropout)  # residual: sharded under sequence parallelism (parallelize_t5)
 
     def forward(self, y: Tensor, memory: Tensor, bias: Tensor, cross_bias: Tensor | None) -> Tensor:
         y = y + self.drop(self.self_attn(self.self_attn_norm(y), bias))
@@ -241,7 +244,8 @@ class T5Model(nn.Module):
         self.lm_head: LMHead | None = LMHead(h, config.vocab_size, self.padded_vocab)
         if config.tie_embeddings:
             self.lm_head.weight = self.shared.weight
-        self.drop = nn.Dropout(config.dropout)
+        # On the embeddings and the final norms' outputs: sharded under sequence parallelism (parallelize_t5).
+        self.drop = ParallelDropout(config.dropout)
 
     def forward(self, input_ids: Tensor, decoder_input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None) -> Tensor:

@@ -87,6 +87,12 @@ def parallelize_t5(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if sequence_parallel:
         plan.update({n: SequenceParallel(use_local_output=True) for n in norms})
+    # Residual dropout (blocks, embeddings, final norms) sees this rank's tokens only under sequence parallelism.
+    for stack in ("encoder", "decoder"):
+        for block in getattr(module, stack).values():
+            block.drop.sharded = sequence_parallel
+    if getattr(module, "drop", None) is not None:
+        module.drop.sharded = sequence_parallel
     shared = getattr(module, "shared", None)
     tied = shared is not None and head is not None and head.weight is shared.weight
     parallelize_module(module, tp_mesh, plan)
