@@ -26,7 +26,7 @@ from lightning_3d.recipes import T5
 from lightning_3d.recipes.data import Seq2SeqDataModule
 from lightning_3d.recipes.data.span_corruption import span_lengths
 from lightning_3d.recipes.hf_t5 import export_t5_checkpoint, hf_to_t5_state_dict, t5_from_pretrained
-from lightning_3d.strategies.checkpoint import META_FILE
+from lightning_3d.strategies.checkpoint import META_FILE, write_manifest
 
 TOL = 1e-5
 SMALL = dict(vocab_size=300, num_layers=2, num_decoder_layers=3, hidden_size=32, num_heads=4, head_dim=8,
@@ -73,7 +73,7 @@ def write_checkpoint(path: Path, state: dict, hparams: dict | None) -> Path:
     """A single-process DCP checkpoint laid out as Compressed3DStrategy writes it."""
     dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
     torch.save({"hyper_parameters": hparams} if hparams is not None else {"epoch": 0}, path / META_FILE)
-    return path
+    return write_manifest(path)
 
 
 def checkpoint_of(module: T5, path: Path) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import pydoc
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_3d.recipes.gpt.model import copy_full_into
-from lightning_3d.recipes.hf import _hf_weights, _pad_rows, checkpoint_entries, checkpoint_hparams, hf_tokenizer, load_model_tensors
+from lightning_3d.recipes.hf import _hf_weights, _pad_rows, checkpoint_entries, checkpoint_hparams, hf_tokenizer, load_model_tensors, recipe_classes
 from lightning_3d.recipes.t5.config import FEED_FORWARD, T5Config
 from lightning_3d.recipes.t5.model import T5Model
 from lightning_3d.recipes.t5.module import T5
@@ -137,7 +136,7 @@ def is_t5_hparams(hparams: dict | None) -> bool:
     """Whether a checkpoint's hyper-parameters are the T5 recipe's (its class path, else its argument names)."""
     hp = dict(hparams or {})
     if class_path := hp.get("_class_path"):
-        return isinstance(cls := pydoc.locate(class_path), type) and issubclass(cls, T5)
+        return isinstance(cls := recipe_classes().get(class_path), type) and issubclass(cls, T5)  # never imported
     keys = {k for k in hp if not k.startswith("_")}
     return bool(keys) and keys <= _t5_arguments() and "feed_forward" in keys
 

@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import uuid
 import warnings
@@ -90,15 +91,27 @@ def save(checkpoint: dict[str, Any], path: Path, extra_sharded: dict[str, Any], 
 
 
 # ----- reading without running code ------------------------------------------------------------------------------
-# What Lightning's checkpoint dict may hold beyond tensors and plain Python values (dict, list, tuple, str, int,
-# float, bool, None, OrderedDict, torch dtypes and sizes, which weights_only admits anyway): hyper-parameters that
-# are paths or argparse namespaces, and Lightning's AttributeDict. Each is a plain container or value type whose
-# reconstruction runs no user code.
+# What our files may hold beyond tensors and plain Python values (dict, list, tuple, str, int, float, bool, None,
+# OrderedDict, torch dtypes and sizes, which weights_only admits anyway): hyper-parameters that are paths or argparse
+# namespaces, and numeric numpy arrays (the NumPy RNG state of selective compression in the rank-state files;
+# Lightning stores hyper-parameters as a plain dict). Each is a plain container or value type whose reconstruction
+# runs no user code.
 def _safe_globals() -> list:
-    from lightning.fabric.utilities.data import AttributeDict
+    import numpy as np
 
+    numeric = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                                           np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)]
     return [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath, argparse.Namespace,
-            AttributeDict]
+            np.ndarray, np.dtype, _numpy_reconstruct(), *numeric]
+
+
+def _numpy_reconstruct() -> Any:
+    """``numpy.ndarray``'s unpickling helper (NumPy 2 moved it from ``numpy.core`` to ``numpy._core``)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct
 
 
 def safe_load(file: Path, map_location: Any = None) -> Any:
@@ -108,7 +121,10 @@ def safe_load(file: Path, map_location: Any = None) -> Any:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        found = next((line.strip() for line in str(err).splitlines() if "Unsupported global" in line), str(err).splitlines()[0])
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        other = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|$)", str(err), re.S)
+        found = (f"the global {refused.group(1)}" if refused else other.group(1).strip() if other
+                 else str(err).splitlines()[0])
         allowed = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in _safe_globals())
         raise ValueError(
             f"{file} holds an object lightning_3d does not load ({found}): checkpoint files are read without running"
@@ -459,9 +475,15 @@ def save_rank_state(path: Path, global_rank: int, layout: tuple, states: dict[st
 def load_rank_state(path: Path, global_rank: int, layout: tuple, device: torch.device) -> dict[str, Any] | None:
     """This rank's saved state, or None if there is none or it was saved under another layout."""
     file = path / RANK_STATE_DIR / f"rank{global_rank}.pt"
-    if not file.is_file():
+    saved, problem = None, None
+    try:
+        saved = safe_load(file, map_location=device) if file.is_file() else None
+    except (OSError, ValueError, RuntimeError) as err:
+        problem = str(err)
+    if problems := [p for p in _gather(problem) if p]:  # every rank raises, not just the one whose file is bad
+        raise DamagedCheckpointError(problems[0])
+    if saved is None:
         return None
-    saved = safe_load(file, map_location=device)
     return saved["states"] if tuple(saved["layout"]) == tuple(layout) else None
 
 
