@@ -149,8 +149,10 @@ def t5_config_from_hparams(hparams: dict | None, source: str = "The checkpoint")
     unknown = sorted(set(hp) - _t5_arguments())
     if not is_t5_hparams({**hp, **({"_class_path": class_path} if class_path else {})}) or unknown:
         found = f"class {class_path}, " if class_path else ""
+        known = f" (known classes: {sorted(recipe_classes())}; a class path read from a checkpoint is matched against" \
+                " these, never imported)" if class_path and class_path not in recipe_classes() else ""
         raise ValueError(f"{source} is not a checkpoint of the T5 recipe: found {found}hyper-parameters "
-                         f"{sorted(hp) or 'none'}{f' (not T5 arguments: {unknown})' if unknown else ''}.")
+                         f"{sorted(hp) or 'none'}{f' (not T5 arguments: {unknown})' if unknown else ''}{known}.")
     return T5(**{k: v for k, v in hp.items() if k != "pretrained_path"}).config
 
 
