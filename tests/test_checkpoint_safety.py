@@ -36,8 +36,9 @@ def test_a_save_interrupted_at_any_step_leaves_a_checkpoint_that_resumes_exactly
     for stage in STAGES:
         run = report[stage]
         assert all(c is not None and f"injected crash after {stage}" in c[1] for c in run["crash"]), (stage, run["crash"])
-        # Before the swap the step-2 checkpoint is still last.ckpt; after the old one was renamed away the complete
-        # new one (step 3) is found beside the missing path; after the swap it is last.ckpt.
+        # Before the swap the step-2 checkpoint is still last.ckpt; after the exchange, or the second rename, the
+        # step-3 one is; after the fallback's first rename last.ckpt is missing and the complete step-3 checkpoint
+        # beside it is loaded.
         expected_start = 2 if stage in ("written", "manifest") else 3
         assert run["resumed_from"] == expected_start, (stage, run)
         assert ("last.ckpt" in run["after_crash"]) == (stage != "moved_old")

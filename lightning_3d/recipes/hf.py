@@ -155,7 +155,7 @@ def recipe_classes() -> dict[str, type]:
 def checkpoint_hparams(path: Path) -> dict | None:
     """The module hyper-parameters a lightning_3d checkpoint directory records (verified against its manifest,
     read without running code); an error for anything else."""
-    verify(path)
+    verify(path, collective=False)  # export may run on one rank of a job
     if not (path / META_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a lightning_3d checkpoint: expected a directory with .metadata and "
                                 f"{META_FILE}, as Compressed3DStrategy's trainer.save_checkpoint writes.")

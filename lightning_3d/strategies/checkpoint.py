@@ -21,7 +21,9 @@ Safety (files users give us never execute code, a crash never costs the last goo
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -29,6 +31,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import sys
 import uuid
 import warnings
 from collections.abc import Iterable
@@ -198,8 +201,9 @@ def _broadcast(obj: Any) -> Any:
 
 
 def _reached(stage: str) -> None:
-    """Called after each step of a save ("written", "manifest", "moved_old", "moved_new"): a seam where the tests
-    inject a crash to check that every interrupted save leaves a loadable checkpoint. Does nothing here."""
+    """Called after each step of a save ("written", "manifest", then "exchanged" or "moved_old", "moved_new"): a
+    seam where the tests inject a crash to check that every interrupted save leaves a loadable checkpoint. Does
+    nothing here."""
 
 
 def _digest(file: Path) -> dict[str, Any]:
@@ -241,6 +245,25 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing directory entries atomically (Linux ``renameat2(RENAME_EXCHANGE)``), so the target of a save
+    is never missing, not even for an instant; False where the system or filesystem cannot (two renames then)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without renameat2 (glibc < 2.28)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # not supported here
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
 def leftovers(target: Path) -> list[Path]:
     """Staging (``.tmp-``) and replaced (``.old-``) directories of ``target`` that earlier saves left behind."""
     if not target.parent.is_dir():
@@ -252,9 +275,10 @@ def leftovers(target: Path) -> list[Path]:
 def commit(staging: Path, target: Path, step: Any) -> None:
     """Called on every rank once it has written its files into ``staging``: hash them (each rank a share), write
     the manifest (rank 0, last) and move ``staging`` to ``target``. Steps and what a crash after each leaves:
-    manifest written (old ``target`` intact); old target renamed to ``<name>.old-<id>`` (``target`` missing,
-    :func:`resolve` finds the complete staging directory); new renamed in (done; ``.old-`` deleted next).
-    A failure on any rank raises on every rank."""
+    manifest written (old ``target`` intact); ``staging`` and an existing ``target`` exchanged atomically (new
+    ``target``; the old one, now under the staging name, is deleted next). Where the filesystem cannot exchange:
+    old target renamed to ``<name>.old-<id>`` (``target`` missing, :func:`resolve` finds the complete staging
+    directory); new renamed in (done; ``.old-`` deleted next). A failure on any rank raises on every rank."""
     _reached("written")
     rank, world = _rank_world()
     _gather(None)  # every rank has written its files
@@ -277,14 +301,16 @@ def commit(staging: Path, target: Path, step: Any) -> None:
             _write_manifest(staging, merged, step)
             _fsync_dir(staging)
             _reached("manifest")
-            old = None
-            if target.exists() or target.is_symlink():
-                old = target.with_name(f"{target.name}.old-{uuid.uuid4().hex[:16]}")
-                os.rename(target, old)
-                _reached("moved_old")
-            os.rename(staging, target)
-            _fsync_dir(target.parent)
-            _reached("moved_new")
+            if (target.exists() or target.is_symlink()) and _exchange(staging, target):
+                _fsync_dir(target.parent)
+                _reached("exchanged")  # target holds the new checkpoint, staging the old one (removed below)
+            else:
+                if target.exists() or target.is_symlink():
+                    os.rename(target, target.with_name(f"{target.name}.old-{uuid.uuid4().hex[:16]}"))
+                    _reached("moved_old")
+                os.rename(staging, target)
+                _fsync_dir(target.parent)
+                _reached("moved_new")
             for stale in leftovers(target):  # the replaced checkpoint and leftovers of interrupted saves
                 remove(stale)
         except Exception as err:  # reported on every rank below; nothing is cleaned up, as after a crash
@@ -368,17 +394,17 @@ def _check_files(path: Path, rank: int, world: int) -> dict[str, Any]:
     return manifest
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """Check every file of a checkpoint against its manifest (each rank a share of the files, then the verdicts are
-    gathered: a collective when there are several ranks) and ``.metadata`` for planted objects; the same error on
-    every rank for any mismatch. Returns the manifest."""
-    rank, world = _rank_world()
+def verify(path: Path, collective: bool = True) -> dict[str, Any]:
+    """Check every file of a checkpoint against its manifest and ``.metadata`` for planted objects; returns the
+    manifest. ``collective``: every rank of the process group calls this, each checks a share of the files and all
+    raise the same error for any mismatch; else this process checks everything alone."""
+    rank, world = _rank_world() if collective else (0, 1)
     manifest, problem = None, None
     try:
         manifest = _check_files(path, rank, world)
     except (OSError, ValueError) as err:
         problem = (isinstance(err, FileNotFoundError) and not isinstance(err, DamagedCheckpointError), str(err))
-    if problems := [p for p in _gather(problem) if p]:
+    if problems := [p for p in (_gather(problem) if collective else [problem]) if p]:
         not_found, message = problems[0]
         raise (FileNotFoundError if not_found else DamagedCheckpointError)(message)
     return manifest

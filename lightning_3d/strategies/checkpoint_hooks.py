@@ -41,7 +41,8 @@ class CheckpointHooksMixin:
         ckpt.commit(staging, path, step)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(ckpt.resolve(Path(checkpoint_path)))))
+        path = Path(checkpoint_path)
+        path = Path(self.broadcast(str(ckpt.resolve(path) if self.is_global_zero else path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         module = self.lightning_module
         padded = module.padded_parameters() if callable(getattr(module, "padded_parameters", None)) else []

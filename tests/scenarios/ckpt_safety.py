@@ -1,7 +1,8 @@
 """Checkpoint safety under the strategy (2 processes, dp=2 with compression, so each rank also saves its own state).
 
 - ``crashes``: a save of ``last.ckpt`` over the step-2 checkpoint is interrupted after each of its steps (a crash
-  injected through ``checkpoint._reached``: the exception leaves the files as a kill at that point would); then
+  injected through ``checkpoint._reached``: the exception leaves the files as a kill at that point would), with
+  the atomic directory exchange and with the two-rename fallback; then
   ``fit(ckpt_path=last.ckpt)`` must resume from step 2 (crash before the swap) or step 3 (after it) with the losses
   of an uninterrupted run, and the next save must clean up what the crash left.
 - ``damaged``: copies of a good checkpoint with one defect each (a flipped byte, a shard or meta file from another
@@ -27,7 +28,9 @@ from tests.scenarios.common import LossRecorder, make_model, parse_args, trainer
 from tests.scenarios.features import resumable_data
 
 SMALL = dict(num_layers=2, hidden_size=32, num_heads=4)
-STAGES = ("written", "manifest", "moved_old", "moved_new")
+# (step after which the save crashes, whether the filesystem may exchange directories atomically): the last two
+# take the two-rename path of filesystems without renameat2(RENAME_EXCHANGE).
+STAGES = {"written": True, "manifest": True, "exchanged": True, "moved_old": False, "moved_new": False}
 
 
 class Payload:
@@ -89,8 +92,8 @@ def crashes(root: Path) -> dict:
     fit(2, [saver(folder)])
     on_rank0(lambda: shutil.copytree(folder / "last.ckpt", root / "step2"))
     report = {"straight": straight.losses, "rank_state": sorted(os.listdir(root / "step2" / ckpt.RANK_STATE_DIR))}
-    original = ckpt._reached
-    for stage in STAGES:
+    original, exchange = ckpt._reached, ckpt._exchange
+    for stage, can_exchange in STAGES.items():
         on_rank0(lambda: (shutil.rmtree(folder), shutil.copytree(root / "step2", folder / "last.ckpt")))
 
         def crash(reached: str, stage=stage) -> None:
@@ -98,10 +101,11 @@ def crashes(root: Path) -> dict:
                 raise Crash(f"injected crash after {stage}")
 
         ckpt._reached = crash
+        ckpt._exchange = exchange if can_exchange else (lambda a, b: False)
         try:
             crashed = outcome(lambda: fit(3, [saver(folder)], folder / "last.ckpt"))
         finally:
-            ckpt._reached = original
+            ckpt._reached, ckpt._exchange = original, exchange
         after_crash = sorted(os.listdir(folder))
         start, losses = Start(), LossRecorder()
         fit(4, [start, losses, saver(folder)], folder / "last.ckpt")
