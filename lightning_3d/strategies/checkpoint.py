@@ -102,8 +102,9 @@ def save(checkpoint: dict[str, Any], path: Path, extra_sharded: dict[str, Any], 
 def _safe_globals() -> list:
     import numpy as np
 
-    numeric = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-                                           np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)]
+    numeric = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                           np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+                                           np.complex128)]
     return [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath, argparse.Namespace,
             np.ndarray, np.dtype, _numpy_reconstruct(), *numeric]
 
