@@ -23,7 +23,7 @@ from lightning_3d.recipes.gpt.model import GPTModel
 from lightning_3d.recipes.hf import (
     config_from_hparams, export_checkpoint, gpt_from_pretrained, gpt_to_hf_state_dict, hf_config_for, hf_to_gpt_state_dict,
 )
-from lightning_3d.strategies.checkpoint import META_FILE
+from lightning_3d.strategies.checkpoint import META_FILE, write_manifest
 from tests.launch import run_scenario
 from tests.scenarios.common import Tokens
 
@@ -72,7 +72,7 @@ def write_checkpoint(path: Path, state: dict, hparams: dict | None) -> Path:
     """A single-process DCP checkpoint laid out as Compressed3DStrategy writes it."""
     dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
     torch.save({"hyper_parameters": hparams} if hparams is not None else {"epoch": 0}, path / META_FILE)
-    return path
+    return write_manifest(path)
 
 
 # ----- weight mapping ------------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_export_errors(tmp_path: Path, scenario: dict, capsys) -> None:
     state = {"model." + k: v for k, v in module.model.state_dict().items()}
     no_meta = write_checkpoint(tmp_path / "no_meta", state, {})
     (no_meta / META_FILE).unlink()
-    with pytest.raises(FileNotFoundError, match="lightning_meta.pt"):
+    with pytest.raises(ValueError, match=r"damaged: files \['lightning_meta.pt'\] listed in its manifest.json are missing"):
         export_checkpoint(no_meta, tmp_path / "out")
     other = write_checkpoint(tmp_path / "other", {"net.0.weight": torch.zeros(2, 2)}, {"hidden": 8, "lr": 0.1})
     with pytest.raises(ValueError, match=r"not a checkpoint of the GPT recipe.*\['hidden', 'lr'\]"):
@@ -205,7 +205,7 @@ def test_export_errors(tmp_path: Path, scenario: dict, capsys) -> None:
         export_checkpoint(write_checkpoint(tmp_path / "partial", partial, dict(module.hparams)), tmp_path / "out")
     copy = shutil.copytree(scenario["pretrained_121"]["path"], tmp_path / "copy")
     next(copy.glob("*.distcp")).unlink()
-    with pytest.raises(ValueError, match="incomplete: shard files"):
+    with pytest.raises(ValueError, match=r"damaged: files \['__[01]_0.distcp'\] listed in its manifest.json are missing"):
         export_checkpoint(copy, tmp_path / "out")
     good = write_checkpoint(tmp_path / "good", state, dict(module.hparams))
     with pytest.raises(ValueError, match="neither 'bytes', 'bpe' nor an existing local path"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import pydoc
 import warnings
 from dataclasses import replace
 from functools import lru_cache
@@ -22,7 +21,7 @@ from lightning_3d.recipes.data.tokenizer import EOS_TOKEN, ByteTokenizer, FastTo
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.gpt.module import GPT
-from lightning_3d.strategies.checkpoint import META_FILE
+from lightning_3d.strategies.checkpoint import META_FILE, check_dcp_metadata, safe_load, verify
 
 # Our block sub-modules -> GPT-2's; all but the LayerNorms are Conv1D (weight stored as [in, out]).
 _BLOCK = {"ln1": "ln_1", "ln2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
@@ -130,26 +129,44 @@ def config_from_hparams(hparams: dict | None, source: str = "The checkpoint") ->
     class_path = hp.pop("_class_path", None)  # LightningCLI's; "_instantiator" is dropped with it
     hp = {k: v for k, v in hp.items() if not k.startswith("_")}
     unknown = sorted(set(hp) - (set(inspect.signature(GPT.__init__).parameters) | set(_PRETRAINED_ONLY)))
-    cls = pydoc.locate(class_path) if class_path else GPT
+    cls = recipe_classes().get(class_path) if class_path else GPT
     if not (isinstance(cls, type) and issubclass(cls, GPT)) or unknown or not hp:
         found = f"class {class_path}, " if class_path else ""
+        known = f" (known classes: {sorted(recipe_classes())}; a class path read from a checkpoint is matched against" \
+                " these, never imported)" if class_path and cls is None else ""
         raise ValueError(f"{source} is not a checkpoint of the GPT recipe: found {found}hyper-parameters "
-                         f"{sorted(hp) or 'none'}{f' (not GPT arguments: {unknown})' if unknown else ''}.")
+                         f"{sorted(hp) or 'none'}{f' (not GPT arguments: {unknown})' if unknown else ''}{known}.")
     config = GPT(**{k: v for k, v in hp.items() if k not in _PRETRAINED_ONLY}).config
     return replace(config, layer_norm_eps=hp.get("layer_norm_eps") or config.layer_norm_eps)
 
 
+def recipe_classes() -> dict[str, type]:
+    """Class path -> class of the recipe modules export knows (the paths LightningCLI may record for them)."""
+    from lightning_3d.recipes.hf_t5 import PretrainedT5
+    from lightning_3d.recipes.t5.module import T5
+
+    classes = {}
+    for cls, aliases in ((GPT, ("lightning_3d.recipes.GPT", "lightning_3d.recipes.gpt.GPT")), (PretrainedGPT, ()),
+                         (T5, ("lightning_3d.recipes.T5", "lightning_3d.recipes.t5.T5")), (PretrainedT5, ())):
+        for path in (f"{cls.__module__}.{cls.__qualname__}", *aliases):
+            classes[path] = cls
+    return classes
+
+
 def checkpoint_hparams(path: Path) -> dict | None:
-    """The module hyper-parameters a lightning_3d checkpoint directory records; an error for anything else."""
-    if not (path.is_dir() and (path / ".metadata").is_file() and (path / META_FILE).is_file()):
+    """The module hyper-parameters a lightning_3d checkpoint directory records (verified against its manifest,
+    read without running code); an error for anything else."""
+    verify(path, collective=False)  # export may run on one rank of a job
+    if not (path / META_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a lightning_3d checkpoint: expected a directory with .metadata and "
                                 f"{META_FILE}, as Compressed3DStrategy's trainer.save_checkpoint writes.")
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False).get("hyper_parameters")
+    return safe_load(path / META_FILE, map_location="cpu").get("hyper_parameters")
 
 
 def checkpoint_entries(path: Path, names: list[str], what: str) -> dict[str, tuple[str, Any]]:
     """Our name -> (DCP name, tensor metadata) of the model tensors of a checkpoint that must hold all ``names``
     (and all its shard files); ``what`` names the model in the error."""
+    check_dcp_metadata(path)  # DCP unpickles .metadata: refuse anything but its own classes first
     md = dcp.FileSystemReader(str(path)).read_metadata()
     found = {where[1].removeprefix("model."): (where[1], md.state_dict_metadata[key])
              for key, where in md.planner_data.items() if len(where) == 2 and where[0] == "model"}

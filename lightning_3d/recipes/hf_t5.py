@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import pydoc
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,9 @@ import torch
 from torch import Tensor
 
 from lightning_3d.recipes.gpt.model import copy_full_into
-from lightning_3d.recipes.hf import hf_weights, pad_rows, checkpoint_entries, checkpoint_hparams, hf_tokenizer, load_model_tensors
+from lightning_3d.recipes.hf import (
+    checkpoint_entries, checkpoint_hparams, hf_tokenizer, hf_weights, load_model_tensors, pad_rows, recipe_classes,
+)
 from lightning_3d.recipes.t5.config import FEED_FORWARD, T5Config
 from lightning_3d.recipes.t5.model import T5Model
 from lightning_3d.recipes.t5.module import T5
@@ -137,7 +138,7 @@ def is_t5_hparams(hparams: dict | None) -> bool:
     """Whether a checkpoint's hyper-parameters are the T5 recipe's (its class path, else its argument names)."""
     hp = dict(hparams or {})
     if class_path := hp.get("_class_path"):
-        return isinstance(cls := pydoc.locate(class_path), type) and issubclass(cls, T5)
+        return isinstance(cls := recipe_classes().get(class_path), type) and issubclass(cls, T5)  # never imported
     keys = {k for k in hp if not k.startswith("_")}
     return bool(keys) and keys <= _t5_arguments() and "feed_forward" in keys
 
@@ -150,8 +151,10 @@ def t5_config_from_hparams(hparams: dict | None, source: str = "The checkpoint")
     unknown = sorted(set(hp) - _t5_arguments())
     if not is_t5_hparams({**hp, **({"_class_path": class_path} if class_path else {})}) or unknown:
         found = f"class {class_path}, " if class_path else ""
+        known = f" (known classes: {sorted(recipe_classes())}; a class path read from a checkpoint is matched against" \
+                " these, never imported)" if class_path and class_path not in recipe_classes() else ""
         raise ValueError(f"{source} is not a checkpoint of the T5 recipe: found {found}hyper-parameters "
-                         f"{sorted(hp) or 'none'}{f' (not T5 arguments: {unknown})' if unknown else ''}.")
+                         f"{sorted(hp) or 'none'}{f' (not T5 arguments: {unknown})' if unknown else ''}{known}.")
     return T5(**{k: v for k, v in hp.items() if k != "pretrained_path"}).config
 
 

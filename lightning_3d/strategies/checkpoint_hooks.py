@@ -34,11 +34,15 @@ class CheckpointHooksMixin:
         if storage_options is not None:
             raise TypeError("Compressed3DStrategy writes sharded checkpoints itself and takes no storage_options.")
         path = Path(self.broadcast(str(filepath)))
-        ckpt.save(checkpoint, path, {}, self.global_rank)
-        ckpt.save_rank_state(path, self.global_rank, self._layout_key(), self.rank_state_dict())
+        staging = Path(self.broadcast(str(ckpt.staging_path(path))))  # rank 0's choice: all write into one directory
+        step = checkpoint.get("global_step")
+        ckpt.save(checkpoint, staging, {}, self.global_rank)
+        ckpt.save_rank_state(staging, self.global_rank, self._layout_key(), self.rank_state_dict())
+        ckpt.commit(staging, path, step)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = Path(checkpoint_path)
+        path = Path(self.broadcast(str(ckpt.resolve(path) if self.is_global_zero else path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         module = self.lightning_module
         padded = module.padded_parameters() if callable(getattr(module, "padded_parameters", None)) else []
@@ -60,4 +64,5 @@ class CheckpointHooksMixin:
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            ckpt.remove(Path(filepath))
+            for path in (Path(filepath), *ckpt.leftovers(Path(filepath))):
+                ckpt.remove(path)
