@@ -129,3 +129,18 @@ def test_a_checkpoint_without_manifest_is_refused_until_write_manifest(tmp_path:
     assert manifest["step"] == 7 and sorted(manifest["files"]) == [".metadata", "__0_0.distcp", ckpt.META_FILE]
     with pytest.raises(FileNotFoundError, match="is not a lightning_3d checkpoint"):
         ckpt.verify(tmp_path / "nothing")
+
+
+def test_the_recipe_class_table_names_real_subclasses_of_each_recipe() -> None:
+    """Export looks a checkpoint's class path up in RECIPE_CLASS_PATHS instead of importing it; each entry must
+    name a class of the recipe it claims (here, in the test, importing is fine: these are our own modules)."""
+    import importlib
+
+    from lightning_3d.recipes import GPT, T5
+    from lightning_3d.recipes.hf import RECIPE_CLASS_PATHS
+
+    base = {"gpt": GPT, "t5": T5}
+    for path, recipe in RECIPE_CLASS_PATHS.items():
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        assert isinstance(cls, type) and issubclass(cls, base[recipe]), (path, recipe)

@@ -129,28 +129,26 @@ def config_from_hparams(hparams: dict | None, source: str = "The checkpoint") ->
     class_path = hp.pop("_class_path", None)  # LightningCLI's; "_instantiator" is dropped with it
     hp = {k: v for k, v in hp.items() if not k.startswith("_")}
     unknown = sorted(set(hp) - (set(inspect.signature(GPT.__init__).parameters) | set(_PRETRAINED_ONLY)))
-    cls = recipe_classes().get(class_path) if class_path else GPT
-    if not (isinstance(cls, type) and issubclass(cls, GPT)) or unknown or not hp:
+    recipe = RECIPE_CLASS_PATHS.get(class_path) if class_path else "gpt"
+    if recipe != "gpt" or unknown or not hp:
         found = f"class {class_path}, " if class_path else ""
-        known = f" (known classes: {sorted(recipe_classes())}; a class path read from a checkpoint is matched against" \
-                " these, never imported)" if class_path and cls is None else ""
+        known = f" (known classes: {sorted(RECIPE_CLASS_PATHS)}; a class path read from a checkpoint is matched against" \
+                " these, never imported)" if class_path and recipe is None else ""
         raise ValueError(f"{source} is not a checkpoint of the GPT recipe: found {found}hyper-parameters "
                          f"{sorted(hp) or 'none'}{f' (not GPT arguments: {unknown})' if unknown else ''}{known}.")
     config = GPT(**{k: v for k, v in hp.items() if k not in _PRETRAINED_ONLY}).config
     return replace(config, layer_norm_eps=hp.get("layer_norm_eps") or config.layer_norm_eps)
 
 
-def recipe_classes() -> dict[str, type]:
-    """Class path -> class of the recipe modules export knows (the paths LightningCLI may record for them)."""
-    from lightning_3d.recipes.hf_t5 import PretrainedT5
-    from lightning_3d.recipes.t5.module import T5
-
-    classes = {}
-    for cls, aliases in ((GPT, ("lightning_3d.recipes.GPT", "lightning_3d.recipes.gpt.GPT")), (PretrainedGPT, ()),
-                         (T5, ("lightning_3d.recipes.T5", "lightning_3d.recipes.t5.T5")), (PretrainedT5, ())):
-        for path in (f"{cls.__module__}.{cls.__qualname__}", *aliases):
-            classes[path] = cls
-    return classes
+# The recipe modules export knows, by every class path LightningCLI may record for them, and the recipe each belongs
+# to. A class path read from a checkpoint is looked up here, never imported (importing runs a module's code);
+# tests/test_checkpoint_safety.py checks that each path names a subclass of its recipe.
+RECIPE_CLASS_PATHS: dict[str, str] = {
+    "lightning_3d.recipes.GPT": "gpt", "lightning_3d.recipes.gpt.GPT": "gpt",
+    "lightning_3d.recipes.gpt.module.GPT": "gpt", "lightning_3d.recipes.hf.PretrainedGPT": "gpt",
+    "lightning_3d.recipes.T5": "t5", "lightning_3d.recipes.t5.T5": "t5",
+    "lightning_3d.recipes.t5.module.T5": "t5", "lightning_3d.recipes.hf_t5.PretrainedT5": "t5",
+}
 
 
 def checkpoint_hparams(path: Path) -> dict | None:

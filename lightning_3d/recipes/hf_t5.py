@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.hf import (
-    checkpoint_entries, checkpoint_hparams, hf_tokenizer, hf_weights, load_model_tensors, pad_rows, recipe_classes,
+    RECIPE_CLASS_PATHS, checkpoint_entries, checkpoint_hparams, hf_tokenizer, hf_weights, load_model_tensors, pad_rows,
 )
 from lightning_3d.recipes.t5.config import FEED_FORWARD, T5Config
 from lightning_3d.recipes.t5.model import T5Model
@@ -138,7 +138,7 @@ def is_t5_hparams(hparams: dict | None) -> bool:
     """Whether a checkpoint's hyper-parameters are the T5 recipe's (its class path, else its argument names)."""
     hp = dict(hparams or {})
     if class_path := hp.get("_class_path"):
-        return isinstance(cls := recipe_classes().get(class_path), type) and issubclass(cls, T5)  # never imported
+        return RECIPE_CLASS_PATHS.get(class_path) == "t5"  # looked up, never imported
     keys = {k for k in hp if not k.startswith("_")}
     return bool(keys) and keys <= _t5_arguments() and "feed_forward" in keys
 
@@ -151,8 +151,8 @@ def t5_config_from_hparams(hparams: dict | None, source: str = "The checkpoint")
     unknown = sorted(set(hp) - _t5_arguments())
     if not is_t5_hparams({**hp, **({"_class_path": class_path} if class_path else {})}) or unknown:
         found = f"class {class_path}, " if class_path else ""
-        known = f" (known classes: {sorted(recipe_classes())}; a class path read from a checkpoint is matched against" \
-                " these, never imported)" if class_path and class_path not in recipe_classes() else ""
+        known = f" (known classes: {sorted(RECIPE_CLASS_PATHS)}; a class path read from a checkpoint is matched against" \
+                " these, never imported)" if class_path and class_path not in RECIPE_CLASS_PATHS else ""
         raise ValueError(f"{source} is not a checkpoint of the T5 recipe: found {found}hyper-parameters "
                          f"{sorted(hp) or 'none'}{f' (not T5 arguments: {unknown})' if unknown else ''}{known}.")
     return T5(**{k: v for k, v in hp.items() if k != "pretrained_path"}).config
