@@ -140,8 +140,7 @@ class PipelineRuntime:
             # from the data alone, so its all-reduce starts now and overlaps the forwards; it is waited for at the
             # first backward. Every rank of a data-parallel group holds the same stages, so either all of them join
             # this all-reduce or none do (only last-stage ranks need the count).
-            terms = sum(torch.as_tensor(self.loss_terms_fn(mb), device=self.device) for mb in mbs)
-            self._terms = torch.as_tensor(terms, device=self.device, dtype=torch.int64).clone()
+            self._terms = sum(torch.as_tensor(self.loss_terms_fn(mb), device=self.device) for mb in mbs)  # a new tensor
             if self.replicas > 1:
                 self._terms_work = dist.all_reduce(self._terms, group=self.dp_group, async_op=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)

@@ -65,21 +65,24 @@ class Tokens(Dataset):
         return {"input_ids": self.data[i, :-1], "labels": self.data[i, 1:]}
 
 
-def ignore_tails(labels: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """``labels`` with a random number (0 to length - 1) of trailing positions per sample set to -100 (ignored), like
-    padded fine-tuning targets: replicas then hold different numbers of loss terms, and only a loss normalised by the
-    terms of all replicas together reproduces the single-process token mean."""
-    length = labels.shape[-1]
-    valid = torch.randint(1, length + 1, (labels.shape[0], 1), generator=g)
-    return labels.masked_fill(torch.arange(length) >= valid, -100)
+def ignore_some(labels: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """``labels`` with a random number (0 to half the length) of random positions per sample set to -100 (ignored),
+    like fine-tuning targets with masked prompts or padding: replicas then hold different numbers of loss terms, and
+    only a loss normalised by the terms of all replicas together reproduces the single-process token mean. At most
+    half, at random places: every position keeps most of its labels, so no parameter's gradient is left to the
+    few terms whose rounding Adam would magnify (see adam_eps in MODEL)."""
+    rows, length = labels.shape
+    ignored = torch.randint(0, length // 2 + 1, (rows, 1), generator=g)
+    rank = torch.rand(rows, length, generator=g).argsort(dim=1).argsort(dim=1)  # a random order of the positions
+    return labels.masked_fill(rank < ignored, -100)
 
 
 class MaskedTokens(Tokens):
-    """``Tokens`` whose labels end in a random number of ignored (-100) positions (see ``ignore_tails``)."""
+    """``Tokens`` with a random number of ignored (-100) labels per sample (see ``ignore_some``)."""
 
     def __init__(self, n: int = 256, seq: int = SEQ, seed: int = 0) -> None:
         super().__init__(n, seq, seed)
-        self.labels = ignore_tails(self.data[:, 1:], torch.Generator().manual_seed(seed + 1000))
+        self.labels = ignore_some(self.data[:, 1:], torch.Generator().manual_seed(seed + 1000))
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.data[i, :-1], "labels": self.labels[i]}
@@ -136,12 +139,12 @@ VARIABLE_PLAN = [[(2, 16), (2, 8), (4, 12), (2, 16)], [(4, 8), (4, 8)], [(1, 16)
 
 def variable_step(step: int, dp: int, rank: int, masked: bool = False) -> list[dict]:
     """The micro-batches of one replica at one step; micro-batch j of the global step is split over replicas.
-    ``masked``: labels end in ignored positions (``ignore_tails``)."""
+    ``masked``: some labels are ignored (``ignore_some``)."""
     g = torch.Generator().manual_seed(100 + step)
     mbs = []
     for b, s in VARIABLE_PLAN[step % len(VARIABLE_PLAN)]:
         x = torch.randint(0, VOCAB, (b * dp, s + 1), generator=g)
-        labels = ignore_tails(x[:, 1:], g) if masked else x[:, 1:]
+        labels = ignore_some(x[:, 1:], g) if masked else x[:, 1:]
         mbs.append({"input_ids": x[rank * b : (rank + 1) * b, :-1], "labels": labels[rank * b : (rank + 1) * b]})
     return mbs
 

@@ -1,6 +1,6 @@
 """Every (dp, pp, tp) layout of one world size, with every schedule that applies, against the reference.
 
-Labels end in a random number of ignored (-100) positions, so data-parallel replicas hold different numbers of
+A random number of labels per sample is ignored (-100), so data-parallel replicas hold different numbers of
 loss terms: the run must still train on the token mean of the whole global batch, like the reference.
 
 One process group runs all of them in sequence (one Trainer each), so the suite pays the process start-up
