@@ -204,6 +204,24 @@ def test_import_errors(tmp_path: Path) -> None:
         t5_from_pretrained(tmp_path / "wrong")
 
 
+def test_batch_check_names_ids_outside_the_vocabulary() -> None:
+    """check_pipeline_batch, which the strategy runs on every rank before a step: ignored labels (-100) pass, an id
+    outside the vocabulary in any input, or labels that do not match the decoder inputs, raise with the value."""
+    module = T5("tiny", **SMALL)  # the check reads the config only: no weights needed
+    batch = {**inputs(), "labels": torch.randint(0, 300, (3, 30)), "attention_mask": None}
+    batch["labels"][:, 20:] = -100
+    module.check_pipeline_batch(batch)
+    for name, value, message in (("input_ids", 300, "input_ids holds token id 300, outside the model's vocabulary of 300"),
+                                 ("decoder_input_ids", -1, "decoder_input_ids holds token id -1"),
+                                 ("labels", 301, "labels holds token id 301")):
+        bad = {k: v.clone() if v is not None else None for k, v in batch.items()}
+        bad[name][1, 2] = value
+        with pytest.raises(ValueError, match=message):
+            module.check_pipeline_batch(bad)
+    with pytest.raises(ValueError, match=r"labels have shape \(3, 29\) but decoder_input_ids \(3, 30\)"):
+        module.check_pipeline_batch({**batch, "labels": batch["labels"][:, 1:]})
+
+
 # ----- seq2seq data ------------------------------------------------------------------------------------------
 def fake_trainer(num_replicas: int, rank: int) -> SimpleNamespace:
     kwargs = {"num_replicas": num_replicas, "rank": rank}
