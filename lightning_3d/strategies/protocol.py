@@ -60,8 +60,9 @@ class Parallel3DModule(Protocol):
     - ``check_pipeline_batch(microbatch)`` (optional): raise a ValueError naming the bad value when a micro-batch
       does not fit the model (a token id outside the vocabulary, a sequence longer than the positions). Called on
       every rank before each training and evaluation step, before any collective: only one stage reads the ids
-      or the labels, and without the check its error would reach the other ranks as a lost peer. Keep it cheap
-      (shapes, minimum and maximum); the recipes use ``lightning_3d.recipes.training.check_token_batch``.
+      or the labels, and without the check its error would reach the other ranks as a lost peer (every rank of a
+      pipeline holds the same batch, so all of them raise). Keep it cheap (shapes, minimum and maximum); the
+      recipes use ``lightning_3d.recipes.training.check_token_batch``.
     """
 
     def num_pipeline_layers(self) -> int: ...
