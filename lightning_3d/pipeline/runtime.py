@@ -65,7 +65,11 @@ class PipelineRuntime:
         loss_context: ContextFactory = contextlib.nullcontext,
         before_last_backward: Callable[[int], None] | None = None,
         stats: CommunicationStats | None = None,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
+        """``dp_group``: the data-parallel replicas of this rank (None: one replica). The loss is normalised by the
+        loss terms of the whole step summed over them (see ``_run``), so that gradients averaged over replicas equal
+        one process's gradient of the global token mean."""
         self.stages = stages
         self.num_stages = num_stages
         self.pp_rank = pp_rank
@@ -80,6 +84,8 @@ class PipelineRuntime:
         self.loss_context = loss_context
         self.before_last_backward = before_last_backward
         self.stats = stats
+        self.dp_group = dp_group
+        self.replicas = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.codec: GradientCodec = IdentityCodec()
         self.observer: RuntimeObserver | None = None
         self._shape_cache: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank receives
@@ -88,7 +94,8 @@ class PipelineRuntime:
 
     # ----- public entry points ---------------------------------------------------------------------------
     def train_step(self, microbatches: Sequence[Any], loss_scale: float = 1.0) -> Tensor | None:
-        """Forward and backward of all micro-batches; returns the mean loss on the last stage, else None."""
+        """Forward and backward of all micro-batches; on the last stage returns this replica's share of the step's
+        mean loss (its loss sum over the terms of all replicas; the shares add up to the mean), else None."""
         orders = self._orders(len(microbatches), train=True)
         return self._run(orders, microbatches, train=True, loss_scale=loss_scale)
 
@@ -122,10 +129,20 @@ class PipelineRuntime:
         # Both ends of a gradient message must agree on its key, including whether the sender is draining.
         self._epilogue = {(a.stage, a.microbatch): a.epilogue for order in orders for a in order if a.kind == "B"}
         last_backward = {a.stage: i for i, a in enumerate(mine) if a.kind == "B"}
-        total_terms = None
+        self._terms: Tensor | None = None
+        self._terms_work: dist.Work | None = None
+        self._loss_scale = loss_scale
+        self._loss_factor: Tensor | None = None
         if self.num_stages - 1 in self.stages:
-            total_terms = sum(torch.as_tensor(self.loss_terms_fn(mb), device=self.device) for mb in mbs)
-            self._loss_factor = loss_scale / total_terms
+            # The mean is over the loss terms of the whole step on all replicas (e.g. the non-ignored target tokens),
+            # not per replica: replicas may hold different numbers of terms (padding, ignore_index, variable
+            # micro-batches), and averaging per-replica means would weigh their tokens unequally. The count comes
+            # from the data alone, so its all-reduce starts now and overlaps the forwards; it is waited for at the
+            # first backward. Every rank of a data-parallel group holds the same stages, so either all of them join
+            # this all-reduce or none do (only last-stage ranks need the count).
+            self._terms = sum(torch.as_tensor(self.loss_terms_fn(mb), device=self.device) for mb in mbs)  # a new tensor
+            if self.replicas > 1:
+                self._terms_work = dist.all_reduce(self._terms, group=self.dp_group, async_op=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         if self.observer is not None:
             self.observer.on_step("begin", train, len(mbs))
@@ -146,7 +163,7 @@ class PipelineRuntime:
         self._pending.clear()
         if self.observer is not None:
             self.observer.on_step("end", train, len(mbs))
-        return loss_sum / total_terms if total_terms is not None else None
+        return loss_sum / self._global_terms() if self._terms is not None else None
 
     # ----- compute ---------------------------------------------------------------------------------------
     def _forward(self, action: Action, mb: Any, train: bool) -> Tensor | None:
@@ -163,8 +180,8 @@ class PipelineRuntime:
         if stage == self.num_stages - 1:
             with self.loss_context(), self.forward_context():
                 loss = self.loss_fn(output, mb)
-            if train:
-                self._saved[(stage, m)] = (inputs, loss * self._loss_factor)
+            if train:  # scaled at the backward, where the global term count is first needed
+                self._saved[(stage, m)] = (inputs, loss)
             return loss
         outputs = list(output) if isinstance(output, (tuple, list)) else [output]
         metas = [(tuple(t.shape), t.dtype) for t in outputs]
@@ -184,7 +201,7 @@ class PipelineRuntime:
         inputs, outputs = self._saved.pop((stage, m))
         if stage == self.num_stages - 1:
             with self.loss_context(), self._span("backward", stage, m):
-                torch.autograd.backward(outputs)
+                torch.autograd.backward(outputs * self._factor())
         else:
             grads = self._take("B", (stage + 1, m))  # one per floating-point output
             floating = [o for o in outputs if o.is_floating_point()]
@@ -203,6 +220,23 @@ class PipelineRuntime:
                     self._pending.append((self.channels.send_header(channel, [(tuple(message.shape), message.dtype)]), None))
                 self._pending.append((self.channels.isend(channel, message), message))
                 self._count("backward_activation_grads", grad, parts)
+
+    def _global_terms(self) -> Tensor:
+        """The loss terms of this step summed over the data-parallel replicas (waits for their all-reduce)."""
+        if self._terms_work is not None:
+            self._terms_work.wait()
+            self._terms_work = None
+        return self._terms
+
+    def _factor(self) -> Tensor:
+        """What the last stage multiplies its loss sums by before their backward: ``loss_scale · dp / global
+        terms``. The data-parallel sync averages gradients over the dp replicas, so the factor dp turns that average
+        into the sum over replicas of their gradients of (loss sum / global terms): one process's gradient of the
+        global mean. ``loss_scale`` (1 / accumulate_grad_batches) leaves each accumulated batch normalised by its
+        own global term count."""
+        if self._loss_factor is None:
+            self._loss_factor = self._loss_scale * self.replicas / self._global_terms()
+        return self._loss_factor
 
     # ----- receiving -------------------------------------------------------------------------------------
     def _take(self, kind: str, key: tuple[int, int]) -> list[Tensor]:

@@ -77,6 +77,45 @@ def count_target_tokens(labels: Tensor) -> Tensor:
     return (labels != IGNORE_INDEX).sum()
 
 
+def check_token_batch(microbatch: dict[str, Tensor], vocab_size: int, ids: Iterable[str], scored: str,
+                      max_length: int | None = None, length_name: str = "seq_length") -> None:
+    """Raise a ValueError naming the bad value when a micro-batch does not fit the model: a token id outside
+    ``[0, vocab_size)`` in one of ``ids`` or in ``labels`` (which may also hold IGNORE_INDEX), ``labels`` of another
+    shape than the ids they score (``scored``, when the micro-batch has it), or (``max_length``) sequences longer than the model's positions.
+
+    Under pipeline parallelism these inputs are read on one stage only (embeddings on the first, labels on the last),
+    and a failure there reaches the other stages as a lost peer; the strategy runs this check on every rank before
+    the step (``check_pipeline_batch``), so every rank raises this message instead. One host synchronisation."""
+    present = [name for name in ids if microbatch.get(name) is not None]
+    for name in present:
+        length = microbatch[name].shape[-1]
+        if max_length is not None and name == "input_ids" and length > max_length:
+            raise ValueError(
+                f"input_ids has sequence length {length}, but the model has {max_length} positions ({length_name}):"
+                f" truncate or pack the data to at most {max_length} tokens, or build the model with"
+                f" {length_name} >= {length}."
+            )
+    labels = microbatch.get("labels")
+    if labels is not None and scored in present and labels.shape != microbatch[scored].shape:
+        raise ValueError(f"labels have shape {tuple(labels.shape)} but {scored} {tuple(microbatch[scored].shape)}:"
+                         f" the data must give one label per {scored} position (use {IGNORE_INDEX} to ignore one).")
+    checked = [(name, microbatch[name]) for name in present if microbatch[name].numel()]
+    if labels is not None and labels.numel():
+        checked.append(("labels", labels.masked_fill(labels == IGNORE_INDEX, 0)))
+    if not checked:
+        return
+    bounds = torch.stack([torch.stack([t.min(), t.max()]) for _, t in checked]).tolist()
+    for (name, _), (low, high) in zip(checked, bounds, strict=True):
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            allowed = f" or {IGNORE_INDEX} (ignored)" if name == "labels" else ""
+            raise ValueError(
+                f"{name} holds token id {bad}, outside the model's vocabulary of {vocab_size} ids (0 to"
+                f" {vocab_size - 1}{allowed}): tokenize with the model's tokenizer, or build the model with"
+                f" vocab_size > {max(high, 0)}."
+            )
+
+
 def adamw_warmup_cosine(module: pl.LightningModule, decays: Callable[[str, Tensor], bool]) -> dict[str, Any]:
     """AdamW with weight decay where ``decays(name, param)``; linear warm-up, then cosine decay to
     ``min_learning_rate`` over ``decay_steps`` (default: the trainer's ``max_steps``). Reads the module's hparams."""

@@ -293,6 +293,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
             loss_context=loss_parallel if dims.tp > 1 else contextlib.nullcontext,
             before_last_backward=self._grad_sync.arm,
             stats=self.comm_stats,
+            dp_group=self.dp_group if dims.dp > 1 else None,
         )
         codec = self._build_codec()
         if codec is not None:

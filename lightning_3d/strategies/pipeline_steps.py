@@ -41,6 +41,7 @@ class PipelineStepsMixin:
         if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
             module.zero_grad(set_to_none=True)  # what Lightning's zero_grad would do, before our backward runs
         microbatches = split_batch(batch, self.num_microbatches)
+        self._check_batch(microbatches)
         self._grad_sync.begin(sync=not self._sync_blocked)
         loss = self._runtime.train_step(microbatches, loss_scale=1.0 / module.trainer.accumulate_grad_batches)
         self._grad_sync.finish()
@@ -92,13 +93,26 @@ class PipelineStepsMixin:
         return super().predict_step(*args, **kwargs)
 
     def _eval_step(self, stage: str, args: tuple, kwargs: dict) -> Tensor:
-        loss = self._runtime.eval_step(split_batch(args[0], self.num_microbatches, uneven=True))
+        microbatches = split_batch(args[0], self.num_microbatches, uneven=True)
+        self._check_batch(microbatches)
+        loss = self._runtime.eval_step(microbatches)
         return self._report_loss(loss, stage)
 
+    def _check_batch(self, microbatches: list[Any]) -> None:
+        """The module's ``check_pipeline_batch`` (optional) on every micro-batch, on every rank, before any collective.
+        A batch that does not fit the model (an id outside the vocabulary, a sequence longer than its positions)
+        would otherwise fail on the one stage that reads it, and the other ranks would only see a lost peer; every
+        rank of a pipeline holds the same batch, so all of them raise the same message here."""
+        check = getattr(self.lightning_module, "check_pipeline_batch", None)
+        if callable(check):
+            for microbatch in microbatches:
+                check(microbatch)
+
     def _report_loss(self, loss: Tensor | None, stage: str) -> Tensor:
-        """Average the last stage's loss over replicas and give it to every rank, then log it."""
+        """Sum the last stage's per-replica shares of the step's mean loss (each replica's loss sum over the loss
+        terms of all replicas, see ``PipelineRuntime.train_step``) and give the global mean to every rank, then log it."""
         contributes = loss is not None and self.tp_rank == 0
-        value = loss.detach().float() / self.dims.dp if contributes else torch.zeros((), device=self.root_device)
+        value = loss.detach().float() if contributes else torch.zeros((), device=self.root_device)
         dist.all_reduce(value)
         module = self.lightning_module
         if callable(getattr(module, "log_pipeline_loss", None)):

@@ -46,8 +46,10 @@ class Parallel3DModule(Protocol):
       (``torch.distributed.tensor.parallel.parallelize_module``). With tp > 1 the last stage's loss and its
       backward run inside torch's ``loss_parallel()`` context.
     - ``pipeline_loss(output, microbatch)``: the *sum* of the loss terms of one micro-batch.
-    - ``pipeline_loss_terms(microbatch)``: how many terms that sum has (e.g. target tokens), computed from
-      the data alone so every rank knows the normaliser before the backward starts.
+    - ``pipeline_loss_terms(microbatch)``: how many terms that sum has (e.g. the target tokens that are not
+      ignored), computed from the data alone so the normaliser is known before the backward starts. The step's
+      loss is the sum over all micro-batches and data-parallel replicas divided by the terms of all of them (one
+      all-reduce of the count), so replicas with different counts train like one process on the global batch.
     - ``pipeline_tied_parameters()``: ``{name on the first stage: name on the last stage}`` for weights that
       are tied (input and output embeddings); their gradients are summed across the two stages.
     - ``init_weights()``: materialise-time initialisation when the module was built on the meta device.
@@ -55,6 +57,12 @@ class Parallel3DModule(Protocol):
       parallel size (the vocabulary); a checkpoint loads into another layout even though their shapes differ.
     - ``log_pipeline_loss(loss, stage)`` (optional): log the step's mean loss (``stage`` is "train", "val" or
       "test"); without it the strategy logs ``f"{stage}_loss"``.
+    - ``check_pipeline_batch(microbatch)`` (optional): raise a ValueError naming the bad value when a micro-batch
+      does not fit the model (a token id outside the vocabulary, a sequence longer than the positions). Called on
+      every rank before each training and evaluation step, before any collective: only one stage reads the ids
+      or the labels, and without the check its error would reach the other ranks as a lost peer (every rank of a
+      pipeline holds the same batch, so all of them raise). Keep it cheap (shapes, minimum and maximum); the
+      recipes use ``lightning_3d.recipes.training.check_token_batch``.
     """
 
     def num_pipeline_layers(self) -> int: ...

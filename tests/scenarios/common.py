@@ -65,6 +65,29 @@ class Tokens(Dataset):
         return {"input_ids": self.data[i, :-1], "labels": self.data[i, 1:]}
 
 
+def ignore_some(labels: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """``labels`` with a random number (0 to half the length) of random positions per sample set to -100 (ignored),
+    like fine-tuning targets with masked prompts or padding: replicas then hold different numbers of loss terms, and
+    only a loss normalised by the terms of all replicas together reproduces the single-process token mean. At most
+    half, at random places: every position keeps most of its labels, so no parameter's gradient is left to the
+    few terms whose rounding Adam would magnify (see adam_eps in MODEL)."""
+    rows, length = labels.shape
+    ignored = torch.randint(0, length // 2 + 1, (rows, 1), generator=g)
+    rank = torch.rand(rows, length, generator=g).argsort(dim=1).argsort(dim=1)  # a random order of the positions
+    return labels.masked_fill(rank < ignored, -100)
+
+
+class MaskedTokens(Tokens):
+    """``Tokens`` with a random number of ignored (-100) labels per sample (see ``ignore_some``)."""
+
+    def __init__(self, n: int = 256, seq: int = SEQ, seed: int = 0) -> None:
+        super().__init__(n, seq, seed)
+        self.labels = ignore_some(self.data[:, 1:], torch.Generator().manual_seed(seed + 1000))
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.data[i, :-1], "labels": self.labels[i]}
+
+
 class Progressions(Tokens):
     """Learnable sequences: x_t = (a + d·t) mod VOCAB with random a and d in 1..4 (random tokens teach nothing)."""
 
@@ -91,14 +114,16 @@ class ReplicaSlices(Sampler):
 
 
 class TestData(pl.LightningDataModule):
-    def __init__(self, global_batch: int = 8, n: int = 256, variable: bool = False, dataset: type = Tokens) -> None:
+    def __init__(self, global_batch: int = 8, n: int = 256, variable: bool = False, dataset: type = Tokens,
+                 masked: bool = False) -> None:
         super().__init__()
-        self.global_batch, self.n, self.variable, self.dataset = global_batch, n, variable, dataset
+        self.global_batch, self.n, self.variable, self.masked = global_batch, n, variable, masked
+        self.dataset = MaskedTokens if masked else dataset
 
     def train_dataloader(self) -> DataLoader:
         kw = self.trainer.strategy.distributed_sampler_kwargs
         if self.variable:
-            return DataLoader(VariableBatches(kw["num_replicas"], kw["rank"]), batch_size=None)
+            return DataLoader(VariableBatches(kw["num_replicas"], kw["rank"], masked=self.masked), batch_size=None)
         sampler = ReplicaSlices(self.n, self.global_batch, kw["num_replicas"], kw["rank"])
         return DataLoader(self.dataset(self.n), batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
 
@@ -112,28 +137,32 @@ class TestData(pl.LightningDataModule):
 VARIABLE_PLAN = [[(2, 16), (2, 8), (4, 12), (2, 16)], [(4, 8), (4, 8)], [(1, 16), (3, 12), (2, 4), (2, 8), (4, 16), (4, 16)]]
 
 
-def variable_step(step: int, dp: int, rank: int) -> list[dict]:
-    """The micro-batches of one replica at one step; micro-batch j of the global step is split over replicas."""
+def variable_step(step: int, dp: int, rank: int, masked: bool = False) -> list[dict]:
+    """The micro-batches of one replica at one step; micro-batch j of the global step is split over replicas.
+    ``masked``: some labels are ignored (``ignore_some``)."""
     g = torch.Generator().manual_seed(100 + step)
     mbs = []
     for b, s in VARIABLE_PLAN[step % len(VARIABLE_PLAN)]:
-        x = torch.randint(0, VOCAB, (b * dp, s + 1), generator=g)[rank * b : (rank + 1) * b]
-        mbs.append({"input_ids": x[:, :-1], "labels": x[:, 1:]})
+        x = torch.randint(0, VOCAB, (b * dp, s + 1), generator=g)
+        labels = ignore_some(x[:, 1:], g) if masked else x[:, 1:]
+        mbs.append({"input_ids": x[rank * b : (rank + 1) * b, :-1], "labels": labels[rank * b : (rank + 1) * b]})
     return mbs
 
 
 class VariableBatches(torch.utils.data.IterableDataset):
-    def __init__(self, dp: int, rank: int, steps: int = 6) -> None:
-        self.dp, self.rank, self.steps = dp, rank, steps
+    def __init__(self, dp: int, rank: int, steps: int = 6, masked: bool = False) -> None:
+        self.dp, self.rank, self.steps, self.masked = dp, rank, steps, masked
 
     def __iter__(self):
         for step in range(self.steps):
-            yield MicroBatches(variable_step(step, self.dp, self.rank))
+            yield MicroBatches(variable_step(step, self.dp, self.rank, self.masked))
 
 
 @lru_cache(maxsize=16)
-def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulate: int = 1) -> tuple:
-    """(losses per optimizer step, final named parameters) of plain single-process training."""
+def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulate: int = 1, masked: bool = False) -> tuple:
+    """(losses per optimizer step, final named parameters) of plain single-process training. The loss of a batch
+    is the mean over its non-ignored labels (the token mean of the global batch, however replicas split it); with
+    accumulation each batch is normalised by its own count, then divided by ``accumulate``."""
     module = make_model()
     if DEVICE == "cpu":
         module.configure_model()
@@ -162,7 +191,7 @@ def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulat
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    data = Tokens()
+    data = MaskedTokens() if masked else Tokens()
     losses = []
     for step in range(steps):
         opt.zero_grad()
@@ -170,10 +199,10 @@ def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulat
         for micro in range(accumulate):
             t = step * accumulate + micro
             if variable_dp:
-                replicas = [variable_step(t, variable_dp, r) for r in range(variable_dp)]
+                replicas = [variable_step(t, variable_dp, r, masked) for r in range(variable_dp)]
                 mbs = [{k: torch.cat([rep[j][k] for rep in replicas]).to(device) for k in ("input_ids", "labels")}
                        for j in range(len(replicas[0]))]
-                total = sum(mb["labels"].numel() for mb in mbs)
+                total = sum((mb["labels"] != -100).sum() for mb in mbs)
                 loss = sum(_ce(model(mb["input_ids"]), mb["labels"], "sum") for mb in mbs) / total
             else:
                 batch = {k: v.to(device) for k, v in data[t * global_batch : (t + 1) * global_batch].items()}
@@ -188,7 +217,7 @@ def reference(steps: int, global_batch: int = 8, variable_dp: int = 0, accumulat
 
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction, ignore_index=-100)
 
 
 class LossRecorder(pl.Callback):

@@ -2,7 +2,7 @@
 
 The cases run one after another in one process group: if one rank raised while another went on into a
 collective, the next case would hang and the test's timeout would fire. A healthy fit at the end proves
-the group is still usable.
+the group is still usable, and a case is ok only if every rank saw its message.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_3d import Compressed3DStrategy, MicroBatches
-from tests.scenarios.common import LossRecorder, TestData, Tokens, make_model, parse_args, trainer, write_report
+from tests.scenarios.common import (
+    SEQ, VOCAB, LossRecorder, TestData, Tokens, all_max, make_model, parse_args, trainer, write_report,
+)
 
 
 class PlainModule(pl.LightningModule):
@@ -55,6 +57,20 @@ class OddMicroBatches(TestData):
         return DataLoader([MicroBatches(mbs)], batch_size=None)
 
 
+class BadTokens(TestData):
+    """Batches the model cannot read: an input or a label id equal to the vocabulary size, or sequences longer
+    than the model's positions. Only one pipeline stage reads each (embeddings first, labels last)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(8)
+        self.kind = kind
+
+    def train_dataloader(self):
+        data = Tokens(8, seq=SEQ + 4 if self.kind == "long" else SEQ)
+        data.data[3, -1 if self.kind == "label" else 5] = VOCAB  # column 5 is an input (and a label); -1 a label only
+        return DataLoader(data, batch_size=8)
+
+
 def expect(name: str, message: str, fit) -> dict:
     try:
         fit()
@@ -94,9 +110,17 @@ def main() -> None:
                lambda: fit(Compressed3DStrategy(data_parallel_size=w), ShardedOptimizerGPT.make(), TestData(8))),
         expect("plain module with micro-batches", "num_microbatches=2 needs the `lightning_3d.Parallel3DModule` protocol",
                lambda: fit(Compressed3DStrategy(num_microbatches=2), PlainModule())),
+        expect("input id outside the vocabulary", f"input_ids holds token id {VOCAB}, outside the model's vocabulary of {VOCAB}",
+               lambda: fit(Compressed3DStrategy(pipeline_parallel_size=w, num_microbatches=w), make_model(), BadTokens("id"))),
+        expect("label outside the vocabulary", f"labels holds token id {VOCAB}, outside the model's vocabulary of {VOCAB}",
+               lambda: fit(Compressed3DStrategy(pipeline_parallel_size=w, num_microbatches=w), make_model(), BadTokens("label"))),
+        expect("sequence longer than the positions", f"input_ids has sequence length {SEQ + 4}, but the model has {SEQ} positions",
+               lambda: fit(Compressed3DStrategy(pipeline_parallel_size=w, num_microbatches=w), make_model(), BadTokens("long"))),
     ]
     recorder = LossRecorder()  # the group still works after all of the above
     trainer(Compressed3DStrategy(pipeline_parallel_size=w, num_microbatches=w), 2, [recorder]).fit(make_model(), datamodule=TestData(8))
+    for case in cases:  # rank 0 reports; ok only where every rank raised the expected message
+        case["ok"] = all_max(0.0 if case["ok"] else 1.0) == 0.0
     write_report(args.report, {"cases": cases, "healthy_losses": recorder.losses, "tokens": len(Tokens())})
 
 

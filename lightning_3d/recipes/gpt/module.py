@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
-from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, compile_blocks,
+from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
                                            count_target_tokens, summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
@@ -143,6 +143,9 @@ class GPT(pl.LightningModule):
 
     def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
         return count_target_tokens(microbatch["labels"])
+
+    def check_pipeline_batch(self, microbatch: dict[str, Tensor]) -> None:
+        check_token_batch(microbatch, self.config.vocab_size, ["input_ids"], "input_ids", max_length=self.config.seq_length)
 
     def padded_parameters(self) -> list[str]:
         """Parameters whose first dimension is the padded vocabulary (it changes with the tensor-parallel size)."""

@@ -15,7 +15,7 @@ from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.t5.config import T5Config, preset
 from lightning_3d.recipes.t5.model import T5Model
 from lightning_3d.recipes.t5.parallelize import T5Stage, parallelize_t5
-from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, compile_blocks,
+from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
                                            count_target_tokens, summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
@@ -189,6 +189,10 @@ class T5(pl.LightningModule):
 
     def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
         return count_target_tokens(microbatch["labels"])
+
+    def check_pipeline_batch(self, microbatch: dict[str, Tensor]) -> None:
+        """Ids within the vocabulary (relative position buckets bound no sequence length)."""
+        check_token_batch(microbatch, self.config.vocab_size, ["input_ids", "decoder_input_ids"], "decoder_input_ids")
 
     def padded_parameters(self) -> list[str]:
         """Parameters whose first dimension is the padded vocabulary (it changes with the tensor-parallel size)."""
