@@ -1,8 +1,8 @@
 """How fast the data-parallel link is, measured once, so that SC's default follows the hardware.
 
-SC trades compute for bandwidth: about 55 ms per step for all of GPT-1.3B's gradients on an H200 at rank 128. An
-exact all-reduce of the same 5.2 GB takes about 15 ms at NVLink's bus bandwidth and about 210 ms at InfiniBand-class
-bandwidth (benchmarks/RESULTS.md). So SC pays off on slow links and costs time on fast ones. A timed all-reduce
+SC trades compute for bandwidth: its power steps over a large model's gradients cost more than an exact all-reduce
+at NVLink's bus bandwidth and much less than one at InfiniBand-class bandwidth (the measurements are in
+benchmarks/RESULTS.md). So SC pays off on slow links and costs time on fast ones. A timed all-reduce
 tells the two apart before training starts; nothing is known about the link until then.
 """
 

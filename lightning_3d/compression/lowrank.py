@@ -1,8 +1,9 @@
 """Orthonormalisation for the power steps of CB and SC.
 
 Both codecs need orthonormal columns spanning a tall, thin factor P (n x r, r <= 128), every step, on the hot path.
-``torch.linalg.qr`` does that with Householder reflections in cuSOLVER, a latency-bound call per batch (CB's
-encoder, one QR included, measured 0.4–1 ms per call on an H200 whatever the boundary size: RESULTS.md (b)). Cholesky-QR needs only a Gram product, an r x r Cholesky factor and a
+``torch.linalg.qr`` does that with Householder reflections in cuSOLVER, a latency-bound call per batch whose cost
+hardly depends on the boundary size (benchmarks/RESULTS.md). Cholesky-QR needs only a Gram product, an r x r Cholesky
+factor and a
 triangular solve, batched over any number of matrices, with no host synchronisation.
 """
 

@@ -279,11 +279,11 @@ class PipelineRuntime:
             if produced is None:
                 return  # our forward of that micro-batch has not run yet
             if not may_block and (CHECK_MESSAGES or not isinstance(self.codec, IdentityCodec)):
-                # Compressed gradients are received just in time, never ahead. Measured on NCCL (H200, 2026-11-22):
-                # with a receive posted ahead, the compressing sender and this rank hang in the first step (both
-                # hosts stuck in CUDA calls; the codec's kernels appear to synchronise the device while the
-                # posted receive waits for a send that only follows them). Compressed messages are small, so
-                # receiving late costs little.
+                # Compressed gradients are received just in time, never ahead: on NCCL, with a receive posted ahead,
+                # the compressing sender and this rank hung in the first step (benchmarks/NOTES.md, "CB on NCCL
+                # hung"): a posted receive kernel blocks anything that synchronises the device, such as the
+                # codec's kernels, while it waits for a send that only follows them. Compressed messages are small,
+                # so receiving late costs little.
                 return
             # One message per boundary tensor: a codec's parts (e.g. P and Q) travel packed in one flat buffer.
             works, views = [], []
