@@ -17,8 +17,9 @@ TIMEOUT = 10  # seconds: the strategy's process-group timeout in the freeze scen
 @pytest.mark.parametrize("layout", [(1, 2, 1), (2, 1, 2)], ids=["pipeline", "data_x_tensor"])
 def test_a_frozen_rank_fails_the_job_within_the_strategy_timeout(tmp_path, layout) -> None:
     # (1, 2, 1): the first rank waits on a pipeline channel; (2, 1, 2): on the tensor- and data-parallel mesh groups,
-    # which need two dimensions above 1 (a dimension spanning the world uses the default group, which always had the
-    # timeout). torch's 30-minute default would run into the harness's limit below.
+    # which need two dimensions above 1 (a dimension spanning the world uses the default group). The scenario makes the
+    # default group itself, with a 600 s timeout, so an end within TIMEOUT + 60 s comes from the strategy's own groups;
+    # with torch's 30-minute default for them the harness's limit below would end the run instead.
     report = tmp_path / "freeze.json"
     world = layout[0] * layout[1] * layout[2]
     with pytest.raises(AssertionError) as failure:

@@ -411,12 +411,6 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-    def on_exception(self, exception: BaseException) -> None:
-        # A failed run can leave its groups broken (a timed-out gloo pair, messages in flight) and its module half
-        # stepped: both are released now, and a later run on this strategy prepares its module on new groups.
-        if _live_owner is not None and _live_owner() is self:
-            _destroy_live_groups()
-
     def _release_model(self) -> None:
         """Forget the prepared module: undo what ``_prepare`` did to it and drop the state built for it, so that the
         next module is prepared as by a fresh strategy. Its groups are destroyed by the caller.

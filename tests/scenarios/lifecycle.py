@@ -43,6 +43,10 @@ class FreezeAt(pl.Callback):
 def freeze(args: argparse.Namespace) -> None:
     dp, pp, tp = args.layout
     world = dp * pp * tp
+    # The default group is made here, with a generous timeout: processes started on a loaded machine reach the
+    # rendezvous seconds apart. The strategy then finds it initialised, so only the groups it creates itself carry its
+    # short timeout, and a failure within that timeout can only come from them.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     strategy = Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                     num_microbatches=2, timeout=timedelta(seconds=args.timeout))
     freezer = FreezeAt(world - 1, 2, args.report.with_suffix(".frozen"))
