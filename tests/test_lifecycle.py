@@ -49,4 +49,5 @@ def test_ten_fits_leave_nothing_behind_and_a_reused_strategy_trains_like_a_fresh
         assert result["after_validate"] == counts[9]  # validate after fit reuses the fit's groups
         # Bitwise: the same model, data, seeds and group topology give the same floating-point operations.
         assert result["same_as_fresh"] is True
+        assert result["same_stats"] is True
         assert result["validate_val"] == result["fit_val"]  # the same weights, through the kept groups

@@ -226,8 +226,13 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
             self.lightning_module._device_mesh = self.device_mesh
             return
         # A new module: whatever the last run left (its model state, its groups, on this or another strategy) goes
-        # first, and the groups are created afresh, each with this strategy's timeout.
+        # first, and the groups are created afresh, each with this strategy's timeout. The counters and the link
+        # measurement start over too, as on a fresh strategy (they stay readable after fit until then).
         _destroy_live_groups()
+        self._release_model()
+        self.comm_stats = CommunicationStats()
+        self._dp_link_gbps = None
+        self._warned_unused = False
         self.dims = ParallelDims(dp, pp, tp, world_size)
         self.device_mesh = self.dims.build_mesh(self.root_device.type, self._timeout, _live_groups)
         _live_owner = weakref.ref(self)
@@ -413,14 +418,14 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
 
     def _release_model(self) -> None:
         """Forget the prepared module: undo what ``_prepare`` did to it and drop the state built for it, so that the
-        next module is prepared as by a fresh strategy. Its groups are destroyed by the caller.
+        next module is prepared as by a fresh strategy. Its groups are destroyed by the caller. Idempotent.
 
         A destroyed gloo group keeps its sockets and threads until its last Python reference goes, so every reference
         this strategy and the module's ``device_mesh`` hold is dropped here (the synchronizer, the SC state, the
         runtime and its codec hold groups too); tensor-parallel parameters of a module the user keeps still hold theirs.
         """
         module = self._prepared_module
-        if module is not None and getattr(module, "_device_mesh", None) is self.device_mesh:
+        if module is not None and getattr(module, "_device_mesh", None) is getattr(self, "device_mesh", None):
             module._device_mesh = None
         self.device_mesh = self.tp_mesh = self.channels = None
         self.dp_group = self.model_parallel_group = self.tied_group = self.fused_tied_group = None
@@ -437,9 +442,6 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         self._fused_tied = False
         self._stashed_grads = None
         self._sync_blocked = False
-        self._dp_link_gbps = None  # measured on the groups being destroyed
-        self._warned_unused = False
-        self.comm_stats = CommunicationStats()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

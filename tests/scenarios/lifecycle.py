@@ -96,15 +96,17 @@ def fits(args: argparse.Namespace) -> None:
     second = seeded_model(2)
     first.fit(second, datamodule=TestData(8))
     fresh = seeded_model(2)
-    fit(fresh, layout_strategy(), steps=3)
+    fresh_trainer = fit(fresh, layout_strategy(), steps=3)
     a, b = final_state(second), final_state(fresh)
     same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # The byte counts are per model too: the first model's traffic must not be carried into the second's.
+    same_stats = first.strategy.communication_stats() == fresh_trainer.strategy.communication_stats()
     # Validate after fit runs on the groups the fit kept: its loss is the fit's own last validation loss.
     model = seeded_model(3)
     t = fit(model, layout_strategy(), limit_val_batches=2, val_check_interval=2)
     fit_val = float(t.callback_metrics["val_loss"])
     val = t.validate(model, datamodule=TestData(8), verbose=False)[0]["val_loss"]
-    report = {"counts": counts, "same_as_fresh": same, "fit_val": fit_val, "validate_val": float(val),
+    report = {"counts": counts, "same_as_fresh": same, "same_stats": same_stats, "fit_val": fit_val, "validate_val": float(val),
               "after_validate": resources()}
     rank = int(os.environ["RANK"])
     path = args.report if rank == 0 else args.report.with_suffix(f".r{rank}.json")
