@@ -15,6 +15,7 @@ nothing extra is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,11 +48,20 @@ def channel_edges(pp: int, virtual_stages: int) -> list[tuple[str, int, int]]:
 class PipelineChannels:
     """This rank's incoming and outgoing channels. Construction is collective over the world."""
 
-    def __init__(self, pipelines: list[list[int]], rank: int, virtual_stages: int, device: torch.device) -> None:
-        """``pipelines``: the global ranks of every pipeline of the job, each ordered by pipeline rank."""
+    def __init__(
+        self,
+        pipelines: list[list[int]],
+        rank: int,
+        virtual_stages: int,
+        device: torch.device,
+        timeout: timedelta | None = None,
+    ) -> None:
+        """``pipelines``: the global ranks of every pipeline of the job, each ordered by pipeline rank. ``timeout``:
+        how long a send or receive waits for a peer before it raises (None: torch's 30 minutes)."""
         self.device = device
         self.outgoing: dict[str, Channel] = {}
         self.incoming: dict[str, Channel] = {}
+        self.groups: list[dist.ProcessGroup] = []  # the groups this rank belongs to, for their owner to destroy
         pp = len(pipelines[0])
         if pp == 1:
             return
@@ -59,11 +69,15 @@ class PipelineChannels:
         # sender and receiver, so pipelines do not mix). It is created before the pair groups: with NCCL's
         # eager initialisation every new NCCL group is a world-wide split, and a gloo group created between
         # two splits can leave its members waiting for each other inside different calls.
-        meta_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        meta_group = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None
+        if meta_group is not None:
+            self.groups.append(meta_group)
         # Group creation is collective over the world: every rank creates every pipeline's groups in one order.
         for ranks in pipelines:
             for kind, src, dst in channel_edges(pp, virtual_stages):
-                group = dist.new_group(ranks=sorted([ranks[src], ranks[dst]]))
+                group = dist.new_group(ranks=sorted([ranks[src], ranks[dst]]), timeout=timeout)
+                if rank in (ranks[src], ranks[dst]):
+                    self.groups.append(group)
                 if rank == ranks[src]:
                     self.outgoing[kind] = Channel(kind, src, dst, ranks[dst], group, meta_group or group)
                 if rank == ranks[dst]:

@@ -8,6 +8,7 @@ test, byte accounting) and ``checkpoint_hooks`` (sharded checkpoints).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -43,7 +44,7 @@ from lightning_3d.strategies.stage_builder import (
     check_tensor_parallel_shapes,
     plan_pipeline,
 )
-from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_accumulation
+from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_accumulation, unfuse_gradient_accumulation
 from lightning_3d.utils.compat import (
     SubprocessScriptLauncher,
     default_process_group_backend,
@@ -54,6 +55,30 @@ from lightning_3d.utils.compat import (
 )
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+# The sub-groups (device mesh, pipeline channels, tied and model-parallel groups) of the last run of any
+# Compressed3DStrategy in this process, and the strategy they belong to. They outlive that run's teardown because a
+# prepared module is bound to them (its stages hold the channels, tensor-parallel parameters the mesh): validate, test
+# or fit again on the same strategy and module reuse them. The next run that needs new groups destroys these first,
+# so a process holds one set of groups, with their threads and sockets, however many models it trains.
+_live_owner: weakref.ref | None = None
+_live_groups: list[dist.ProcessGroup] = []
+
+
+def _destroy_live_groups() -> None:
+    """Release the last run's model state on its strategy and destroy its groups (local: no collective)."""
+    global _live_owner
+    owner = _live_owner() if _live_owner is not None else None
+    _live_owner = None
+    if owner is not None:
+        owner._release_model()
+    groups = list(_live_groups)
+    _live_groups.clear()
+    for group in reversed(groups):
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # already gone: the user destroyed the world, which destroys every group with it
+            pass
 
 
 class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooksMixin, ParallelStrategy):
@@ -196,8 +221,23 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         init_dist_connection(self.cluster_environment, backend, **kwargs)
+        global _live_owner
+        if _live_owner is not None and _live_owner() is self and self._prepared_module is self.lightning_module:
+            # The module this strategy prepared runs again (validate or test after fit, fit on with the same trainer):
+            # its stages, channels and tensor-parallel parameters are bound to the groups it was prepared on.
+            set_device_mesh(self.lightning_module, self.device_mesh)
+            return
+        # A new module: whatever the last run left (its model state, its groups, on this or another strategy) goes
+        # first, and the groups are created afresh, each with this strategy's timeout. The counters and the link
+        # measurement start over too, as on a fresh strategy (they stay readable after fit until then).
+        _destroy_live_groups()
+        self._release_model()
+        self.comm_stats = CommunicationStats()
+        self._dp_link_gbps = None
+        self._warned_unused = False
         self.dims = ParallelDims(dp, pp, tp, world_size)
-        self.device_mesh = self.dims.build_mesh(self.root_device.type)
+        self.device_mesh = self.dims.build_mesh(self.root_device.type, self._timeout, _live_groups)
+        _live_owner = weakref.ref(self)
         self.dp_rank, self.pp_rank, self.tp_rank = self.dims.coordinates(self.global_rank)
         self._create_groups()
         set_device_mesh(self.lightning_module, self.device_mesh)
@@ -212,18 +252,21 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         self.dp_group = self.device_mesh.get_group("dp")
         self.tp_mesh = self.device_mesh["tp"]
         # All pipeline and tensor ranks of one replica: the group a global gradient norm is summed over.
+        made, timeout = _live_groups, self._timeout
         self.model_parallel_group = new_subgroups(
-            [[d.rank_of(dp, p, t) for p in range(d.pp) for t in range(d.tp)] for dp in range(d.dp)], rank
+            [[d.rank_of(dp, p, t) for p in range(d.pp) for t in range(d.tp)] for dp in range(d.dp)], rank,
+            timeout=timeout, created=made,
         )
         # First and last pipeline rank of each (dp, tp) pipeline: where tied embedding gradients meet.
         tied_pairs = [[d.rank_of(dp, 0, t), d.rank_of(dp, d.pp - 1, t)] for dp in range(d.dp) for t in range(d.tp)]
-        self.tied_group = new_subgroups(tied_pairs, rank) if d.pp > 1 else None
+        self.tied_group = new_subgroups(tied_pairs, rank, timeout=timeout, created=made) if d.pp > 1 else None
         # Fused embedding sync: first and last stage of every replica, one group per tensor-parallel rank
         # (a group spanning tensor ranks would add up different vocabulary shards).
         fused = [[d.rank_of(dp, p, t) for dp in range(d.dp) for p in (0, d.pp - 1)] for t in range(d.tp)]
-        self.fused_tied_group = new_subgroups(fused, rank) if d.pp > 1 else None
+        self.fused_tied_group = new_subgroups(fused, rank, timeout=timeout, created=made) if d.pp > 1 else None
         pipelines = [d.pipeline_ranks(dp, t) for dp in range(d.dp) for t in range(d.tp)]
-        self.channels = PipelineChannels(pipelines, rank, self.virtual_stages, self.root_device)
+        self.channels = PipelineChannels(pipelines, rank, self.virtual_stages, self.root_device, timeout)
+        made.extend(self.channels.groups)
 
     # ----- model setup ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
@@ -377,6 +420,33 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+    def _release_model(self) -> None:
+        """Forget the prepared module: undo what ``_prepare`` did to it and drop the state built for it, so that the
+        next module is prepared as by a fresh strategy. Its groups are destroyed by the caller. Idempotent.
+
+        A destroyed gloo group keeps its sockets and threads until its last Python reference goes, so every reference
+        this strategy and the module's ``device_mesh`` hold is dropped here (the synchronizer, the SC state, the
+        runtime and its codec hold groups too); tensor-parallel parameters of a module the user keeps still hold theirs.
+        """
+        module = self._prepared_module
+        if module is not None and module.device_mesh is getattr(self, "device_mesh", None):
+            set_device_mesh(module, None)
+        self.device_mesh = self.tp_mesh = self.channels = None
+        self.dp_group = self.model_parallel_group = self.tied_group = self.fused_tied_group = None
+        if self._grad_sync is not None:
+            self._grad_sync.remove_hooks()
+            self._grad_sync = None
+        unfuse_gradient_accumulation(self._fused_weights)
+        self._fused_weights = []
+        self._prepared_module = None
+        self._runtime = None
+        self._sc = None
+        self._stage_params = {}
+        self._tied = []
+        self._fused_tied = False
+        self._stashed_grads = None
+        self._sync_blocked = False
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -8,11 +8,12 @@ process group exists, and then hands out the mesh and per-dimension coordinates.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.pipeline.schedules import schedule_spec
 
@@ -100,21 +101,49 @@ class ParallelDims:
         """Global ranks of one pipeline, ordered by pipeline rank."""
         return [self.rank_of(dp_rank, p, tp_rank) for p in range(self.pp)]
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=("dp", "pp", "tp"))
+    def build_mesh(
+        self, device_type: str, timeout: timedelta | None = None, created: list[dist.ProcessGroup] | None = None
+    ) -> DeviceMesh:
+        """The ("dp", "pp", "tp") mesh, on groups created with ``timeout``; the groups made are appended to ``created``.
+
+        ``init_device_mesh`` creates its groups without a timeout, which torch turns into its 30-minute default
+        whatever the default group's timeout is, so a frozen rank would hang its peers for half an hour. The groups are
+        made here instead and handed to ``DeviceMesh.from_group``. A dimension spanning the world uses the default
+        group, as ``init_device_mesh`` does.
+        """
+        mesh = torch.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
+        rank = dist.get_rank()
+        groups = []
+        for dim in range(3):
+            # Every group of this dimension: the mesh with the dimension moved last, one row per group.
+            rows = mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
+            if len(rows[0]) == self.world_size:
+                groups.append(dist.group.WORLD)
+            else:
+                groups.append(new_subgroups(rows, rank, timeout=timeout, created=created))
+        return DeviceMesh.from_group(groups, device_type, mesh, mesh_dim_names=("dp", "pp", "tp"))
 
 
-def new_subgroups(groups_ranks: list[list[int]], my_rank: int, backend: str | None = None) -> dist.ProcessGroup | None:
+def new_subgroups(
+    groups_ranks: list[list[int]],
+    my_rank: int,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+    created: list[dist.ProcessGroup] | None = None,
+) -> dist.ProcessGroup | None:
     """Create every group in ``groups_ranks`` (all ranks must call this in the same order) and return mine.
 
     ``dist.new_group`` is collective over the world, so each rank creates all groups of a family, then keeps
-    the one it belongs to.
+    the one it belongs to. ``timeout`` must be given: ``new_group`` does not inherit the default group's but falls
+    back to torch's 30 minutes. Mine is appended to ``created`` (the owner destroys it; the others are placeholders).
     """
     mine = None
     for ranks in groups_ranks:
-        group = dist.new_group(ranks=ranks, backend=backend)
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
         if my_rank in ranks:
             mine = group
+    if mine is not None and created is not None:
+        created.append(mine)
     return mine
 
 

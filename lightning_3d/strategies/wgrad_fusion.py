@@ -168,3 +168,17 @@ def fuse_gradient_accumulation(linears: Iterable[nn.Linear]) -> list[nn.Paramete
         m.weight._fused_grad_owner = m
         weights.append(m.weight)
     return weights
+
+
+def unfuse_gradient_accumulation(weights: Iterable[nn.Parameter]) -> None:
+    """Undo ``fuse_gradient_accumulation`` for the layers of ``weights``: plain ``nn.Linear`` again (their gradients
+    accumulate as autograd's), so a model a strategy has released no longer depends on that strategy's slots."""
+    for weight in weights:
+        owner = getattr(weight, "_fused_grad_owner", None)
+        if owner is None:
+            continue
+        unregister_slot(weight)
+        del weight._fused_grad_owner
+        if type(owner) is FusedGradLinear:
+            del owner.grad_slot  # the non-persistent buffer fuse_gradient_accumulation registered
+            owner.__class__ = nn.Linear
