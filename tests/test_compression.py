@@ -258,8 +258,14 @@ def test_defaults_and_options_without_traffic() -> None:
     assert cfg.warmup_steps(1000) == 100 and CompressionConfig(sc_warmup=7).warmup_steps(1000) == 7
     assert CompressionConfig().unused_options(dp=1, pp=1, tied=True) == []  # defaults never nag
     notes = CompressionConfig(cb_rank=8, sc_rank=64).unused_options(dp=1, pp=1, tied=True)
-    assert len(notes) == 2 and "pipeline_parallel_size is 1" in notes[0] and "data_parallel_size is 1" in notes[1]
-    assert CompressionConfig(enabled=False, cb_rank=8).unused_options(dp=1, pp=1, tied=True) == []
+    assert notes == ["cb_rank has no effect: compressed backpropagation needs pipeline_parallel_size > 1",
+                     "sc_rank has no effect: selective stage compression needs data_parallel_size > 1"]
+    assert CompressionConfig(enabled=False, cb_rank=8, sc_warmup=3).unused_options(dp=2, pp=2, tied=True) == [
+        "cb_rank, sc_warmup have no effect: compression=False turns compression off"]
+    assert CompressionConfig(compressed_backprop=False, cb_rank=8, cb_epilogue_only=False).unused_options(
+        dp=2, pp=2, tied=True) == ["cb_epilogue_only, cb_rank have no effect: compressed_backprop=False"]
+    assert CompressionConfig(compressed_stages=[], sc_rank=8).unused_options(dp=2, pp=2, tied=True) == [
+        "sc_rank has no effect: compressed_stages=[]"]
     assert CompressionConfig(compressed_stages=[0], sc_max_link_gbps=10.0).unused_options(dp=2, pp=2, tied=True) == [
         "sc_max_link_gbps has no effect: compressed_stages names the stages, so no link is measured"]
 

@@ -34,10 +34,12 @@ class CheckpointHooksMixin:
         if storage_options is not None:
             raise TypeError("Compressed3DStrategy writes sharded checkpoints itself and takes no storage_options.")
         path = Path(self.broadcast(str(filepath)))
+        checkpoint["compressed_3d"] = self.compression_record()  # SC's link decision, kept on resume (opts)
         ckpt.save(checkpoint, path, {}, self.global_rank)
         ckpt.save_rank_state(path, self.global_rank, self._layout_key(), self.rank_state_dict())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """``weights_only`` changes nothing: loading never unpickles code, whatever it says (opts)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         module = self.lightning_module
@@ -45,6 +47,7 @@ class CheckpointHooksMixin:
         tied = module.pipeline_tied_parameters() if callable(getattr(module, "pipeline_tied_parameters", None)) else {}
         aliases = {**{last: first for first, last in tied.items()}, **tied}
         meta = ckpt.load(path, module, optimizers, {}, strict=module.strict_loading, padded=padded, aliases=aliases)
+        self.restore_compression_record(meta.get("compressed_3d"))  # before the SC state below is loaded into it (opts)
         states = ckpt.load_rank_state(path, self.global_rank, self._layout_key(), self.root_device)
         if states is not None:
             self.load_rank_state_dict(states)
