@@ -322,3 +322,29 @@ def test_sc_stage_is_one_bucket_with_same_shapes_adjacent() -> None:
         assert [[tuple(p.shape) for p in b] for b in by_stage[1]] == [[(8,), (6, 4)], [(8, 4)], [(6, 4), (8,)], [(8, 4)]]
     finally:
         sync.remove_hooks()
+
+
+def test_cb_rank_too_large_for_the_activations_warns() -> None:
+    # A (4, 16, 48) gradient is a 64 x 48 matrix: rank r factors are 64*48 / (112 r) times smaller, >= 2 up to r = 13.
+    codec = CompressedBackprop(CompressedBackpropConfig(rank=1000, epilogue_only=False))
+    meta = ((4, 16, 48), torch.float32)
+    with pytest.warns(UserWarning, match=r"cb_rank=1000 is too large for activation gradients of 64x48 .* cb_rank <= 13"):
+        assert codec.message_metas(meta, BoundaryKey(1, 0, True)) == [meta]  # sent uncompressed
+    assert len(CompressedBackprop(CompressedBackpropConfig(rank=13, epilogue_only=False)).message_metas(
+        meta, BoundaryKey(1, 0, True))) == 2
+
+
+def test_cb_state_ignores_a_nonfinite_gradient() -> None:
+    """A NaN gradient travels (the step is then skipped) but leaves the warm start and the LEP error as they were."""
+    codec = CompressedBackprop(CompressedBackpropConfig(rank=2, epilogue_only=False, lazy_error_propagation=True))
+    key = BoundaryKey(1, 0, True)
+    g = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    codec.encode(g, key)
+    q, error = codec.q_memory[(1, 0)].clone(), codec.errors[(1, 0)].clone()
+    poisoned = g.clone()
+    poisoned[0, 3, 5] = float("nan")
+    p_sent, q_sent = codec.encode(poisoned, key)
+    assert not torch.isfinite(p_sent @ q_sent.T).all()  # the receiver's gradients turn non-finite: the strategy skips the step
+    assert torch.equal(codec.q_memory[(1, 0)], q) and torch.equal(codec.errors[(1, 0)], error)
+    codec.encode(g, key)  # and the next finite gradient compresses from that state
+    assert torch.isfinite(codec.q_memory[(1, 0)]).all() and torch.isfinite(codec.errors[(1, 0)]).all()

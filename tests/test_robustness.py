@@ -14,6 +14,8 @@ def test_options_link_decision_tied_names_and_nonfinite_steps(tmp_path: Path) ->
     failed = [c for c in report["cases"] if not c["ok"]]
     assert not failed, failed
     assert len(report["cases"]) == 6
+    (sc_rank,) = report["sc_rank_warnings"]  # rank 0 (dp rank 0, pipeline rank 0) says it once
+    assert "48x48 (compresses at sc_rank <= 11)" in sc_rank and "sc_min_compression_ratio=2" in sc_rank, sc_rank
     k = 2  # the poisoned step
     for run in report["nonfinite"]:
         clean, poisoned = run["clean"], run["poisoned"]

@@ -248,7 +248,11 @@ def main() -> None:
                lambda: fit(Compressed3DStrategy(data_parallel_size=w, max_consecutive_nonfinite=2), model(), 6,
                            [Poison(range(1, 6), dp_ranks=(1,))])),
     ]
+    with warnings.catch_warnings(record=True) as caught:  # 48 x 48 matrices compress only up to rank 11
+        warnings.simplefilter("always")
+        fit(Compressed3DStrategy(data_parallel_size=w, compressed_stages=[0], sc_rank=1000, sc_warmup=0), model(), 1)
     report = {
+        "sc_rank_warnings": [str(c.message) for c in caught if "sc_rank=1000 is too large" in str(c.message)],
         "cases": cases,
         "nonfinite": [nonfinite_run(kind, w) for kind in ("exact", "sc", "cb")],
         "link_slow_then_fast": link_resume(w, workdir, 1.0, 1e6),
