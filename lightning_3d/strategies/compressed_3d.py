@@ -78,7 +78,8 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
             parameters, the optimizer state and the compression state as they were, on every rank alike, and warns;
             ``"raise"`` stops training with an error on every rank; ``"ignore"`` applies the step (no check, no
             host synchronisation). A skipped step still counts as a step for ``global_step`` and LR schedulers.
-        max_consecutive_nonfinite: with ``"skip"``, this many skipped steps in a row raise (the run is diverging).
+        max_consecutive_nonfinite: with ``"skip"``, one more non-finite step in a row than this raises (the run is
+            diverging).
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
@@ -273,7 +274,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         self.model = module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._check_optimizers_for_compression()
+            self._check_optimizers()
             self._setup_selective_compression(trainer)
         self.setup_precision_plugin()
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
@@ -305,10 +306,10 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         stages, initialised = build_stages(
             module, plan, self.tp_mesh, self.sequence_parallel, self.root_device, self.precision_plugin.convert_module
         )
-        if not initialised:
-            broadcast_parameters(module, self.dp_group, src=dist.get_global_rank(self.dp_group, 0))
         if dims.pp == 1:
             self._check_still_tied(module)
+        if not initialised:
+            broadcast_parameters(module, self.dp_group, src=dist.get_global_rank(self.dp_group, 0))
         self.channels.warmup()
         self._tied = self._tied_copies(module) if dims.pp > 1 else []
         self._fused_tied = bool(self._tied) and self.compression.fused_embedding_sync

@@ -9,9 +9,8 @@ in ``Compressed3DStrategy.__init__``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import warnings
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -21,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig
 from lightning_3d.compression.selective import DataParallelPowerSGD, compression_sizes
+from lightning_3d.strategies.grad_sync import local
 
 
 class CompressionMixin:
@@ -152,7 +152,7 @@ class CompressionMixin:
         cfg = self.compression
         if self.dp_rank != 0 or self.tp_rank != 0:
             return
-        shapes = {tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+        shapes = {tuple(local(p).shape)
                   for params in self._stage_params.values() for p in params if p.requires_grad and p.dim() >= 2}
         missed = {}
         for shape in shapes:
@@ -172,7 +172,7 @@ class CompressionMixin:
                 stacklevel=2,
             )
 
-    def _check_optimizers_for_compression(self) -> None:
+    def _check_optimizers(self) -> None:
         # The strategy already averages every gradient over its replicas and steps each pipeline/tensor rank's own
         # parameters; torch.distributed.optim's wrappers shard or synchronise optimizer work over the default group,
         # which spans pipeline and tensor ranks holding different parameters.
