@@ -80,7 +80,9 @@ class DataParallelPowerSGD:
     ) -> None:
         """``guard_nonfinite``: a bucket holding NaN or inf on any replica leaves the state (error feedback, warm
         start, step count) as it was and comes back unaveraged, still non-finite, for the strategy to skip the step;
-        it costs one host synchronisation per compressed bucket. Off, one such step poisons the error feedback."""
+        it costs one host synchronisation per compressed bucket. Off, one such step poisons the error feedback. The
+        verdict is per bucket: a stage's other bucket, finite on every replica, compresses as usual (a NaN loss makes
+        every gradient non-finite; a NaN confined to some weights' gradients leaves the others' state advanced)."""
         if rank < 1:
             raise ValueError(f"PowerSGD rank={rank!r} must be a positive integer.")
         if matmul_precision not in MATMUL_PRECISIONS:
