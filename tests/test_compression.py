@@ -258,8 +258,14 @@ def test_defaults_and_options_without_traffic() -> None:
     assert cfg.warmup_steps(1000) == 100 and CompressionConfig(sc_warmup=7).warmup_steps(1000) == 7
     assert CompressionConfig().unused_options(dp=1, pp=1, tied=True) == []  # defaults never nag
     notes = CompressionConfig(cb_rank=8, sc_rank=64).unused_options(dp=1, pp=1, tied=True)
-    assert len(notes) == 2 and "pipeline_parallel_size is 1" in notes[0] and "data_parallel_size is 1" in notes[1]
-    assert CompressionConfig(enabled=False, cb_rank=8).unused_options(dp=1, pp=1, tied=True) == []
+    assert notes == ["cb_rank has no effect: compressed backpropagation needs pipeline_parallel_size > 1",
+                     "sc_rank has no effect: selective stage compression needs data_parallel_size > 1"]
+    assert CompressionConfig(enabled=False, cb_rank=8, sc_warmup=3).unused_options(dp=2, pp=2, tied=True) == [
+        "cb_rank, sc_warmup have no effect: compression=False turns compression off"]
+    assert CompressionConfig(compressed_backprop=False, cb_rank=8, cb_epilogue_only=False).unused_options(
+        dp=2, pp=2, tied=True) == ["cb_epilogue_only, cb_rank have no effect: compressed_backprop=False"]
+    assert CompressionConfig(compressed_stages=[], sc_rank=8).unused_options(dp=2, pp=2, tied=True) == [
+        "sc_rank has no effect: compressed_stages=[]"]
     assert CompressionConfig(compressed_stages=[0], sc_max_link_gbps=10.0).unused_options(dp=2, pp=2, tied=True) == [
         "sc_max_link_gbps has no effect: compressed_stages names the stages, so no link is measured"]
 
@@ -290,7 +296,9 @@ def test_options_for_traffic_the_topology_lacks_warn_once(recwarn) -> None:
     trainer.fit(GPT("tiny", vocab_size=64, seq_length=8), torch.utils.data.DataLoader(data, batch_size=None))
     messages = [str(w.message) for w in recwarn if "Compressed3DStrategy:" in str(w.message)]
     assert len(messages) == 1
-    assert "pipeline_parallel_size is 1" in messages[0] and "data_parallel_size is 1" in messages[0]
+    assert messages == ["Compressed3DStrategy: cb_rank has no effect: compressed backpropagation needs"
+                        " pipeline_parallel_size > 1; compressed_stages has no effect: selective stage compression needs"
+                        " data_parallel_size > 1."]
     torch.distributed.destroy_process_group()
 
 
@@ -316,3 +324,29 @@ def test_sc_stage_is_one_bucket_with_same_shapes_adjacent() -> None:
         assert [[tuple(p.shape) for p in b] for b in by_stage[1]] == [[(8,), (6, 4)], [(8, 4)], [(6, 4), (8,)], [(8, 4)]]
     finally:
         sync.remove_hooks()
+
+
+def test_cb_rank_too_large_for_the_activations_warns() -> None:
+    # A (4, 16, 48) gradient is a 64 x 48 matrix: rank r factors are 64*48 / (112 r) times smaller, >= 2 up to r = 13.
+    codec = CompressedBackprop(CompressedBackpropConfig(rank=1000, epilogue_only=False))
+    meta = ((4, 16, 48), torch.float32)
+    with pytest.warns(UserWarning, match=r"cb_rank=1000 is too large for activation gradients of 64x48 .* cb_rank <= 13"):
+        assert codec.message_metas(meta, BoundaryKey(1, 0, True)) == [meta]  # sent uncompressed
+    assert len(CompressedBackprop(CompressedBackpropConfig(rank=13, epilogue_only=False)).message_metas(
+        meta, BoundaryKey(1, 0, True))) == 2
+
+
+def test_cb_state_ignores_a_nonfinite_gradient() -> None:
+    """A NaN gradient travels (the step is then skipped) but leaves the warm start and the LEP error as they were."""
+    codec = CompressedBackprop(CompressedBackpropConfig(rank=2, epilogue_only=False, lazy_error_propagation=True))
+    key = BoundaryKey(1, 0, True)
+    g = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    codec.encode(g, key)
+    q, error = codec.q_memory[(1, 0)].clone(), codec.errors[(1, 0)].clone()
+    poisoned = g.clone()
+    poisoned[0, 3, 5] = float("nan")
+    p_sent, q_sent = codec.encode(poisoned, key)
+    assert not torch.isfinite(p_sent @ q_sent.T).all()  # the receiver's gradients turn non-finite: the strategy skips the step
+    assert torch.equal(codec.q_memory[(1, 0)], q) and torch.equal(codec.errors[(1, 0)], error)
+    codec.encode(g, key)  # and the next finite gradient compresses from that state
+    assert torch.isfinite(codec.q_memory[(1, 0)]).all() and torch.isfinite(codec.errors[(1, 0)]).all()

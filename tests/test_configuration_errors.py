@@ -39,6 +39,9 @@ def test_mesh_coordinates_put_tensor_parallel_innermost() -> None:
         (dict(pipeline_parallel_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=1), "virtual_stages >= 2"),
         (dict(virtual_stages=2), "virtual_stages=2 only applies"),
         (dict(num_microbatches=0), "`num_microbatches=0` must be a positive integer"),
+        (dict(sequence_parallel=True), "sequence_parallel=True shards the sequence .* but tensor_parallel_size=1"),
+        (dict(on_nonfinite="warn"), "`on_nonfinite='warn'` must be 'skip', 'raise' or 'ignore'"),
+        (dict(max_consecutive_nonfinite=0), "`max_consecutive_nonfinite=0` must be a positive integer"),
     ],
 )
 def test_strategy_arguments(kwargs: dict, message: str) -> None:
@@ -88,3 +91,10 @@ def test_gpt_rejects_heads_that_do_not_divide_hidden() -> None:
         GPT("tiny", hidden_size=100, num_heads=3)
     with pytest.raises(ValueError, match="Unknown GPT preset 'huge'"):
         GPT("huge")
+
+
+def test_checkpoint_io_is_refused() -> None:
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    with pytest.raises(ValueError, match="checkpoint_io=TorchCheckpointIO.*sharded torch.distributed.checkpoint directories"):
+        Compressed3DStrategy(checkpoint_io=TorchCheckpointIO())

@@ -21,6 +21,7 @@ slow link carries no duplicates. When the sequence does not split evenly the who
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,6 +93,15 @@ class CompressedBackprop:
         rows = max(1, nbytes(piece, 1) // cols)
         rank = min(self.config.rank, rows, cols)
         if compression_ratio(rows, cols, rank) < self.config.min_compression_ratio:
+            limit = next((r for r in range(rank - 1, 0, -1)
+                          if compression_ratio(rows, cols, r) >= self.config.min_compression_ratio), 0)
+            if limit:  # a smaller rank would compress it: the configured one is too large for these tensors
+                warnings.warn(
+                    f"cb_rank={self.config.rank} is too large for activation gradients of {rows}x{cols} (tokens x"
+                    f" hidden): they compress only at cb_rank <= {limit} with cb_min_compression_ratio="
+                    f"{self.config.min_compression_ratio:g}, so they travel uncompressed. Lower cb_rank.",
+                    stacklevel=2,
+                )
             return None
         return piece, rank
 
@@ -124,13 +134,17 @@ class CompressedBackprop:
         if q is None or q.shape != (m.shape[1], rank):
             q = self._initial_q(slot, m.shape[1], rank, m.device)
         p = orthonormalize(m @ q)
-        q = m.t() @ p
-        self.q_memory[slot] = q
+        q_new = m.t() @ p
+        # A gradient holding NaN or inf still travels (the receiver's gradients turn non-finite and the strategy skips
+        # the step), but leaves the warm start and the LEP error as they were: chosen on the device, no host sync.
+        finite = torch.isfinite(m).all()
+        self.q_memory[slot] = torch.where(finite, q_new, q)
+        q = q_new
         p_sent, q_sent = p.to(grad.dtype), q.to(grad.dtype)
         if error is not None or watch:
             rebuilt = p_sent.float() @ q_sent.float().t()
         if error is not None:  # what the receiver cannot rebuild, from the factors exactly as sent
-            error.copy_((m - rebuilt).reshape(error.shape))
+            error.copy_(torch.where(finite, (m - rebuilt).reshape(error.shape), error))
         if watch:
             seen["rebuilt"] = rebuilt
             if error is not None:

@@ -99,18 +99,32 @@ class CompressionConfig:
         return {f.name for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name)}
 
     def unused_options(self, dp: int, pp: int, tied: bool) -> list[str]:
-        """Options the user set for traffic this topology does not have (reported once, not an error)."""
-        if not self.enabled:
-            return []
+        """Options the user set that change nothing in this configuration and topology (reported once, not an error)."""
         asked = self.explicitly_set()
+        cb = sorted(asked & {"compressed_backprop", "cb_rank", "cb_epilogue_only", "cb_min_compression_ratio",
+                             "cb_lazy_error_propagation"})
+        sc = sorted(asked & {"sc_rank", "sc_warmup", "sc_min_compression_ratio", "sc_matmul_precision", "sc_max_link_gbps",
+                             "compressed_stages"})
         notes = []
-        if pp == 1 and asked & {"cb_rank", "cb_epilogue_only", "cb_min_compression_ratio", "cb_lazy_error_propagation"}:
-            notes.append("compressed backpropagation (cb_*) has nothing to compress: pipeline_parallel_size is 1")
-        if dp == 1 and asked & {"sc_rank", "sc_warmup", "sc_min_compression_ratio", "sc_matmul_precision", "sc_max_link_gbps",
-                                "compressed_stages"}:
-            notes.append("selective stage compression (sc_*, compressed_stages) has nothing to compress: data_parallel_size is 1")
-        elif self.compressed_stages is not None and "sc_max_link_gbps" in asked:
-            notes.append("sc_max_link_gbps has no effect: compressed_stages names the stages, so no link is measured")
+        if not self.enabled:
+            if cb or sc:
+                notes.append(_no_effect(cb + sc, "compression=False turns compression off"))
+        else:
+            cb_tuning = [name for name in cb if name != "compressed_backprop"]
+            if pp == 1 and cb:
+                notes.append(_no_effect(cb, "compressed backpropagation needs pipeline_parallel_size > 1"))
+            elif not self.compressed_backprop and cb_tuning:
+                notes.append(_no_effect(cb_tuning, "compressed_backprop=False"))
+            if dp == 1 and sc:
+                notes.append(_no_effect(sc, "selective stage compression needs data_parallel_size > 1"))
+            elif self.compressed_stages is not None and not self.compressed_stages and len(sc) > 1:
+                notes.append(_no_effect([n for n in sc if n != 'compressed_stages'], "compressed_stages=[]"))
+            elif self.compressed_stages is not None and "sc_max_link_gbps" in asked:
+                notes.append("sc_max_link_gbps has no effect: compressed_stages names the stages, so no link is measured")
         if (pp == 1 or not tied) and "fused_embedding_sync" in asked:
             notes.append("fused_embedding_sync has no effect: no tied embedding is split across pipeline stages")
         return notes
+
+
+def _no_effect(names: list[str], why: str) -> str:
+    return f"{', '.join(names)} {'has' if len(names) == 1 else 'have'} no effect: {why}"

@@ -76,7 +76,13 @@ class DataParallelPowerSGD:
         seed: int = 0,
         stats: CommunicationStats | None = None,
         matmul_precision: Literal["tf32", "fp32"] = "tf32",
+        guard_nonfinite: bool = False,
     ) -> None:
+        """``guard_nonfinite``: a bucket holding NaN or inf on any replica leaves the state (error feedback, warm
+        start, step count) as it was and comes back unaveraged, still non-finite, for the strategy to skip the step;
+        it costs one host synchronisation per compressed bucket. Off, one such step poisons the error feedback. The
+        verdict is per bucket: a stage's other bucket, finite on every replica, compresses as usual (a NaN loss makes
+        every gradient non-finite; a NaN confined to some weights' gradients leaves the others' state advanced)."""
         if rank < 1:
             raise ValueError(f"PowerSGD rank={rank!r} must be a positive integer.")
         if matmul_precision not in MATMUL_PRECISIONS:
@@ -87,6 +93,9 @@ class DataParallelPowerSGD:
         self.matrix_rank, self.min_compression_rate = rank, min_compression_rate
         self.warmup_steps = warmup_steps
         self.state = PowerSGDBuffers(rng=np.random.RandomState(seed))
+        self.guard_nonfinite = guard_nonfinite
+        self.nonfinite_buckets = 0  # buckets left uncompressed (and state untouched) because they held NaN or inf
+        self._step_finite = True
         self.stats = stats
         # Diagnostics: ``observe_step(step) -> bool`` picks steps; ``observer(bucket, exact, compressed)`` then
         # gets the exact average (one extra plain all-reduce on those steps only) and PowerSGD's result.
@@ -112,7 +121,9 @@ class DataParallelPowerSGD:
                 self._exact[index] = exact.div_(self.world_size)
             result = self._compress_and_average(index, flat, shapes)
         if is_last:
-            self.state.iter += 1
+            if self._step_finite:  # a non-finite step is skipped: it does not count towards the warm-up either
+                self.state.iter += 1
+            self._step_finite = True
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(result)
         return future
@@ -147,6 +158,9 @@ class DataParallelPowerSGD:
 
         rank = {shape: min(*shape, self.matrix_rank) for shape in groups}
         fresh = index not in s.q_memory_dict
+        if self.guard_nonfinite:  # what a non-finite bucket must leave as it was (the error buffer is written last)
+            saved_q = None if fresh else s.q_memory_dict[index].clone()
+            saved_rng = s.rng.get_state()
         if fresh:
             p_size = sum(len(g) * n * rank[(n, m)] for (n, m), g in groups.items())
             q_size = sum(len(g) * m * rank[(n, m)] for (n, m), g in groups.items())
@@ -170,6 +184,20 @@ class DataParallelPowerSGD:
             with fp32_matmul_precision(precision):
                 torch.bmm(matrix, q, out=p)
         dist.all_reduce(s.p_memory_dict[index], group=self.group)  # summed: orthonormalised next, scale irrelevant
+        if self.guard_nonfinite:
+            # NaN and inf survive the sums, so every replica of the group reaches the same verdict here without a
+            # collective of its own; the state is still as the previous step left it, but for Q (restored).
+            exact_work.wait()
+            finite = torch.isfinite(s.p_memory_dict[index]).all() & torch.isfinite(exact_flat).all()
+            if not bool(finite):
+                if fresh:
+                    del s.p_memory_dict[index], s.q_memory_dict[index]
+                    s.rng.set_state(saved_rng)
+                else:
+                    s.q_memory_dict[index].copy_(saved_q)
+                self.nonfinite_buckets += 1
+                self._step_finite = False
+                return flat
         for (matrix, _), p, q in zip(matrices, ps, qs, strict=True):
             p.copy_(orthonormalize(p))
             with fp32_matmul_precision(precision):

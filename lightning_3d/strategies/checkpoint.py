@@ -424,16 +424,19 @@ class ReshardingLoadPlanner(DefaultLoadPlanner):
     This overrides ``create_local_plan``; ``compat.create_read_items`` is DCP's (private) helper for one entry.
     """
 
-    def __init__(self, padded: Iterable[str], aliases: dict[str, str]) -> None:
+    def __init__(self, padded: Iterable[str], aliases: dict[str, str], strict: bool = True) -> None:
         super().__init__()
         self.padded = tuple(padded)
         self.aliases = aliases
+        self.strict = strict
 
     def create_local_plan(self) -> LoadPlan:
         saved = self.metadata.state_dict_metadata
         requests = []
         for fqn, obj in self.state_dict.items():
             source = fqn if fqn in saved else self._alias(fqn, saved)
+            if source is None:  # strict=False (the module's strict_loading): keep this entry's current value
+                continue
             md = saved[source]
             if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None and md.size != obj.size():
                 resizable = any(name in fqn for name in self.padded) and tuple(md.size[1:]) == tuple(obj.size()[1:])
@@ -451,13 +454,15 @@ class ReshardingLoadPlanner(DefaultLoadPlanner):
             requests += items
         return LoadPlan(requests)
 
-    def _alias(self, fqn: str, saved: dict) -> str:
+    def _alias(self, fqn: str, saved: dict) -> str | None:
         for name, partner in self.aliases.items():
             if name in fqn and fqn.replace(name, partner) in saved:
                 return fqn.replace(name, partner)
+        if not self.strict:
+            return None
         raise RuntimeError(
             f"The checkpoint has no entry {fqn}: it was written by another model or is incomplete (pass a complete"
-            f" checkpoint of this model)."
+            f" checkpoint of this model, or set the module's strict_loading = False to keep its own values)."
         )
 
 
@@ -477,7 +482,7 @@ def load(
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_state(module, opt)
     state.update(extra_sharded)
-    dcp.load(state, checkpoint_id=path, planner=ReshardingLoadPlanner(padded, aliases or {}))
+    dcp.load(state, checkpoint_id=path, planner=ReshardingLoadPlanner(padded, aliases or {}, strict))
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIONS)

@@ -36,11 +36,13 @@ class CheckpointHooksMixin:
         path = Path(self.broadcast(str(filepath)))
         staging = Path(self.broadcast(str(ckpt.staging_path(path))))  # rank 0's choice: all write into one directory
         step = checkpoint.get("global_step")
+        checkpoint["compressed_3d"] = self.compression_record()  # SC's link decision, kept on resume
         ckpt.save(checkpoint, staging, {}, self.global_rank)
         ckpt.save_rank_state(staging, self.global_rank, self._layout_key(), self.rank_state_dict())
         ckpt.commit(staging, path, step)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """``weights_only`` changes nothing: loading never unpickles code, whatever it says."""
         path = Path(checkpoint_path)
         path = Path(self.broadcast(str(ckpt.resolve(path) if self.is_global_zero else path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -49,6 +51,7 @@ class CheckpointHooksMixin:
         tied = module.pipeline_tied_parameters() if callable(getattr(module, "pipeline_tied_parameters", None)) else {}
         aliases = {**{last: first for first, last in tied.items()}, **tied}
         meta = ckpt.load(path, module, optimizers, {}, strict=module.strict_loading, padded=padded, aliases=aliases)
+        self.restore_compression_record(meta.get("compressed_3d"))  # before the SC state below is loaded into it
         states = ckpt.load_rank_state(path, self.global_rank, self._layout_key(), self.root_device)
         if states is not None:
             self.load_rank_state_dict(states)

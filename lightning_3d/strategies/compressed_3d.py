@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_3d.compression.config import CompressionConfig
+from lightning_3d.compression.link import allreduce_bus_gbps
 from lightning_3d.compression.selective import DataParallelPowerSGD
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.p2p import PipelineChannels
@@ -100,6 +101,14 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
             GEMM, in fp32 buffers that double as the all-reduce buckets (Megatron-LM's option of the same name), for
             modules that implement the pipeline protocol (the recipes), with tensor_parallel_size=1; it applies to
             plain fp32 weights used once per forward and not tied to another module (see ``wgrad_fusion``).
+        on_nonfinite: what a step whose loss or gradients hold NaN or inf does: ``"skip"`` (the default) leaves the
+            parameters, the optimizer state and the compression state as they were, on every rank alike, and warns;
+            ``"raise"`` stops training with an error on every rank; ``"ignore"`` applies the step (no check, no
+            host synchronisation). A skipped step still counts as a step for ``global_step`` and LR schedulers.
+        max_consecutive_nonfinite: with ``"skip"``, one more non-finite step in a row than this raises (the run is
+            diverging).
+        checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
+            strategy writes itself.
     """
 
     strategy_name = "compressed_3d"
@@ -137,7 +146,25 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         cluster_environment=None,
         checkpoint_io=None,
         precision_plugin=None,
+        on_nonfinite: Literal["skip", "raise", "ignore"] = "skip",
+        max_consecutive_nonfinite: int = 10,
     ) -> None:
+        # Every check here runs on every rank before any process group exists.
+        if checkpoint_io is not None:
+            raise ValueError(
+                f"Compressed3DStrategy does not take checkpoint_io={type(checkpoint_io).__name__}(...): its checkpoints are"
+                " sharded torch.distributed.checkpoint directories that the strategy writes itself. Leave checkpoint_io"
+                " unset."
+            )
+        if sequence_parallel and tensor_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel=True shards the sequence over tensor-parallel ranks, but tensor_parallel_size=1: it"
+                " would do nothing. Pass tensor_parallel_size > 1, or drop sequence_parallel."
+            )
+        if on_nonfinite not in ("skip", "raise", "ignore"):
+            raise ValueError(f"`on_nonfinite={on_nonfinite!r}` must be 'skip', 'raise' or 'ignore'.")
+        if isinstance(max_consecutive_nonfinite, bool) or not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
+            raise ValueError(f"`max_consecutive_nonfinite={max_consecutive_nonfinite!r}` must be a positive integer.")
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         virtual_stages = check_schedule(schedule, pipeline_parallel_size, virtual_stages, num_microbatches)
         self.compression = CompressionConfig(
@@ -172,6 +199,11 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         self._sc: DataParallelPowerSGD | None = None
         self._dp_link_gbps: float | None = None
         self._warned_unused = False
+        self.on_nonfinite = on_nonfinite
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self._nonfinite_streak = 0
+        # Test seam: measures the data-parallel link (GB/s) at setup; a collective over the group it is given.
+        self._link_probe = allreduce_bus_gbps
 
     # ----- environment --------------------------------------------------------------------------------------
     @property
@@ -270,6 +302,13 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
 
     # ----- model setup ----------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.PREDICTING and self.dims.pp > 1:
+            # Here, on every rank, before the predict loop builds its data loaders (a recipe's loader fails first
+            # otherwise, with an error about samplers) and before any collective.
+            raise RuntimeError(
+                f"trainer.predict is not available with pipeline_parallel_size={self.dims.pp} (outputs live on the last"
+                " stage only); predict with pipeline_parallel_size=1 (a checkpoint loads into any layout)."
+            )
         self.accelerator.setup(trainer)
         # Dropout's streams: one per (dp, pp) rank, the same on its tp ranks, plus each tp rank's own (see rng.py).
         seed_parallel_rng(self.dp_rank, self.pp_rank, self.tp_rank, self.root_device)
@@ -282,7 +321,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         self.model = module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._check_optimizers_for_compression()
+            self._check_optimizers()
             self._setup_selective_compression(trainer)
         self.setup_precision_plugin()
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
@@ -309,10 +348,13 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
             self._warn_unused(tied=False)
             return
         check_tensor_parallel_shapes(module, dims.tp)
+        self._check_tied_names(module)
         plan = plan_pipeline(module, dims.pp, self.pp_rank, self.virtual_stages, self.schedule, self.pipeline_layer_split)
         stages, initialised = build_stages(
             module, plan, self.tp_mesh, self.sequence_parallel, self.root_device, self.precision_plugin.convert_module
         )
+        if dims.pp == 1:
+            self._check_still_tied(module)
         if not initialised:
             broadcast_parameters(module, self.dp_group, src=dist.get_global_rank(self.dp_group, 0))
         self.channels.warmup()
@@ -375,13 +417,46 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         return self._runtime
 
     def _tied_copies(self, module: pl.LightningModule) -> list[torch.nn.Parameter]:
-        named = dict(module.named_parameters())
+        # The names were checked against the whole model before pruning (_check_tied_names): each one is here.
+        named = dict(module.named_parameters(remove_duplicate=False))
         tied = []
         for first_name, last_name in module.pipeline_tied_parameters().items():
             name = first_name if self.pp_rank == 0 else last_name if self.pp_rank == self.dims.pp - 1 else None
-            if name is not None and name in named:
+            if name is not None:
                 tied.append(named[name])
         return tied
+
+    @staticmethod
+    def _check_tied_names(module: pl.LightningModule) -> None:
+        """Every name of ``pipeline_tied_parameters`` is a parameter of the whole model (still unpruned, identical on
+        every rank, so every rank raises alike): a name missing on one stage would leave its partner alone in the
+        tied-gradient all-reduce, a hang."""
+        tied = module.pipeline_tied_parameters()
+        names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        bad = [(role, name) for first, last in tied.items()
+               for role, name in (("first-stage name", first), ("last-stage name", last)) if name not in names]
+        if bad:
+            leaves = {name.rsplit(".", 1)[-1] for _, name in bad}
+            similar = sorted(n for n in names if n.rsplit(".", 1)[-1] in leaves)[:6]
+            raise ValueError(
+                f"{type(module).__name__}.pipeline_tied_parameters() = {tied} names no parameter of the model: "
+                + ", ".join(f"{role} {name!r}" for role, name in bad)
+                + ". Use the names module.named_parameters() gives" + (f" (similar: {similar})." if similar else ".")
+            )
+
+    @staticmethod
+    def _check_still_tied(module: pl.LightningModule) -> None:
+        """With one stage, tied weights must stay one Parameter: a ``parallelize_stage`` that shards the two uses
+        apart would train two weights where the model declares one, silently."""
+        named = dict(module.named_parameters(remove_duplicate=False))
+        untied = [(first, last) for first, last in module.pipeline_tied_parameters().items() if named[first] is not named[last]]
+        if untied:
+            raise ValueError(
+                f"{type(module).__name__}.pipeline_tied_parameters() declares {untied} tied, but after"
+                " parallelize_stage they are different Parameters: tensor parallelism untied them, and they would train"
+                " as two weights. Make parallelize_stage keep one Parameter for both uses (shard the module that owns it"
+                " and assign the same Parameter to the other), or stop declaring them tied."
+            )
 
     def model_to_device(self) -> None:
         self.lightning_module.to(self.root_device)

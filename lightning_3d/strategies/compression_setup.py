@@ -9,16 +9,18 @@ in ``Compressed3DStrategy.__init__``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig
-from lightning_3d.compression.link import allreduce_bus_gbps
-from lightning_3d.compression.selective import DataParallelPowerSGD
+from lightning_3d.compression.selective import DataParallelPowerSGD, compression_sizes
+from lightning_3d.strategies.grad_sync import local
 
 
 class CompressionMixin:
@@ -77,19 +79,60 @@ class CompressionMixin:
     def _measure_data_parallel_link(self) -> None:
         """Time one all-reduce on every data-parallel group at once, once; the slowest decides for every rank, so all
         replicas agree. Only where the answer matters: SC's default stages with dp > 1."""
-        cfg = self.compression
-        if self._dp_link_gbps is not None or not cfg.enabled or self.dims.dp == 1 or cfg.compressed_stages is not None:
+        if self._dp_link_gbps is not None or not self._decides_by_link():
             return
-        measured = torch.tensor([allreduce_bus_gbps(self.dp_group, self.root_device)], device=self.root_device)
+        measured = torch.tensor([self._link_probe(self.dp_group, self.root_device)], device=self.root_device)
         dist.all_reduce(measured, op=dist.ReduceOp.MIN)
         self._dp_link_gbps = float(measured)
-        verdict = ("on: slower than" if cfg.compresses_on_link(self._dp_link_gbps) else
+        self._report_link_decision("measured at setup")
+
+    def _decides_by_link(self) -> bool:
+        cfg = self.compression
+        return cfg.enabled and self.dims.dp > 1 and cfg.compressed_stages is None
+
+    def _report_link_decision(self, source: str) -> None:
+        # A warning, not info: the same configuration trains differently on another (or a busier) host.
+        cfg = self.compression
+        stages = sorted(cfg.stages_to_compress(self.dims.pp)) if self.compresses_data_parallel_anywhere else []
+        verdict = ("on: slower than" if stages else
                    "off: PowerSGD's compute would cost more than it saves at or above")
-        rank_zero_info(
-            f"Compressed3DStrategy: the data-parallel all-reduce runs at {self._dp_link_gbps:.1f} GB/s (bus bandwidth);"
-            f" selective stage compression is {verdict} sc_max_link_gbps={cfg.sc_max_link_gbps:g}. Pass"
-            f" compressed_stages=[...] to choose the compressed stages yourself."
+        rank_zero_warn(
+            f"Compressed3DStrategy: the data-parallel all-reduce runs at {self._dp_link_gbps:.1f} GB/s (bus bandwidth,"
+            f" {source}); selective stage compression is {verdict} sc_max_link_gbps={cfg.sc_max_link_gbps:g}"
+            f" (compressed pipeline ranks: {stages}). Checkpoints record this measurement and a resumed run keeps it."
+            " Pass compressed_stages=[...] to choose the compressed stages yourself."
         )
+
+    def compression_record(self) -> dict[str, Any]:
+        """What decided SC in this run, as plain Python values for the checkpoint (``checkpoint["compressed_3d"]``)."""
+        return {
+            "dp_link_gbps": self._dp_link_gbps,
+            "sc_max_link_gbps": float(self.compression.sc_max_link_gbps),
+            "sc_pipeline_ranks": sorted(self.compression.stages_to_compress(self.dims.pp))
+            if self.compresses_data_parallel_anywhere else [],
+        }
+
+    def restore_compression_record(self, record: dict[str, Any] | None) -> None:
+        """Resume with the link measurement the checkpointed run decided by, not this run's own (load happens after
+        setup, so the gradient synchronizer and SC built from this run's measurement are rebuilt if it differs).
+        Where this run does not decide by the link (``compressed_stages`` given, dp = 1, compression off) the
+        configuration decides, as it says."""
+        if not record or record.get("dp_link_gbps") is None or not self._decides_by_link():
+            return
+        recorded = float(record["dp_link_gbps"])
+        if recorded == self._dp_link_gbps:
+            return
+        before = self.compresses_data_parallel_anywhere
+        self._dp_link_gbps = recorded
+        self._report_link_decision("recorded in the checkpoint; the resumed run keeps it")
+        if self.compresses_data_parallel_anywhere == before:
+            return
+        self._sc = None
+        self._grad_sync.remove_hooks()
+        self._build_grad_sync()
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._setup_selective_compression(trainer)
 
     def _setup_selective_compression(self, trainer: pl.Trainer) -> None:
         if not self._compresses_dp() or self._sc is not None:
@@ -98,19 +141,48 @@ class CompressionMixin:
         self._sc = DataParallelPowerSGD(
             self.dp_group, self.compression.sc_rank, self.compression.warmup_steps(int(total)),
             self.compression.sc_min_compression_ratio, self.compression.seed, self.comm_stats,
-            self.compression.sc_matmul_precision,
+            self.compression.sc_matmul_precision, guard_nonfinite=self.on_nonfinite != "ignore",
         )
         self._grad_sync.attach_compressor(self._sc)
+        self._warn_uncompressible_sc_rank()
 
-    def _check_optimizers_for_compression(self) -> None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    def _warn_uncompressible_sc_rank(self) -> None:
+        """PowerSGD sends a matrix exactly where its factors would not be sc_min_compression_ratio times smaller; a
+        large sc_rank can make that every matrix, silently. Say so, with the largest rank that compresses them."""
+        cfg = self.compression
+        if self.dp_rank != 0 or self.tp_rank != 0:
+            return
+        shapes = {tuple(local(p).shape)
+                  for params in self._stage_params.values() for p in params if p.requires_grad and p.dim() >= 2}
+        missed = {}
+        for shape in shapes:
+            size = torch.Size(shape)
+            if compression_sizes(size, cfg.sc_rank, cfg.sc_min_compression_ratio)[0]:
+                continue
+            limit = next((r for r in range(cfg.sc_rank - 1, 0, -1)
+                          if compression_sizes(size, r, cfg.sc_min_compression_ratio)[0]), 0)
+            if limit:  # else no rank compresses it (vectors-like shapes): sent exactly by design
+                missed[f"{size[0]}x{size.numel() // size[0]}"] = limit
+        if missed:
+            worst = ", ".join(f"{shape} (compresses at sc_rank <= {limit})" for shape, limit in sorted(missed.items()))
+            warnings.warn(
+                f"Compressed3DStrategy: sc_rank={cfg.sc_rank} is too large for the gradients of pipeline rank"
+                f" {self.pp_rank}: matrices of shape {worst} travel uncompressed, because their rank-{cfg.sc_rank} factors"
+                f" would not be sc_min_compression_ratio={cfg.sc_min_compression_ratio:g} times smaller. Lower sc_rank.",
+                stacklevel=2,
+            )
 
-        sharded = [o for o in self.optimizers if isinstance(getattr(o, "_optimizer", o), ZeroRedundancyOptimizer)]
-        if sharded and self._compresses_dp():
+    def _check_optimizers(self) -> None:
+        # The strategy already averages every gradient over its replicas and steps each pipeline/tensor rank's own
+        # parameters; torch.distributed.optim's wrappers shard or synchronise optimizer work over the default group,
+        # which spans pipeline and tensor ranks holding different parameters.
+        wrapped = [type(o).__name__ for o in (getattr(o, "_optimizer", o) for o in self.optimizers)
+                   if type(o).__module__.startswith("torch.distributed.optim")]
+        if wrapped:
             raise TypeError(
-                "Selective stage compression averages full gradients with PowerSGD, which a sharded optimizer"
-                " (ZeroRedundancyOptimizer) cannot consume. Use a regular optimizer, or pass compression=False"
-                " (or compressed_stages=[] to keep compressed backpropagation only)."
+                f"Compressed3DStrategy does not support {', '.join(wrapped)} (torch.distributed.optim) yet: it would"
+                " shard or synchronise optimizer state across ranks that hold different parameters. Use a regular"
+                " torch.optim optimizer (sharded optimizer state is not supported yet)."
             )
 
     def _log_communication(self) -> None:

@@ -8,16 +8,18 @@ Lightning's own hooks.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Generator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_3d.pipeline.microbatch import split_batch
-from lightning_3d.strategies.grad_sync import clip_grad_norm_, sync_tied_gradients
+from lightning_3d.strategies.grad_sync import clip_grad_norm_, local, sync_tied_gradients
 
 
 class PipelineStepsMixin:
@@ -57,9 +59,55 @@ class PipelineStepsMixin:
         return self._report_loss(loss, "train")
 
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.on_nonfinite != "ignore":
+            closure = functools.partial(self._guarded_closure, optimizer, closure)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
         return output
+
+    def _guarded_closure(self, optimizer: Optimizer, closure: Any) -> Any:
+        """Run Lightning's closure (forward, backward, gradient sync), then decide on every rank alike whether the
+        step is finite; a skipped step clears the gradients, so the optimizer leaves every parameter and its state
+        untouched (torch optimizers pass over parameters without a gradient) and clipping sees nothing to clip.
+
+        The optimizer's update runs inside ``optimizer.step(closure)``, after this returns: this is the last point
+        before it. Lightning still counts the step (``global_step``, LR schedulers stepping by step), as for any
+        optimizer step."""
+        loss = closure()
+        grads = [local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # The max-abs norm is finite exactly when every element is (and cannot overflow the way a sum of squares can).
+        bad = torch.zeros((), device=self.root_device)
+        if grads:
+            bad += (~torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=float("inf")))).float()
+        if isinstance(loss, Tensor):
+            bad += (~torch.isfinite(loss.detach().float())).float().to(bad.device)
+        dist.all_reduce(bad)  # one verdict for the whole world: every stage, shard and replica skips together
+        step = self.lightning_module.trainer.global_step
+        if not bad.item():
+            self._nonfinite_streak = 0
+            return loss
+        self._nonfinite_streak += 1
+        what = "the loss or the gradients of optimizer step"
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"Compressed3DStrategy: {what} {step} hold NaN or inf (on_nonfinite='raise'). Lower the learning rate,"
+                " check the data of this step, or pass on_nonfinite='skip' to skip such steps."
+            )
+        if self._nonfinite_streak > self.max_consecutive_nonfinite:
+            raise FloatingPointError(
+                f"Compressed3DStrategy: {what} {step} hold NaN or inf, {self._nonfinite_streak} such steps in a row"
+                f" (max_consecutive_nonfinite={self.max_consecutive_nonfinite}): training diverged. Lower the learning"
+                " rate or resume from an earlier checkpoint."
+            )
+        rank_zero_warn(
+            f"Compressed3DStrategy: {what} {step} hold NaN or inf; the step is skipped on every rank (parameters,"
+            f" optimizer and compression state unchanged; {self._nonfinite_streak} in a row, at most"
+            f" {self.max_consecutive_nonfinite})."
+        )
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return loss
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._runtime is None:
