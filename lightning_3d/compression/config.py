@@ -18,15 +18,13 @@ class CompressionConfig:
     # CB + LEP: activation gradients between pipeline stages (needs pp > 1).
     compressed_backprop: bool = True
     cb_rank: int = 16
-    # Only the schedule's cool-down sends (the backwards after a rank's last forward, on the critical path); every
-    # send at rank 16 cost +12% validation loss in a 125M run (dp=1, pp=2, 2000 steps), the cool-down sends only +3%.
+    # Only the schedule's cool-down sends (the backwards after a rank's last forward, on the critical path):
+    # compressing every send costs far more validation loss than the cool-down sends alone (benchmarks/RESULTS.md).
     cb_epilogue_only: bool = True
     cb_min_compression_ratio: float = 2.0
-    # LEP (Optimus-CC's error feedback for CB) is off by default: in both GPT-125M runs that compared it, it widened
-    # CB's validation-loss gap instead of closing it ((1,2,1) M=8: +1.18 % with LEP, +0.36 % without; (2,2,1) M=4:
-    # +4.6 % / +2.4 %).
-    # A likely reason (not isolated): the error left by one sample's gradient is added to a different sample's.
-    # One seed per run (benchmarks/RESULTS.md).
+    # LEP (Optimus-CC's error feedback for CB) is off by default: in the runs that compared it, it widened CB's
+    # validation-loss gap instead of closing it (benchmarks/RESULTS.md). A likely reason (not isolated): the error
+    # left by one sample's gradient is added to a different sample's.
     cb_lazy_error_propagation: bool = False
     # SC: PowerSGD of data-parallel gradients on the chosen pipeline ranks (needs dp > 1).
     sc_rank: int = 128
@@ -36,8 +34,8 @@ class CompressionConfig:
     # orthonormalisation is IEEE fp32 either way. TF32 is the default because those products are most of SC's compute.
     sc_matmul_precision: str = "tf32"
     # With the default compressed_stages, SC runs only if the data-parallel all-reduce is slower than this bus bandwidth
-    # (GB/s), measured once at setup: on NVLink-class links (~100-350 GB/s) SC's compute costs more than the exact
-    # all-reduce; on InfiniBand- (~25) or Ethernet-class (~4) links it saves more than it costs. float("inf") = always.
+    # (GB/s), measured once at setup: on NVLink-class links SC's compute costs more than the exact all-reduce; on
+    # InfiniBand- or Ethernet-class links it saves more than it costs (benchmarks/RESULTS.md). float("inf") = always.
     sc_max_link_gbps: float = 50.0
     # Pipeline ranks whose DP gradients SC compresses; default all but the last (the only one if pp=1): Optimus-CC
     # leaves the last stage exact because its all-reduce overlaps the other stages' cool-down. On links slow enough

@@ -91,8 +91,9 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         tensor_parallel_size: Megatron-style sharding of every layer (DTensor), innermost in the mesh.
         num_microbatches: micro-batches each per-replica batch is split into (a ``MicroBatches`` batch
             overrides it for one step).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
-        virtual_stages: stages per pipeline rank for the interleaved schedule (at least 2 there, else 1).
+        schedule: a registered schedule name: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, or one added with
+            ``lightning_3d.pipeline.register_schedule`` (docs/extending.md).
+        virtual_stages: stages per pipeline rank for interleaved schedules (at least 2 there, default 2; else 1).
         sequence_parallel: shard the residual stream over the sequence between tensor-parallel regions.
         pipeline_layer_split: layers per stage, overriding the even split.
         bucket_size_mb: size of the data-parallel all-reduce buckets of uncompressed stages (a stage under SC is
@@ -107,6 +108,9 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
             host synchronisation). A skipped step still counts as a step for ``global_step`` and LR schedulers.
         max_consecutive_nonfinite: with ``"skip"``, one more non-finite step in a row than this raises (the run is
             diverging).
+        timeout: of every process group the strategy creates (the default group, the device mesh, the pipeline
+            channels, the tied-embedding and model-parallel groups): a rank that stops answering fails the others
+            after this long.
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
@@ -119,7 +123,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         pipeline_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         num_microbatches: int = 1,
-        schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b",
+        schedule: str = "1f1b",
         virtual_stages: int | None = None,
         sequence_parallel: bool = False,
         pipeline_layer_split: Sequence[int] | None = None,

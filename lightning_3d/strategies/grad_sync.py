@@ -44,7 +44,6 @@ class GradientSynchronizer:
         dp_group: dist.ProcessGroup | None,
         dp_size: int,
         bucket_size_mb: float = 25.0,
-        overlap: bool = True,
         exclude: set[int] = frozenset(),
         compressor: DataParallelPowerSGD | None = None,
         compressed_stages: set[int | None] = frozenset(),
@@ -55,7 +54,7 @@ class GradientSynchronizer:
         stages whose buckets go through ``compressor`` (SC); they ignore ``bucket_size_mb`` (see below); ``fused``:
         weights of ``FusedGradLinear`` layers, whose gradients accumulate straight into their buckets (wgrad_fusion)."""
         self._fused = {id(p) for p in fused}
-        self.dp_group, self.dp_size, self.overlap = dp_group, dp_size, overlap
+        self.dp_group, self.dp_size = dp_group, dp_size
         self.compressor, self.stats = compressor, stats
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -70,9 +69,9 @@ class GradientSynchronizer:
             params = list(reversed([p for p in params_by_stage[stage] if p.requires_grad and id(p) not in exclude]))
             if stage in compressed_stages:
                 # SC: one bucket per dtype for the whole stage, same-shape matrices side by side. PowerSGD's cost is
-                # per shape group (a handful of small kernels each), not per byte: 25 MB buckets made GPT-350M's
-                # stage 0 26 buckets, ~10,000 kernel launches and 183 ms per step on an H200, host-bound (23 ms as
-                # one bucket; benchmarks/sc_kernels.py), and the compressed collectives are small enough to gain
+                # per shape group (a handful of small kernels each), not per byte: 25 MB buckets cut a GPT stage into
+                # dozens of buckets and thousands of kernel launches per step, host-bound (benchmarks/sc_kernels.py;
+                # the numbers are in benchmarks/RESULTS.md), and the compressed collectives are small enough to gain
                 # nothing from overlap.
                 # Adjacent shapes let the compressor work on views of the bucket, in place.
                 for kind in dict.fromkeys(self._kind(p) for p in params):
@@ -192,7 +191,7 @@ class GradientSynchronizer:
             self._fused_accumulations += 1
         final = bucket is not None and bucket.stage in self._armed
         align_grad_placement(param, allow_communication=final)
-        if not (self._syncing and final and self.overlap):
+        if not (self._syncing and final):
             return
         bucket.ready.add(id(param))
         while self._next_launch < len(self.buckets):

@@ -146,6 +146,3 @@ def new_subgroups(
         created.append(mine)
     return mine
 
-
-def default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
