@@ -22,6 +22,7 @@ LAYER = {"utils": 0, "pipeline": 1, "compression": 2, "dynamic": 2, "strategies"
 # and the dropout random streams a model's tensor-parallel code uses.
 PUBLIC_STRATEGY_MODULES = {"lightning_3d.strategies.compressed_3d", "lightning_3d.strategies.protocol",
                            "lightning_3d.strategies.parallel_dims", "lightning_3d.strategies.checkpoint",
+                           "lightning_3d.strategies.checkpoint_files",
                            "lightning_3d.strategies.rng"}
 
 

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_3d.strategies import checkpoint as ckpt
+from lightning_3d.strategies import checkpoint_files as files
 
 
 class CheckpointHooksMixin:
@@ -34,17 +35,17 @@ class CheckpointHooksMixin:
         if storage_options is not None:
             raise TypeError("Compressed3DStrategy writes sharded checkpoints itself and takes no storage_options.")
         path = Path(self.broadcast(str(filepath)))
-        staging = Path(self.broadcast(str(ckpt.staging_path(path))))  # rank 0's choice: all write into one directory
+        staging = Path(self.broadcast(str(files.staging_path(path))))  # rank 0's choice: all write into one directory
         step = checkpoint.get("global_step")
         checkpoint["compressed_3d"] = self.compression_record()  # SC's link decision, kept on resume
         ckpt.save(checkpoint, staging, {}, self.global_rank)
         ckpt.save_rank_state(staging, self.global_rank, self._layout_key(), self.rank_state_dict())
-        ckpt.commit(staging, path, step)
+        files.commit(staging, path, step)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """``weights_only`` changes nothing: loading never unpickles code, whatever it says."""
         path = Path(checkpoint_path)
-        path = Path(self.broadcast(str(ckpt.resolve(path) if self.is_global_zero else path)))
+        path = Path(self.broadcast(str(files.resolve(path) if self.is_global_zero else path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         module = self.lightning_module
         padded = module.padded_parameters() if callable(getattr(module, "padded_parameters", None)) else []
@@ -67,5 +68,5 @@ class CheckpointHooksMixin:
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            for path in (Path(filepath), *ckpt.leftovers(Path(filepath))):
-                ckpt.remove(path)
+            for path in (Path(filepath), *files.leftovers(Path(filepath))):
+                files.remove(path)

@@ -1,7 +1,7 @@
 """Checkpoint safety under the strategy (2 processes, dp=2 with compression, so each rank also saves its own state).
 
 - ``crashes``: a save of ``last.ckpt`` over the step-2 checkpoint is interrupted after each of its steps (a crash
-  injected through ``checkpoint._reached``: the exception leaves the files as a kill at that point would), with
+  injected through ``checkpoint_files._reached``: the exception leaves the files as a kill at that point would), with
   the atomic directory exchange and with the two-rename fallback; then
   ``fit(ckpt_path=last.ckpt)`` must resume from step 2 (crash before the swap) or step 3 (after it) with the losses
   of an uninterrupted run, and the next save must clean up what the crash left.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.strategies import checkpoint as ckpt
+from lightning_3d.strategies import checkpoint_files as ckpt
 from tests.scenarios.common import LossRecorder, make_model, parse_args, trainer, write_report
 from tests.scenarios.features import resumable_data
 
