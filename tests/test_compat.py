@@ -64,3 +64,16 @@ def test_private_names_are_imported_only_by_compat() -> None:
                 if private:
                     offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.module} {private}")
     assert not offenders, "import these through lightning_3d.utils.compat:\n" + "\n".join(offenders)
+
+
+def test_dtensor_sharding_caches_can_be_cleared() -> None:
+    """The strategy clears DTensor's sharding caches when it destroys a run's groups (their entries hold meshes that
+    compare equal to the next run's); the layouts scenario at world 4 fails without it."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import _get_fast_path_sharding_prop_cache_stats
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    compat.clear_dtensor_caches()
+    assert propagator.propagate_op_sharding.cache_info().currsize == 0
+    assert propagator._propagate_tensor_meta_cached.cache_info().currsize == 0
+    assert len(_get_fast_path_sharding_prop_cache_stats()) == 2  # (hits, misses) of the C++ cache it also clears

@@ -48,6 +48,7 @@ from lightning_3d.strategies.stage_builder import (
 from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_accumulation, unfuse_gradient_accumulation
 from lightning_3d.utils.compat import (
     SubprocessScriptLauncher,
+    clear_dtensor_caches,
     default_process_group_backend,
     distributed_is_initialized,
     init_dist_connection,
@@ -80,6 +81,8 @@ def _destroy_live_groups() -> None:
             dist.destroy_process_group(group)
         except ValueError:  # already gone: the user destroyed the world, which destroys every group with it
             pass
+    if groups:
+        clear_dtensor_caches()  # cached sharding decisions hold meshes on the destroyed groups
 
 
 class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooksMixin, ParallelStrategy):

@@ -18,6 +18,8 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.distributed.checkpoint.planner_helpers import _create_read_items
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 # Lightning's own helpers for the default process group, used as its DDP strategy uses them (environment variables,
 # backend per device type, the all-reduce behind ``Strategy.reduce``).
@@ -31,6 +33,15 @@ SubprocessScriptLauncher = _SubprocessScriptLauncher
 
 # DCP's read items for one state-dict entry: our resharding load planner builds its plan from them per entry.
 create_read_items = _create_read_items
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions. They hold the device meshes they were computed on, and meshes
+    compare equal by shape and names alone, so after the strategy destroys one run's groups and builds an equal mesh
+    on new ones, a cache hit would hand the next run an output spec on the old mesh, whose collectives then name a
+    destroyed group."""
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
 
 
 def set_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
