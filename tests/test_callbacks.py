@@ -17,9 +17,9 @@ from lightning_3d import MicroBatches
 from lightning_3d.callbacks import (
     CommunicationMonitor, CompressionDiagnostics, CompressionStateMonitor, PipelineTimeline, ThroughputMFUMonitor,
 )
-from lightning_3d.callbacks.plumbing import ObserverFanout, attach, detach
 from lightning_3d.callbacks.diagnostics import DiagnosticsRecorder, cosine
-from lightning_3d.callbacks.plumbing import SpanRecorder
+from lightning_3d.callbacks.plumbing import ObserverFanout, SpanRecorder, attach, detach
+from lightning_3d.callbacks.throughput import peak_tflops_of
 from lightning_3d.callbacks.timeline import chrome_trace, idle_gaps
 from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig
 from lightning_3d.pipeline.codec import BoundaryKey
@@ -290,3 +290,20 @@ def test_sc_anywhere_follows_the_measured_link_and_diagnostics_say_when_lep_is_o
     with pytest.warns(UserWarning, match=r"needs LEP errors and LEP is off \(cb_lazy_error_propagation=False"):
         diagnostics.on_fit_start(SimpleNamespace(strategy=s), None)
     assert s.compressed_backprop.observer is diagnostics.recorder  # the other diagnostics still run
+
+
+@pytest.mark.parametrize(
+    "name, precision, expected",
+    [
+        ("NVIDIA H200", "bf16-mixed", 989.4),  # dense, not Lightning's sparse "h200 sxm1" figure
+        ("NVIDIA H200", "32-true", 66.9),
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", 989.4),  # from Lightning's table
+        ("NVIDIA A100-SXM4-80GB", "bf16-true", 312.0),
+        ("Some Future GPU", "bf16-mixed", None),  # unknown: no MFU rather than a wrong one
+    ],
+)
+def test_peak_flops_come_from_lightnings_table_with_h200_dense(monkeypatch, name, precision, expected) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert peak_tflops_of(torch.device("cuda", 0), precision) == (pytest.approx(expected) if expected else None)
+    assert peak_tflops_of(torch.device("cpu"), precision) is None

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.throughput import Throughput
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -17,9 +17,30 @@ from torch import Tensor
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.utils.compat import logger_connector
 
-# Dense BF16 peak of an H100 SXM / H200 (989.4 TFLOP/s without sparsity). Use ~495 for TF32 or ~67 for FP32 on
-# those GPUs, 312 for an A100 in BF16; the right number is the one of your GPU and compute dtype.
-DEFAULT_PEAK_TFLOPS = 989.0
+# Dense peaks of an H200 (the H100 SXM's silicon) per compute dtype. Lightning's table (``get_available_flops``),
+# used for every other GPU, does not know the name an H200 reports ("NVIDIA H200"), and its "h200 sxm1" entry is the
+# sparse figure, which would halve MFU; MFU here is against the dense peak, as in benchmarks/RESULTS.md.
+H200_PEAK_TFLOPS = {torch.bfloat16: 989.4, torch.float16: 989.4, "tf32": 494.7, torch.float32: 66.9}
+
+
+def compute_dtype(precision: str) -> torch.dtype | str:
+    """The dtype GEMMs run in under a Lightning precision setting ("tf32" for fp32 with TF32 matmuls allowed)."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return "tf32" if torch.get_float32_matmul_precision() != "highest" else torch.float32
+
+
+def peak_tflops_of(device: torch.device, precision: str) -> float | None:
+    """Dense peak TFLOP/s of ``device`` for ``precision``'s compute dtype; None off CUDA or for an unknown GPU."""
+    if device.type != "cuda":
+        return None  # MFU is not meaningful on CPU
+    dtype = compute_dtype(precision)
+    if "h200" in torch.cuda.get_device_name(device).lower():
+        return H200_PEAK_TFLOPS[dtype]
+    flops = get_available_flops(device, dtype)
+    return flops / 1e12 if flops else None
 
 
 def token_shapes(batch: Any) -> list[tuple[int, int]]:
@@ -80,8 +101,9 @@ class ThroughputMFUMonitor(ThroughputMonitor):
     (replicas are assumed to process equally many tokens, as the recipes' data modules do).
 
     Args:
-        peak_tflops: peak TFLOP/s of one device for the compute dtype. ``None``: 989 (H100/H200 dense BF16) on
-            CUDA devices and no MFU elsewhere (on CPU MFU is not meaningful; TFLOP/s are still logged).
+        peak_tflops: peak TFLOP/s of one device for the compute dtype. ``None``: the GPU's dense peak for the
+            precision's compute dtype (Lightning's table; H200s from ``H200_PEAK_TFLOPS``), and no MFU on CPU or an
+            unknown GPU (TFLOP/s are still logged).
         window_size: batches in the rolling average.
     """
 
@@ -105,8 +127,8 @@ class ThroughputMFUMonitor(ThroughputMonitor):
                            " counting every rank as a data-parallel replica.")
             self._dp = trainer.world_size
         self._world = trainer.world_size
-        cuda = strategy.root_device.type == "cuda"
-        self._peak = self.peak_tflops if self.peak_tflops is not None else (DEFAULT_PEAK_TFLOPS if cuda else None)
+        precision = str(getattr(trainer.precision_plugin, "precision", "32-true"))
+        self._peak = self.peak_tflops if self.peak_tflops is not None else peak_tflops_of(strategy.root_device, precision)
         self.available_flops = self._peak * 1e12 if self._peak else None
         # Fed with whole-job counts (world_size=1): per-device values are derived in `metrics_from`.
         if stage == TrainerFn.FITTING and trainer.enable_validation:
