@@ -7,7 +7,9 @@ test, byte accounting) and ``checkpoint_hooks`` (sharded checkpoints).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -65,6 +67,7 @@ SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 # so a process holds one set of groups, with their threads and sockets, however many models it trains.
 _live_owner: weakref.ref | None = None
 _live_groups: list[dist.ProcessGroup] = []
+_collect_at_exit: list[bool] = []  # whether the atexit collection is registered
 
 
 def _destroy_live_groups() -> None:
@@ -83,6 +86,15 @@ def _destroy_live_groups() -> None:
             pass
     if groups:
         clear_dtensor_caches()  # cached sharding decisions hold meshes on the destroyed groups
+        # A destroyed group's C++ object (with its threads) lives until its last reference goes, and the released
+        # model usually holds it in reference cycles (module <-> trainer). Collected here, while the process runs
+        # normally; left to the collector, it could be finalised during interpreter shutdown, where gloo's
+        # destructor can abort the process ("terminate called without an active exception") and fail the job at
+        # exit. The atexit hook does the same for groups destroyed after the last collection.
+        gc.collect()
+        if not _collect_at_exit:
+            atexit.register(gc.collect)
+            _collect_at_exit.append(True)
 
 
 class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooksMixin, ParallelStrategy):
