@@ -36,7 +36,7 @@ from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies.checkpoint_hooks import CheckpointHooksMixin
 from lightning_3d.strategies.compression_setup import CompressionMixin
 from lightning_3d.strategies.grad_sync import GradientSynchronizer
-from lightning_3d.strategies.parallel_dims import ParallelDims, check_schedule, new_subgroups, resolve_sizes
+from lightning_3d.strategies.parallel_dims import ParallelDims, new_subgroups, resolve_schedule_options, resolve_sizes
 from lightning_3d.strategies.pipeline_steps import PipelineStepsMixin
 from lightning_3d.strategies.protocol import missing_protocol_methods
 from lightning_3d.strategies.rng import seed_parallel_rng
@@ -185,7 +185,7 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         if isinstance(max_consecutive_nonfinite, bool) or not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
             raise ValueError(f"`max_consecutive_nonfinite={max_consecutive_nonfinite!r}` must be a positive integer.")
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        virtual_stages = check_schedule(schedule, pipeline_parallel_size, virtual_stages, num_microbatches)
+        virtual_stages = resolve_schedule_options(schedule, pipeline_parallel_size, virtual_stages, num_microbatches)
         self.compression = CompressionConfig(
             compression, compressed_backprop, cb_rank, cb_epilogue_only, cb_min_compression_ratio, cb_lazy_error_propagation, sc_rank,
             sc_warmup, sc_min_compression_ratio, sc_matmul_precision, sc_max_link_gbps,

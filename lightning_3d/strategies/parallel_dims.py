@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_3d.pipeline.schedules import schedule_spec
 
 
-def check_schedule(schedule: str, pipeline_parallel_size: int, virtual_stages: int | None, num_microbatches: int) -> int:
+def resolve_schedule_options(schedule: str, pipeline_parallel_size: int, virtual_stages: int | None, num_microbatches: int) -> int:
     """Validate the pipeline schedule options before any process group exists; returns ``virtual_stages`` resolved
     (2 for an interleaved schedule unless given, else 1). Names and constraints come from the schedule registry."""
     spec = schedule_spec(schedule)
