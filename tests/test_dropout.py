@@ -47,6 +47,8 @@ def test_dropout_streams_under_3d_parallelism(tmp_path: Path) -> None:
 
 
 def _gpt_gradients(checkpointing: bool, tp_rank: int) -> list:
+    import os
+
     import torch
 
     from lightning_3d.recipes.gpt.config import preset
@@ -54,10 +56,13 @@ def _gpt_gradients(checkpointing: bool, tp_rank: int) -> list:
     from lightning_3d.strategies import rng
 
     config = preset("tiny", vocab_size=300, seq_length=16, num_layers=2, hidden_size=48, num_heads=12, dropout=0.1)
-    rng.seed_parallel_rng(0, 0, tp_rank, seed=5)
+    # L3D_TEST_DEVICE=cuda (as for the scenarios) runs it on a GPU: the region then swaps the CUDA generator.
+    device = torch.device(os.environ.get("L3D_TEST_DEVICE", "cpu"))
+    rng.seed_parallel_rng(0, 0, tp_rank, device=device, seed=5)
     model = GPTModel(config, 300, activation_checkpointing=checkpointing)
     model.init_weights(1)
-    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.to(device)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
     model(ids).square().mean().backward()
     return [p.grad for p in model.parameters()]
 
