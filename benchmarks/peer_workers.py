@@ -36,6 +36,10 @@ def run_worker(args: argparse.Namespace, system: dict) -> None:
         result = lightning_fit(args, system)
     if int(os.environ.get("RANK", 0)) == 0:
         args.result.write_text(json.dumps(result))
+    # Tear the groups down before the interpreter does: left to interpreter shutdown, gloo's group destructors
+    # occasionally abort the process ("terminate called without an active exception", exit code -6).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def make_gpt(args: argparse.Namespace, system: dict, cls: type[GPT] = GPT) -> GPT:

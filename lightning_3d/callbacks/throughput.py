@@ -127,7 +127,7 @@ class ThroughputMFUMonitor(ThroughputMonitor):
                            " counting every rank as a data-parallel replica.")
             self._dp = trainer.world_size
         self._world = trainer.world_size
-        precision = str(getattr(trainer.precision_plugin, "precision", "32-true"))
+        precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
         self._peak = self.peak_tflops if self.peak_tflops is not None else peak_tflops_of(strategy.root_device, precision)
         self.available_flops = self._peak * 1e12 if self._peak else None
         # Fed with whole-job counts (world_size=1): per-device values are derived in `metrics_from`.

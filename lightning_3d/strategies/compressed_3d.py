@@ -67,7 +67,7 @@ SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 # so a process holds one set of groups, with their threads and sockets, however many models it trains.
 _live_owner: weakref.ref | None = None
 _live_groups: list[dist.ProcessGroup] = []
-_collect_at_exit: list[bool] = []  # whether the atexit collection is registered
+_exit_hook: list[bool] = []  # whether _shutdown_at_exit is registered
 
 
 def _destroy_live_groups() -> None:
@@ -88,13 +88,19 @@ def _destroy_live_groups() -> None:
         clear_dtensor_caches()  # cached sharding decisions hold meshes on the destroyed groups
         # A destroyed group's C++ object (with its threads) lives until its last reference goes, and the released
         # model usually holds it in reference cycles (module <-> trainer). Collected here, while the process runs
-        # normally; left to the collector, it could be finalised during interpreter shutdown, where gloo's
-        # destructor can abort the process ("terminate called without an active exception") and fail the job at
-        # exit. The atexit hook does the same for groups destroyed after the last collection.
+        # normally; left to the collector, it could be finalised during interpreter shutdown (see _shutdown_at_exit).
         gc.collect()
-        if not _collect_at_exit:
-            atexit.register(gc.collect)
-            _collect_at_exit.append(True)
+
+
+def _shutdown_at_exit() -> None:
+    """Release the last run and destroy every process group while the interpreter still runs normally. Left to
+    interpreter shutdown, gloo's group destructors occasionally abort the process ("terminate called without an
+    active exception", exit code -6) after all the work is done, which fails a torchrun or SLURM job that succeeded.
+    Destroying is local to this process (no collective), so a rank that exits early does not wait for the others."""
+    _destroy_live_groups()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooksMixin, ParallelStrategy):
@@ -272,6 +278,9 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         init_dist_connection(self.cluster_environment, backend, **kwargs)
+        if not _exit_hook:
+            atexit.register(_shutdown_at_exit)
+            _exit_hook.append(True)
         global _live_owner
         if _live_owner is not None and _live_owner() is self and self._prepared_module is self.lightning_module:
             # The module this strategy prepared runs again (validate or test after fit, fit on with the same trainer):
