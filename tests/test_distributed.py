@@ -51,6 +51,7 @@ def test_every_layout_and_schedule_matches_single_process_training(world: int, t
             assert {r["schedule"] for r in results if (r["dp"], r["pp"], r["tp"]) == layout} == {"gpipe", "1f1b", "interleaved_1f1b"}
     if world in (2, 4):  # sequence parallel, accumulation and variable micro-batch shapes/counts were covered
         assert any(r.get("sp") for r in results) and any(r.get("variable") for r in results)
+        assert world != 2 or any(r.get("ordered") is True for r in results)  # an explicit per-step schedule ran
 
 
 def test_bad_inputs_raise_on_every_rank_before_any_collective(tmp_path: Path) -> None:

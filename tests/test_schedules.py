@@ -188,3 +188,25 @@ def test_the_registry_holds_the_builtin_constraints() -> None:
         parallel_dims.resolve_schedule_options("1f1b", 4, None, 3)
     with pytest.raises(ValueError, match=r"num_microbatches \(6\) to be a multiple of pipeline_parallel_size \(4\)"):
         parallel_dims.resolve_schedule_options("interleaved_1f1b", 4, 3, 6)
+
+
+def test_runtime_checks_an_explicit_per_step_order_before_running_it():
+    """``MicroBatches(orders=...)`` / ``train_step(orders=...)`` replace the named schedule for one step; the
+    runtime marks the epilogue itself and rejects a list per rank that is missing, incomplete or deadlocks."""
+    import torch
+
+    from lightning_3d.pipeline.runtime import PipelineRuntime
+
+    runtime = PipelineRuntime({}, num_stages=2, pp_rank=0, pp_size=2, schedule="1f1b", channels=None,
+                              device=torch.device("cpu"), loss_fn=None, loss_terms_fn=None)
+    F, B = (lambda s, m: Action("F", s, m)), (lambda s, m: Action("B", s, m))
+    good = [[F(0, 1), F(0, 0), B(0, 1), B(0, 0)], [F(1, 1), F(1, 0), B(1, 1), B(1, 0)]]
+    orders = runtime._orders(2, train=True, given=good)
+    assert [a.epilogue for a in orders[0]] == [False, False, True, True]
+    with pytest.raises(ValueError, match="one action list per pipeline rank: got 1"):
+        runtime._orders(2, train=True, given=good[:1])
+    with pytest.raises(ValueError, match="never runs"):
+        runtime._orders(2, train=True, given=[good[0][:3], good[1][:3]])
+    swapped = [[F(0, 0), F(0, 1), B(0, 1), B(0, 0)], [F(1, 1), F(1, 0), B(1, 1), B(1, 0)]]  # F(1,1) waits for mb 0
+    with pytest.raises(ValueError, match="expects"):
+        runtime._orders(2, train=True, given=swapped)

@@ -14,7 +14,17 @@ class MicroBatches(list):
     Return one from a data loader (or a collate function) to run a step with a different number of
     micro-batches or different micro-batch shapes than the strategy's ``num_microbatches``: the pipeline
     takes the list as is. Dynamic micro-batching produces these.
+
+    ``orders`` (optional): this step's explicit schedule, one tuple of ``Action`` per pipeline rank, in place of the
+    strategy's named schedule (e.g. a memory-aware order of micro-batches of different sizes). The runtime checks it
+    with the schedule simulator (``check_schedule``) before any communication and recomputes the ``epilogue``
+    marks from the order, so only ``kind``, ``stage`` and ``microbatch`` matter. Every rank must pass the same
+    orders. The attribute survives Lightning's device transfer (the strategy copies it).
     """
+
+    def __init__(self, microbatches: Any = (), orders: Sequence[Sequence[Any]] | None = None) -> None:
+        super().__init__(microbatches)
+        self.orders = None if orders is None else tuple(tuple(order) for order in orders)
 
 
 def split_batch(batch: Any, num_microbatches: int, uneven: bool = False) -> list[Any]:
@@ -27,7 +37,7 @@ def split_batch(batch: Any, num_microbatches: int, uneven: bool = False) -> list
     if isinstance(batch, MicroBatches):
         if len(batch) == 0:
             raise ValueError("A MicroBatches batch must hold at least one micro-batch.")
-        return list(batch)
+        return MicroBatches(batch, orders=getattr(batch, "orders", None))
     sizes = {t.shape[0] for t in _tensors(batch)}
     if not sizes:
         raise ValueError("The batch holds no tensors to split into micro-batches.")

@@ -22,7 +22,9 @@ from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.codec import BoundaryKey, GradientCodec, IdentityCodec
 from lightning_3d.pipeline.microbatch import signature
 from lightning_3d.pipeline.p2p import PipelineChannels, TensorMeta
-from lightning_3d.pipeline.schedules import Action, build_forward_only, build_schedule, check_schedule, message_order
+from lightning_3d.pipeline.schedules import (
+    Action, build_forward_only, build_schedule, check_schedule, mark_epilogue, message_order,
+)
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
 
@@ -90,30 +92,55 @@ class PipelineRuntime:
         self.observer: RuntimeObserver | None = None
         self._shape_cache: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank receives
         self._announced: dict[tuple[int, tuple], list[TensorMeta]] = {}  # boundaries this rank sends
-        self._checked: set[tuple[str, int]] = set()
+        self._checked: set[tuple] = set()
+        self.last_orders: tuple[tuple[Action, ...], ...] = ()  # the schedule of the last step, every rank's list
 
     # ----- public entry points ---------------------------------------------------------------------------
-    def train_step(self, microbatches: Sequence[Any], loss_scale: float = 1.0) -> Tensor | None:
+    def train_step(
+        self, microbatches: Sequence[Any], loss_scale: float = 1.0, orders: Sequence[Sequence[Action]] | None = None
+    ) -> Tensor | None:
         """Forward and backward of all micro-batches; on the last stage returns this replica's share of the step's
-        mean loss (its loss sum over the terms of all replicas; the shares add up to the mean), else None."""
-        orders = self._orders(len(microbatches), train=True)
-        return self._run(orders, microbatches, train=True, loss_scale=loss_scale)
+        mean loss (its loss sum over the terms of all replicas; the shares add up to the mean), else None.
+
+        ``orders``: this step's schedule, one action list per pipeline rank (default: the micro-batches'
+        ``MicroBatches.orders`` if set, else the named schedule built for their count). It is checked by the
+        schedule simulator before anything is sent."""
+        order = self._orders(len(microbatches), train=True, given=self._given(microbatches, orders))
+        return self._run(order, microbatches, train=True, loss_scale=loss_scale)
 
     @torch.no_grad()
-    def eval_step(self, microbatches: Sequence[Any]) -> Tensor | None:
-        orders = self._orders(len(microbatches), train=False)
-        return self._run(orders, microbatches, train=False, loss_scale=1.0)
+    def eval_step(self, microbatches: Sequence[Any], orders: Sequence[Sequence[Action]] | None = None) -> Tensor | None:
+        """Forward only; ``orders`` as in ``train_step``, with forward actions only."""
+        order = self._orders(len(microbatches), train=False, given=self._given(microbatches, orders))
+        return self._run(order, microbatches, train=False, loss_scale=1.0)
 
     # ----- schedule bookkeeping ----------------------------------------------------------------------------
-    def _orders(self, m: int, train: bool) -> list[tuple[Action, ...]]:
-        if train:
-            orders = [build_schedule(self.schedule, self.pp, self.virtual_stages, m, r) for r in range(self.pp)]
+    @staticmethod
+    def _given(microbatches: Sequence[Any], orders: Sequence[Sequence[Action]] | None):
+        return orders if orders is not None else getattr(microbatches, "orders", None)
+
+    def _orders(self, m: int, train: bool, given: Sequence[Sequence[Action]] | None = None) -> list[tuple[Action, ...]]:
+        if given is not None:
+            if len(given) != self.pp:
+                raise ValueError(
+                    f"An explicit schedule needs one action list per pipeline rank: got {len(given)} for"
+                    f" pipeline_parallel_size={self.pp}."
+                )
+            orders = [mark_epilogue(order) for order in given]
+            key = ("train" if train else "eval", m, tuple(orders))
         else:
-            orders = [build_forward_only(self.pp, self.virtual_stages, m, r) for r in range(self.pp)]
-        key = ("train" if train else "eval", m)
+            if train:
+                orders = [build_schedule(self.schedule, self.pp, self.virtual_stages, m, r) for r in range(self.pp)]
+            else:
+                orders = [build_forward_only(self.pp, self.virtual_stages, m, r) for r in range(self.pp)]
+            key = ("train" if train else "eval", m)
         if key not in self._checked:
+            # Every rank runs the same check on the same lists, so a bad schedule fails everywhere before any send.
             check_schedule(orders, self.num_stages, m, train=train)
+            if len(self._checked) >= 256:  # explicit per-step orders: bounded memory of checked schedules
+                self._checked.clear()
             self._checked.add(key)
+        self.last_orders = tuple(orders)
         return orders
 
     def _run(self, orders: list[tuple[Action, ...]], mbs: Sequence[Any], train: bool, loss_scale: float) -> Tensor | None:

@@ -20,7 +20,7 @@ hook on each send (compressed backpropagation).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -105,7 +105,7 @@ def build_schedule(name: str, pp: int, virtual_stages: int, num_microbatches: in
     if not spec.interleaved and virtual_stages != 1:
         raise ValueError(f"virtual_stages={virtual_stages} only applies to interleaved schedules, not {name!r}.")
     spec.check_microbatches(pp, num_microbatches)
-    return _mark_epilogue(spec.builder(rank, pp, virtual_stages, num_microbatches))
+    return mark_epilogue(spec.builder(rank, pp, virtual_stages, num_microbatches))
 
 
 @lru_cache(maxsize=256)
@@ -186,7 +186,8 @@ register_schedule(
 )
 
 
-def _mark_epilogue(order: list[Action]) -> tuple[Action, ...]:
+def mark_epilogue(order: Sequence[Action]) -> tuple[Action, ...]:
+    """The order with each backward's ``epilogue`` flag set from its position (after the rank's last forward)."""
     last_forward = max((i for i, a in enumerate(order) if a.kind == "F"), default=-1)
     return tuple(
         Action(a.kind, a.stage, a.microbatch, epilogue=(a.kind == "B" and i > last_forward)) for i, a in enumerate(order)

@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_3d.pipeline.microbatch import split_batch
+from lightning_3d.pipeline.microbatch import MicroBatches, split_batch
 from lightning_3d.strategies.grad_sync import clip_grad_norm_, local, sync_tied_gradients
 
 
@@ -32,6 +32,13 @@ class PipelineStepsMixin:
             yield
         finally:
             self._sync_blocked = False
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's transfer rebuilds a ``MicroBatches`` list from its items; keep its explicit ``orders``."""
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        if isinstance(batch, MicroBatches) and isinstance(moved, MicroBatches):
+            moved.orders = batch.orders
+        return moved
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._runtime is None:

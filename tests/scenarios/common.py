@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_3d.pipeline.microbatch import MicroBatches
+from lightning_3d.pipeline.schedules import Action
 from lightning_3d.recipes import GPT
 
 VOCAB, SEQ = 300, 16
@@ -115,15 +116,18 @@ class ReplicaSlices(Sampler):
 
 class TestData(pl.LightningDataModule):
     def __init__(self, global_batch: int = 8, n: int = 256, variable: bool = False, dataset: type = Tokens,
-                 masked: bool = False) -> None:
+                 masked: bool = False, ordered: tuple[int, int] | None = None) -> None:
+        """``ordered`` (pp, virtual stages): variable steps carry an explicit per-step schedule (``gpipe_reversed``)."""
         super().__init__()
         self.global_batch, self.n, self.variable, self.masked = global_batch, n, variable, masked
+        self.ordered = ordered
         self.dataset = MaskedTokens if masked else dataset
 
     def train_dataloader(self) -> DataLoader:
         kw = self.trainer.strategy.distributed_sampler_kwargs
         if self.variable:
-            return DataLoader(VariableBatches(kw["num_replicas"], kw["rank"], masked=self.masked), batch_size=None)
+            return DataLoader(VariableBatches(kw["num_replicas"], kw["rank"], masked=self.masked, ordered=self.ordered),
+                              batch_size=None)
         sampler = ReplicaSlices(self.n, self.global_batch, kw["num_replicas"], kw["rank"])
         return DataLoader(self.dataset(self.n), batch_size=self.global_batch // kw["num_replicas"], sampler=sampler)
 
@@ -149,13 +153,27 @@ def variable_step(step: int, dp: int, rank: int, masked: bool = False) -> list[d
     return mbs
 
 
+def gpipe_reversed(pp: int, virtual: int, m: int) -> list[list[Action]]:
+    """An explicit schedule none of the named ones produces: every forward (stage by stage, micro-batches in order),
+    then every backward with the micro-batches in reverse order."""
+    orders = []
+    for rank in range(pp):
+        stages = [rank + k * pp for k in range(virtual)]
+        forwards = [Action("F", s, j) for s in stages for j in range(m)]
+        orders.append(forwards + [Action("B", s, j) for s in reversed(stages) for j in reversed(range(m))])
+    return orders
+
+
 class VariableBatches(torch.utils.data.IterableDataset):
-    def __init__(self, dp: int, rank: int, steps: int = 6, masked: bool = False) -> None:
-        self.dp, self.rank, self.steps, self.masked = dp, rank, steps, masked
+    def __init__(self, dp: int, rank: int, steps: int = 6, masked: bool = False,
+                 ordered: tuple[int, int] | None = None) -> None:
+        self.dp, self.rank, self.steps, self.masked, self.ordered = dp, rank, steps, masked, ordered
 
     def __iter__(self):
         for step in range(self.steps):
-            yield MicroBatches(variable_step(step, self.dp, self.rank, self.masked))
+            mbs = variable_step(step, self.dp, self.rank, self.masked)
+            orders = gpipe_reversed(*self.ordered, len(mbs)) if self.ordered else None
+            yield MicroBatches(mbs, orders=orders)
 
 
 @lru_cache(maxsize=16)

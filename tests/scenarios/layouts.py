@@ -13,8 +13,10 @@ import time
 
 from lightning_3d import Compressed3DStrategy
 from tests.scenarios.common import (
-    LossRecorder, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report,
+    LossRecorder, TestData, all_max, compare, gpipe_reversed, make_model, parse_args, reference, trainer,
+    variable_step, write_report,
 )
+from lightning_3d.pipeline.schedules import mark_epilogue
 
 STEPS = 6
 
@@ -42,7 +44,7 @@ def variants(world: int) -> list[dict]:
     extra = []
     if world == 2:
         extra += [dict(dp=1, pp=1, tp=2, schedule="1f1b", m=2, sp=True),
-                  dict(dp=1, pp=2, tp=1, schedule="1f1b", m=4, variable=True),
+                  dict(dp=1, pp=2, tp=1, schedule="1f1b", m=4, variable=True, ordered=True),  # explicit per-step orders
                   dict(dp=2, pp=1, tp=1, schedule="1f1b", m=2, variable=True)]
     if world == 8:
         return []
@@ -71,10 +73,16 @@ def run(cfg: dict) -> dict:
     model = make_model()
     start = time.perf_counter()
     trainer(strategy, STEPS, [recorder], accumulate=accumulate).fit(
-        model, datamodule=TestData(global_batch, variable=variable, masked=True)
+        model, datamodule=TestData(global_batch, variable=variable, masked=True,
+                                   ordered=(cfg["pp"], virtual or 1) if cfg.get("ordered") else None)
     )
     ref = reference(STEPS, global_batch, cfg["dp"] if variable else 0, accumulate, masked=True)
     result = compare(model, recorder.losses, ref)
+    if cfg.get("ordered"):  # the explicit orders survived Lightning's batch transfer and ran
+        runtime = strategy.pipeline_runtime
+        last = variable_step(STEPS - 1, cfg["dp"], 0)
+        expected = tuple(mark_epilogue(o) for o in gpipe_reversed(cfg["pp"], virtual or 1, len(last)))
+        cfg = {**cfg, "ordered": runtime.last_orders == expected}
     return {**cfg, "loss_err": all_max(result["loss_err"]), "param_err": all_max(result["param_err"]),
             "seconds": round(time.perf_counter() - start, 2)}
 
