@@ -5,6 +5,6 @@ both ask these questions; a profile measured on a GPU (``lightning-3d profile``)
 The interface is ``CostModel`` in ``lightning_3d.costs.model``; see docs/extending.md ("a planner cost term").
 """
 
-from lightning_3d.costs.model import CostModel, LayerKind
+from lightning_3d.costs.model import CostModel, DeviceSpec, LayerKind, ModelShape
 
-__all__ = ["CostModel", "LayerKind"]
+__all__ = ["CostModel", "DeviceSpec", "LayerKind", "ModelShape"]

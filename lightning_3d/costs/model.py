@@ -9,6 +9,7 @@ profiled, outside the profiled grid) cost ``inf``, so a search never picks them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -46,3 +47,44 @@ class CostModel(Protocol):
         """(stored bytes, peak bytes): activation memory the layer keeps from its forward until its backward, and
         the transient memory above that while it runs (the larger of its forward and backward working sets)."""
         ...
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a cost model needs to know about a transformer, independent of the recipe classes (this layer cannot
+    import them; ``GPT``/``T5`` modules convert their config with ``model_shape()``).
+
+    ``family``: "gpt" (decoder-only: embedding, ``num_layers`` × "block", head) or "t5" (embedding,
+    ``num_layers`` × "encoder_block", ``num_decoder_layers`` × "decoder_block", head). ``head_dim`` defaults to
+    hidden_size / num_heads; ``gated_ffn``: two input projections in the feed-forward layer (T5 v1.1, SwiGLU).
+    ``bytes_per_element``: of activations and weights in the compute dtype (2 for bf16, 4 for fp32).
+    """
+
+    family: Literal["gpt", "t5"]
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    num_decoder_layers: int = 0
+    head_dim: int | None = None
+    gated_ffn: bool = False
+    bytes_per_element: int = 2
+
+    def layer_kinds(self) -> list[LayerKind]:
+        """The model's layers in pipeline order (what ``pipeline_layer_split`` cuts, plus embedding and head)."""
+        if self.family == "gpt":
+            return ["embedding", *["block"] * self.num_layers, "head"]
+        return ["embedding", *["encoder_block"] * self.num_layers, *["decoder_block"] * self.num_decoder_layers, "head"]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """The GPU an analytic model assumes: dense peak FLOP/s in the compute dtype, memory bandwidth (bytes/s),
+    memory capacity (bytes) and the fraction of peak that large GEMMs reach (the analytic model's one calibration)."""
+
+    name: str
+    peak_flops: float
+    memory_bandwidth: float
+    memory_bytes: float
+    gemm_efficiency: float = 0.7
