@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from benchmarks.hf_peers import compile_counters, plain_peer, recipe_module, synthetic_data, synthetic_datamodule
 from lightning_3d.recipes import GPT
-from lightning_3d.recipes.data import SyntheticLMDataModule
-from lightning_3d.recipes.data.synthetic import SyntheticTokens
 from lightning_3d.recipes.gpt.model import GPTModel
-from lightning_3d.recipes.training import compile_blocks
+from lightning_3d.recipes.training import compile_blocks, count_target_tokens
 from lightning_3d.strategies.stage_builder import replicate_plain_parameters
 from lightning_3d.utils.tensors import materialize_
 
@@ -30,7 +29,7 @@ def run_worker(args: argparse.Namespace, system: dict) -> None:
     cuda = args.accelerator == "gpu"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if system["name"] == "plain":
+    if system["name"] in ("plain", "hf"):
         result = plain_loop(args, system, torch.device("cuda") if cuda else torch.device("cpu"))
     else:
         result = lightning_fit(args, system)
@@ -49,18 +48,11 @@ def make_gpt(args: argparse.Namespace, system: dict, cls: type[GPT] = GPT) -> GP
                decay_steps=1000, fp32_residual=system["fp32res"])
 
 
-# ----- plain PyTorch ---------------------------------------------------------------------------------------------
+# ----- plain loops: our model, or transformers' -----------------------------------------------------------------
 def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> dict:
     """The loop a user writes by hand: autocast forward, backward per micro-batch, one fused AdamW step."""
-    module = make_gpt(args, system)
-    with torch.device("meta"):
-        module.model = GPTModel(module.config, module.config.padded_vocab_size(1), system["ckpt"])
-    materialize_(module.model, device)
-    module.init_weights()
-    if module.hparams.compile:
-        compile_blocks(module.model.layers.values(), module.hparams.compile)
-    optimizer = module.configure_optimizers()["optimizer"]
-    data = SyntheticTokens(args.vocab_size, args.seq_length, 10**9, seed=1234)
+    step_loss, optimizer = plain_peer(args, system, device)
+    data = synthetic_data(args)
     m, mb = args.num_microbatches, args.micro_batch_size
     step_s, losses, index = [], [], 0
     profiler = StepProfiler(args)
@@ -74,8 +66,8 @@ def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> 
             index += mb
             batch = {k: torch.stack([s[k] for s in samples]).to(device, non_blocking=True) for k in samples[0]}
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = module.model(batch["input_ids"])
-            loss = module.pipeline_loss(logits, batch) / module.pipeline_loss_terms(batch) / m
+                summed = step_loss(batch)
+            loss = summed / count_target_tokens(batch["labels"]) / m
             loss.backward()
             total += loss.detach()
         optimizer.step()
@@ -174,10 +166,10 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
                                         schedule=args.schedule if system["pp"] > 1 else "1f1b",
                                         compression=system["cc"], fused_embedding_sync=system["cc"],
                                         gradient_accumulation_fusion=not system["nofuse"])
-        module, batch, accumulate = make_gpt(args, system), mb * m, 1
+        module, batch, accumulate = recipe_module(args, system), mb * m, 1
     elif name == "ddp":
         strategy = DDPStrategy(gradient_as_bucket_view=True)
-        module, batch, accumulate = make_gpt(args, system), mb, m
+        module, batch, accumulate = recipe_module(args, system), mb, m
     else:
         strategy = ModelParallelStrategy(data_parallel_size=system["dp"], tensor_parallel_size=system["tp"],
                                          save_distributed_checkpoint=True)
@@ -188,8 +180,7 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
                          precision="bf16-mixed", max_steps=steps, accumulate_grad_batches=accumulate,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
-    data = SyntheticLMDataModule(vocab_size=args.vocab_size, seq_length=args.seq_length, batch_size=batch,
-                                 num_samples=batch * system["dp"] * accumulate * (steps + 1), shuffle=False)
+    data = synthetic_datamodule(args, batch, batch * system["dp"] * accumulate * (steps + 1))
     trainer.fit(module, datamodule=data)
     device = trainer.strategy.root_device
     times = torch.tensor(timer.step_s, dtype=torch.float64, device=device)
@@ -242,7 +233,10 @@ def _result(step_s: list[float], losses: list[float], device: torch.device, redu
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], dtype=torch.float64, device=device)
     if reduce:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # Allocator retries (cudaMalloc failed, cache flushed, retried): a step near the memory limit that varies in time.
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0
     return {"step_s": step_s, "first_loss": losses[0], "final_loss": losses[-1], "peak_mem_gb": peak.item() / 1e9,
+            "alloc_retries": int(retries), "compile": compile_counters(),
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}
 
 

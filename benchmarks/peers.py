@@ -1,13 +1,17 @@
 """Side by side, in one run on one machine: our strategy against what users would train with otherwise.
 
 Systems (each in fresh processes started by torchrun, same model, same initial weights, same synthetic tokens):
-  plain          plain PyTorch loop on one GPU (our GPT module, bf16 autocast, fused AdamW): the hardware anchor
+  plain          plain PyTorch loop on one GPU (our recipe's model, bf16 autocast, fused AdamW): the hardware anchor
+  hf             the same loop with transformers' GPT2LMHeadModel (SDPA) or T5ForConditionalGeneration, our weights
   ddp            Lightning ``DDPStrategy`` on all GPUs of the run
   fsdp@DP,TP     Lightning ``ModelParallelStrategy``: FSDP2 (bf16 params, fp32 reduce) over DP, DTensor TP over TP
   ours@DP,PP,TP  ``Compressed3DStrategy`` (compression off unless ``+cc``)
-Suffixes: ``+compile`` (per-block torch.compile, and the loss), ``+autotune`` (compile with
-"max-autotune-no-cudagraphs"), ``+ckpt`` (activation checkpointing), ``+cc``
-(ours only: the default compression stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``).
+Suffixes: ``+compile`` (per-block torch.compile, and the loss; hf: the whole model and loss), ``+autotune`` (compile
+with "max-autotune-no-cudagraphs"), ``+whole`` (plain only: ``torch.compile`` of the whole model with its loss, as a
+user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (ours only: the default compression
+stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fusedce`` (GPT, plain and ours: the
+chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``). ``--model t5`` runs the T5 recipe (inputs of
+``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
 
@@ -24,17 +28,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.processes import kill_launch  # noqa: E402
-from benchmarks.train_throughput import ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, environment  # noqa: E402
+from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, T5_FLOPS_FORMULA,  # noqa: E402
+                                         environment)
 
-SYSTEMS = ("plain", "ddp", "fsdp", "ours")
-SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse")
+SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
+SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce")
 OURS_ONLY = ("cc", "nofuse")
+# Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
+ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
+            "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
+            "fp32res": ("plain", "ddp", "fsdp", "ours")}
+MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
 
 
 def parse_system(text: str, gpus: int) -> dict:
@@ -42,11 +53,17 @@ def parse_system(text: str, gpus: int) -> dict:
     head, *suffixes = text.split("+")
     name, _, sizes = head.partition("@")
     bad = [s for s in suffixes if s not in SUFFIXES]
-    if name not in SYSTEMS or bad or (name != "ours" and any(s in OURS_ONLY for s in suffixes)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME[@sizes][+{'|+'.join(SUFFIXES)}] with NAME in {SYSTEMS}"
-                                         f" (+{', +'.join(OURS_ONLY)} for ours only)")
+    if name not in SYSTEMS or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME[@sizes][+{'|+'.join(SUFFIXES)}] with NAME in {SYSTEMS}")
+    for suffix in suffixes:
+        if name not in ONLY_FOR.get(suffix, SYSTEMS):
+            only = ONLY_FOR[suffix]
+            raise argparse.ArgumentTypeError(f"{text!r}: +{suffix} is for {' and '.join(only)}"
+                                             f"{' only' if len(only) == 1 else ''}, not {name}")
+    if "whole" in suffixes and ("compile" in suffixes or "autotune" in suffixes):
+        raise argparse.ArgumentTypeError(f"{text!r}: +whole compiles the whole model; drop +compile/+autotune")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
-    if name == "plain":
+    if name in ("plain", "hf"):
         dp, pp, tp = 1, 1, 1
     elif name == "ddp":
         dp, pp, tp = (numbers or [gpus])[0], 1, 1
@@ -64,9 +81,11 @@ def parse_system(text: str, gpus: int) -> dict:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="1.3b")
-    p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--model", default="gpt", choices=tuple(MODEL_DEFAULTS), help="recipe: GPT or T5")
+    p.add_argument("--preset", default=None, help="a preset of the model's recipe (default: gpt 1.3b, t5 770m)")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: gpt 50257, t5 32128")
+    p.add_argument("--seq-length", type=int, default=2048, help="gpt: sequence length; t5: input length")
+    p.add_argument("--target-length", type=int, default=None, help="t5 only: target (decoder) length (default 128)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--num-microbatches", type=int, default=1, help="per replica and optimizer step")
     p.add_argument("--systems", nargs="+", default=["plain", "plain+compile", "ours@1,1,1", "ours@1,1,1+compile"])
@@ -85,10 +104,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for key, value in MODEL_DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.model == "gpt" and args.target_length is not None:
+        p.error("--target-length is for --model t5 (GPT trains on --seq-length tokens)")
+    if args.model == "t5" and args.target_length is None:
+        args.target_length = 128
     args.parsed = [parse_system(s, args.gpus) for s in args.systems]
     for s in args.parsed:
         if s["world"] > args.gpus:
             p.error(f"{s['label']} needs {s['world']} GPUs; the run has --gpus {args.gpus}")
+        if args.model == "t5" and (s["name"] == "fsdp" or s["fusedce"] or s["fp32res"]):
+            p.error(f"{s['label']}: --model t5 runs plain, hf, ddp and ours, without +fusedce or +fp32res")
         if s["name"] == "ours" and args.schedule != "gpipe" and args.num_microbatches < s["pp"]:
             p.error(f"{s['label']} with --schedule {args.schedule} needs --num-microbatches >= pp = {s['pp']}"
                     f" (got {args.num_microbatches})")
@@ -121,24 +149,43 @@ def launch(args: argparse.Namespace, system: dict, out_dir: Path, index: int) ->
 
 
 def summarize(args: argparse.Namespace, system: dict, raw: dict, flops_per_token: float) -> dict:
-    tokens = system["dp"] * args.micro_batch_size * args.num_microbatches * args.seq_length
+    tokens = system["dp"] * args.micro_batch_size * args.num_microbatches * sample_tokens(args)
     row = {k: system[k] for k in ("label", "name", "dp", "pp", "tp", "world", *SUFFIXES)}
     row["tokens_per_step"] = tokens
     if raw.get("error"):
         return {**row, **raw}
     step_s = np.asarray(raw.pop("step_s"))
-    ms = np.percentile(step_s * 1e3, [50, 10, 90]).tolist()
+    ms = np.percentile(step_s * 1e3, [50, 10, 90, 0, 100]).tolist()
     tokens_s = tokens / np.median(step_s)
     tflops = flops_per_token * tokens_s / system["world"] / 1e12
     return {**row, **raw, "tokens_per_s": tokens_s, "tflops_per_gpu": tflops,
             "mfu": tflops / PEAK_TFLOPS if args.accelerator == "gpu" else None,
-            "step_ms": dict(zip(("median", "p10", "p90"), ms), n=len(step_s))}
+            "step_ms": dict(zip(("median", "p10", "p90", "min", "max"), ms), mean=float(step_s.mean()) * 1e3,
+                            n=len(step_s))}
+
+
+def sample_tokens(args: argparse.Namespace) -> int:
+    """Tokens of one sample: GPT's sequence, T5's input plus target (the count its FLOPs per token refer to)."""
+    return args.seq_length + (args.target_length if args.model == "t5" else 0)
+
+
+def model_flops(args: argparse.Namespace) -> tuple[Any, float, str]:
+    """(recipe config, training FLOPs per token, the convention's text)."""
+    if args.model == "t5":
+        from lightning_3d.recipes.t5.config import preset as t5_preset
+
+        config = t5_preset(args.preset, vocab_size=args.vocab_size)
+        return config, config.flops_per_token(args.seq_length, args.target_length), T5_FLOPS_FORMULA
+    from lightning_3d.recipes.gpt.config import preset
+
+    config = preset(args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length)
+    return config, config.flops_per_token(args.seq_length), FLOPS_FORMULA
 
 
 def table(rows: list[dict], header: str) -> str:
     anchor = next((r for r in rows if r.get("error") is None), None)
     lines = [header, "system | GPUs | tokens/s | TFLOP/s/GPU | MFU % | per-GPU vs first | step ms median [p10-p90]"
-             " | peak mem GB | first loss"]
+             " {min-max} | peak mem GB | first loss"]
     for r in rows:
         if r.get("error"):
             lines.append(f"{r['label']} | {r['world']} | - | - | - | - | - | - | {r['error'].splitlines()[-1][:70]}")
@@ -147,23 +194,22 @@ def table(rows: list[dict], header: str) -> str:
         mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "n/a"
         lines.append(f"{r['label']} | {r['world']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.1f} | {mfu} |"
                      f" {rel:.2f}x | {r['step_ms']['median']:.1f} [{r['step_ms']['p10']:.1f}-{r['step_ms']['p90']:.1f}]"
+                     f" {{{r['step_ms']['min']:.1f}-{r['step_ms']['max']:.1f}}}"
                      f" | {r['peak_mem_gb']:.1f} | {r['first_loss']:.4f}")
     return "\n".join(lines)
 
 
 def driver(args: argparse.Namespace) -> None:
-    from lightning_3d.recipes.gpt.config import preset
-
-    config = preset(args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length)
-    flops_per_token = config.flops_per_token(args.seq_length)
+    config, flops_per_token, formula = model_flops(args)
     if args.accelerator == "cpu":  # a CPU smoke run on a GPU host keeps its workers off the GPUs
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     env = environment(argparse.Namespace(accelerator=args.accelerator, regime=args.regime))
     out_dir = args.out.resolve().with_name(args.out.stem + "_logs")
     out_dir.mkdir(parents=True, exist_ok=True)
-    header = (f"GPT {args.preset} (N={config.num_parameters() / 1e6:.1f}M), seq {args.seq_length}, micro-batch"
+    lengths = f"{args.seq_length}+{args.target_length}" if args.model == "t5" else str(args.seq_length)
+    header = (f"{args.model.upper()} {args.preset} (N={config.num_parameters() / 1e6:.1f}M), seq {lengths}, micro-batch"
               f" {args.micro_batch_size} x {args.num_microbatches} per replica, bf16, regime={args.regime},"
-              f" {args.steps} timed steps after {args.warmup}, {args.repeats} repeat(s)\n{FLOPS_FORMULA};"
+              f" {args.steps} timed steps after {args.warmup}, {args.repeats} repeat(s)\n{formula};"
               f" MFU = TFLOP/s/GPU / {PEAK_TFLOPS:.0f}; 'per-GPU vs first' = tokens/s per GPU relative to the first row")
     print(f"command: {env['command']}\n{env['date_utc']}  torch {env['torch']}  lightning {env['lightning']}"
           f"  GPUs: {', '.join(env['gpus']) or args.accelerator}", flush=True)

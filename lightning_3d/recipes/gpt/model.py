@@ -115,6 +115,9 @@ class LMHead(nn.Linear):
         mask = torch.zeros(padded_vocab)
         mask[vocab_size:] = float("-inf")
         self.register_buffer("padding_mask", mask if padded_vocab > vocab_size else None, persistent=False)
+        # GPT(fused_head_loss=True): the loss applies this projection chunk by chunk (recipes/kernels.py), so the
+        # stage ends at the final norm.
+        self.fused_with_loss = False
 
     def forward(self, x: Tensor) -> Tensor:
         logits = F.linear(x, self.weight)
@@ -194,7 +197,9 @@ def run_layers(model: GPTModel, x: Tensor, layers: Iterable[nn.Module]) -> Tenso
         else:
             x = layer(x)
     if model.head is not None:
-        x = model.head(model.norm(x))
+        x = model.norm(x)
+        if not model.head.fused_with_loss:
+            x = model.head(x)
     return x
 
 

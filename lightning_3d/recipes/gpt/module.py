@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
+from lightning_3d.recipes.kernels import linear_cross_entropy
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
                                            count_target_tokens, summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
@@ -27,6 +28,8 @@ class GPT(pl.LightningModule):
     Batches are ``{"input_ids": LongTensor[b, s], "labels": LongTensor[b, s]}`` (labels already shifted;
     ``-100`` is ignored). The model is built on the meta device and initialised deterministically by
     parameter name, so every parallel layout starts from the same weights as a single-device run.
+    ``fused_head_loss``: the head and the loss computed chunk by chunk (``recipes.kernels.linear_cross_entropy``),
+    never holding a micro-batch's full-vocabulary logits; tensor-parallel size 1 only.
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class GPT(pl.LightningModule):
         fp32_residual: bool | None = None,
         activation_checkpointing: bool = False,
         compile: bool | str = False,
+        fused_head_loss: bool = False,
         learning_rate: float = 3e-4,
         min_learning_rate: float = 3e-5,
         weight_decay: float = 0.1,
@@ -80,6 +84,11 @@ class GPT(pl.LightningModule):
         padded = self.config.padded_vocab_size(self._tensor_parallel_size())
         with torch.device("meta"):
             self.model = GPTModel(self.config, padded, self.hparams.activation_checkpointing)
+        if self.hparams.fused_head_loss:
+            if self._tensor_parallel_size() > 1:
+                raise ValueError(f"fused_head_loss=True needs tensor_parallel_size 1 (got {self._tensor_parallel_size()}):"
+                                 " with tp > 1 the vocabulary-parallel loss already splits the logits; turn it off.")
+            self.model.head.fused_with_loss = True
         if not (self._trainer and isinstance(self.trainer.strategy, Compressed3DStrategy)):
             # Other strategies (single device, DDP, benchmarks' peers) get a materialised model right away.
             device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
@@ -97,20 +106,22 @@ class GPT(pl.LightningModule):
 
     # ----- single-device / data-parallel path ----------------------------------------------------------------
     def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model(input_ids)
+        """Logits over the padded vocabulary."""
+        out, head = self.model(input_ids), self.model.head
+        return head(out) if head is not None and head.fused_with_loss else out
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self.model(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "train")
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self.model(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "val")
         return loss
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self.model(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "test")
         return loss
 
@@ -139,6 +150,9 @@ class GPT(pl.LightningModule):
         parallelize_gpt(stage, tp_mesh, sequence_parallel)
 
     def pipeline_loss(self, output: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
+        if self.hparams.fused_head_loss:  # the stage's output is the final norm's: project and score chunk by chunk
+            return linear_cross_entropy(output, self.model.head.weight, microbatch["labels"], self.config.vocab_size,
+                                        compiled=bool(self.hparams.compile))
         return summed_token_cross_entropy(output, microbatch["labels"], compiled=bool(self.hparams.compile))
 
     def pipeline_loss_terms(self, microbatch: dict[str, Tensor]) -> Tensor:
