@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_3d.recipes.training import summed_token_cross_entropy
+from lightning_3d.recipes.training import COMPILE_BACKEND, summed_token_cross_entropy
 
 Batch = dict[str, Tensor]
 
@@ -52,7 +52,7 @@ def build_recipe_model(args: argparse.Namespace, system: dict, device: torch.dev
     with torch.device("meta"):
         module.model = cls(module.config, module.config.padded_vocab_size(1), system["ckpt"])
     if args.model == "gpt" and system.get("fusedce"):
-        module.model.head_in_loss = True  # what GPT.configure_model sets for fused_head_loss=True
+        module.model.head.fused_with_loss = True  # what GPT.configure_model sets for fused_head_loss=True
     materialize_(module.model, device)
     module.init_weights()
     blocks = ([*module.model.encoder.values(), *module.model.decoder.values()] if args.model == "t5"
@@ -131,11 +131,11 @@ def plain_peer(args: argparse.Namespace, system: dict, device: torch.device) -> 
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
                                        {"params": rest, "weight_decay": 0.0}],
                                       lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps, fused=True)
-        return (torch.compile(model) if system["compile"] else model), optimizer
+        return (torch.compile(model, backend=COMPILE_BACKEND) if system["compile"] else model), optimizer
     module = build_recipe_model(args, system, device, compile=False if system["whole"] else None)
     optimizer = module.configure_optimizers()["optimizer"]
     loss = RecipeLoss(module, args)
-    return (torch.compile(loss) if system["whole"] else loss), optimizer
+    return (torch.compile(loss, backend=COMPILE_BACKEND) if system["whole"] else loss), optimizer
 
 
 def synthetic_data(args: argparse.Namespace):

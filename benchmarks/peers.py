@@ -100,6 +100,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " (Chrome trace, gzip) as NN.trace.json.gz beside each system's log")
     p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: smoke test only")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per system")
+    p.add_argument("--deadline", type=float, default=None, help="Unix time by which the whole list must be done (a"
+                   " device call's limit): each system gets min(--timeout, the time left); one with less than"
+                   " --min-system-s left is skipped and reported so")
+    p.add_argument("--min-system-s", type=float, default=45.0, help="with --deadline: the least time worth a launch")
     p.add_argument("--out", type=Path, default=Path("peers.json"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -123,7 +127,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def launch(args: argparse.Namespace, system: dict, out_dir: Path, index: int) -> dict:
+def launch(args: argparse.Namespace, system: dict, out_dir: Path, index: int, timeout: float) -> dict:
     """One system in fresh processes (torchrun --standalone picks a free port); its rank-0 result or an error."""
     result = out_dir / f"{index:02d}.json"
     log = out_dir / f"{index:02d}.log"
@@ -135,7 +139,7 @@ def launch(args: argparse.Namespace, system: dict, out_dir: Path, index: int) ->
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         try:
-            code = proc.wait(timeout=args.timeout)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = "timeout"
             # Every worker, not only torchrun (benchmarks.processes says why). SIGUSR1 first: the workers print every
@@ -219,7 +223,11 @@ def driver(args: argparse.Namespace) -> None:
     index = 0
     for repeat in range(args.repeats):
         for system in args.parsed:
-            raw = launch(args, system, out_dir, index)
+            timeout = args.timeout if args.deadline is None else min(args.timeout, args.deadline - time.time())
+            if timeout < (args.min_system_s if args.deadline is not None else 0):
+                raw = {"error": f"skipped: {max(timeout, 0):.0f} s left before --deadline", "wall_s": 0.0}
+            else:
+                raw = launch(args, system, out_dir, index, timeout)
             index += 1
             row = {**summarize(args, system, raw, flops_per_token), "repeat": repeat}
             print(f"  {system['label']}: " + (row["error"].splitlines()[0] if row["error"] else

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issue 25 in one device call: our one-GPU step against what a user would train with instead, side by side per part
+# (benchmarks/peers.py: fresh processes per system, same tokens, weights, micro-batch and accumulation, bf16 autocast,
+# fused AdamW; tokens/s, TFLOP/s, MFU, step time median [p10-p90] {min-max}, peak memory, allocator retries and
+# torch.compile's graph/break/recompile counts per system):
+#   bash benchmarks/single_gpu_speed.sh OUT_DIR [PART ...]        default parts: gpt4 t5 gpt16, in that order
+#     gpt4   GPT-1.3B, seq 2048, 4 x 8 accumulated: ours compiled per block, plain PyTorch compiled whole (model and
+#            loss), ours + the fused chunked head/loss, transformers GPT2LMHeadModel (SDPA) compiled whole
+#     t5     T5-770M (v1.0), 512 + 128, 8 x 8: ours, transformers T5ForConditionalGeneration compiled whole, ours
+#            without gradient-accumulation fusion (its per-linear custom op is host work); --profile: each system's
+#            log ends with a kernel table of two extra steps (device vs host time)
+#     gpt16  GPT-1.3B, seq 2048, 16 x 2: ours + fused head/loss, plain compiled whole, ours
+# Time: the whole call ends within SPEED_BUDGET_S seconds (default 525, for a 10-minute device call): the budget is
+# shared by the parts asked for in the weights gpt4 4, t5 3, gpt16 3 as cumulative deadlines (time a part leaves
+# unused goes to the next), each system gets the time left before its part's deadline (at most SYSTEM_TIMEOUT_S,
+# default 240), and a system with under 45 s left is skipped and listed as such. Systems are ordered most informative first. Results: OUT_DIR/speed_<part>.json and .txt, worker logs
+# in OUT_DIR/speed_<part>_logs/.
+# SPEED_CPU=1: the same lists on CPU with tiny presets (tests/test_benchmarks.py), compile backend aot_eager.
+set -uo pipefail  # not -e: a part that fails must not cost the parts after it
+out=${1:?usage: single_gpu_speed.sh OUT_DIR [gpt4|t5|gpt16 ...]}; shift
+parts=("$@"); [[ ${#parts[@]} -eq 0 ]] && parts=(gpt4 t5 gpt16)
+mkdir -p "$out"
+here=$(cd "$(dirname "$0")/.." && pwd)
+budget=${SPEED_BUDGET_S:-525}
+start=$(date +%s)
+declare -A weight=([gpt4]=4 [t5]=3 [gpt16]=3)
+total=0
+for part in "${parts[@]}"; do
+  [[ -v "weight[$part]" ]] || { echo "unknown part $part (gpt4, t5, gpt16)" >&2; exit 2; }
+  total=$(( total + weight[$part] ))
+done
+done_weight=0
+
+if [[ ${SPEED_CPU:-0} == 1 ]]; then
+  export L3D_COMPILE_BACKEND=aot_eager OMP_NUM_THREADS=1
+  gpt=(--accelerator cpu --preset tiny --vocab-size 4096 --seq-length 32 --warmup 1 --steps 1)
+  t5=(--accelerator cpu --preset tiny --vocab-size 512 --seq-length 32 --target-length 8 --warmup 1 --steps 1)
+  mb4=(--micro-batch-size 2 --num-microbatches 2); mb16=(--micro-batch-size 4 --num-microbatches 1)
+  mb_t5=(--micro-batch-size 2 --num-microbatches 2)
+else
+  gpt=(--preset 1.3b --seq-length 2048 --warmup 2 --steps 3)
+  t5=(--preset 770m --seq-length 512 --target-length 128 --warmup 2 --steps 4 --profile)
+  mb4=(--micro-batch-size 4 --num-microbatches 8); mb16=(--micro-batch-size 16 --num-microbatches 2)
+  mb_t5=(--micro-batch-size 8 --num-microbatches 8)
+fi
+
+run_part() {
+  local part=$1; shift
+  done_weight=$(( done_weight + weight[$part] ))
+  local deadline=$(( start + budget * done_weight / total ))
+  echo "== $part: until $(date -u -d "@$deadline" +%H:%M:%S) UTC ($(( deadline - $(date +%s) )) s)"
+  python "$here/benchmarks/peers.py" "$@" --timeout "${SYSTEM_TIMEOUT_S:-240}" --deadline "$deadline" \
+      --out "$out/speed_$part.json" | tee "$out/speed_$part.txt"
+}
+
+for part in "${parts[@]}"; do
+  case $part in
+    gpt4) run_part gpt4 "${gpt[@]}" "${mb4[@]}" \
+            --systems ours@1,1,1+compile plain+whole ours@1,1,1+compile+fusedce hf+compile ;;
+    t5) run_part t5 --model t5 "${t5[@]}" "${mb_t5[@]}" \
+            --systems ours@1,1,1+compile hf+compile ours@1,1,1+compile+nofuse ;;
+    gpt16) run_part gpt16 "${gpt[@]}" "${mb16[@]}" \
+            --systems ours@1,1,1+compile+fusedce plain+whole ours@1,1,1+compile ;;
+    *) echo "unknown part $part (gpt4, t5, gpt16)" >&2; exit 2 ;;
+  esac
+done
+echo "== done in $(( $(date +%s) - start )) s; JSON: $out/speed_*.json"
