@@ -186,3 +186,45 @@ def test_gpt_fused_head_loss_refuses_tensor_parallelism(monkeypatch: pytest.Monk
     monkeypatch.setattr(GPT, "_tensor_parallel_size", lambda self: 2)
     with pytest.raises(ValueError, match=r"fused_head_loss=True needs tensor_parallel_size 1 \(got 2\)"):
         module.configure_model()
+
+
+def test_t5_encoder_bias_is_batch_free_and_gradients_match_transformers() -> None:
+    """The encoder's position bias reaches every block as (1, heads, s, s), the padding mask as its own (batch, 1, 1, s)
+    addend: before, the two were folded into a (batch, heads, s, s) fp32 tensor that every block read and whose gradient
+    every block wrote (8 x 16 x 512 x 512 x 4 bytes = 134 MB per block for T5-770M at micro-batch 8). Masked scores get
+    probability 0 either way, so the loss and every gradient stay transformers' (which folds them): within twice the
+    logits' summation-order tolerance (the backward runs a mirror chain of reductions of the same lengths)."""
+    from transformers import T5ForConditionalGeneration
+
+    from lightning_3d.recipes.hf_t5 import hf_config_for, hf_key, t5_to_hf_state_dict
+    from tests.test_t5 import inputs, tiny_t5
+    from tests.tolerance import t5_tolerance
+
+    module = tiny_t5("v1.0").train()
+    hf = T5ForConditionalGeneration(hf_config_for(module.config)).train()
+    hf.load_state_dict(t5_to_hf_state_dict(module.model.state_dict(), module.config), strict=False)
+    batch = inputs()
+    batch["labels"] = torch.randint(0, 300, batch["decoder_input_ids"].shape, generator=torch.Generator().manual_seed(1))
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda _, args: seen.append((args[1].shape, args[2].shape)))
+             for b in module.model.encoder.values()]
+    ours = module._step_loss(batch) * count(batch)
+    for hook in hooks:
+        hook.remove()
+    assert seen == [((1, 4, 40, 40), (3, 1, 1, 40))] * 2
+    logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                decoder_input_ids=batch["decoder_input_ids"]).logits
+    theirs = summed_token_cross_entropy(logits, batch["labels"])
+    ours.backward()
+    theirs.backward()
+    tolerance = 2 * t5_tolerance(2, 3, 64)
+    assert abs(ours.item() - theirs.item()) <= tolerance * theirs.item()
+    hf_params = dict(hf.named_parameters())
+    for name, p in module.model.named_parameters():
+        reference = hf_params[hf_key(name)].grad  # unpadded vocabulary: our padding rows get no gradient
+        assert scaled_error(p.grad[: reference.shape[0]], reference) <= tolerance, name
+        assert not p.grad[reference.shape[0] :].any(), name
+
+
+def count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (batch["labels"] != IGNORE_INDEX).sum()

@@ -61,8 +61,10 @@ class Attention(nn.Module):
         # On the probabilities of this rank's own heads: its tensor-parallel stream.
         self.drop = ParallelDropout(config.dropout, sharded=True)
 
-    def forward(self, x: Tensor, bias: Tensor | None, memory: Tensor | None = None) -> Tensor:
-        """``bias``: position bias plus mask, (1 or batch, heads or 1, queries, keys), or None."""
+    def forward(self, x: Tensor, bias: Tensor | None, memory: Tensor | None = None,
+                key_bias: Tensor | None = None) -> Tensor:
+        """``bias``: position bias plus mask, (1 or batch, heads or 1, queries, keys), or None; ``key_bias``: the padding
+        mask (batch, 1, 1, keys) added on top, kept apart so that ``bias`` and its gradient stay batch-free."""
         source = x if memory is None else memory
         b, s, t = x.shape[0], x.shape[1], source.shape[1]
         # -1 heads: under tensor parallelism each rank holds num_heads / tp of them (and of the bias).
@@ -72,6 +74,8 @@ class Attention(nn.Module):
         scores = q @ k.transpose(-1, -2)
         if bias is not None:
             scores = scores + bias
+        if key_bias is not None:
+            scores = scores + key_bias
         # Explicit rather than SDPA: its fused CPU/GPU kernels are slow (or fall back) with a bias that needs a gradient.
         probs = self.drop(scores.float().softmax(-1).to(v.dtype))
         y = probs @ v
@@ -108,8 +112,8 @@ class EncoderBlock(nn.Module):
         self.ff = FeedForward(config)
         self.drop = ParallelDropout(config.dropout)  # residual: sharded under sequence parallelism (parallelize_t5)
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        x = x + self.drop(self.self_attn(self.self_attn_norm(x), bias))
+    def forward(self, x: Tensor, bias: Tensor, key_bias: Tensor | None = None) -> Tensor:
+        x = x + self.drop(self.self_attn(self.self_attn_norm(x), bias, key_bias=key_bias))
         return x + self.drop(self.ff(self.ff_norm(x)))
 
 
@@ -191,23 +195,23 @@ def run_stage(m: nn.Module, received: tuple[Tensor, ...], mb: Mapping[str, Tenso
         x, y, enc_table, dec_table = received
     else:
         y, memory, dec_table = received
+    padding = _key_mask(mb)
+    # The padding mask as its own (batch, 1, 1, keys) addend: folded into the position bias it made a (batch, heads, s, s)
+    # fp32 tensor that every encoder block read, and whose gradient every block wrote and autograd summed.
+    keys = None if padding is None else torch.zeros(padding.shape, device=padding.device).masked_fill(padding, MASK_VALUE)
     if len(m.encoder):
         s = mb["input_ids"].shape[1]
         bias = position_bias(enc_table, s, s, True, cfg)
-        if (padding := _key_mask(mb)) is not None:
-            bias = bias.masked_fill(padding, MASK_VALUE)
         for block in m.encoder.values():
-            x = _call(m, block, x, bias)
+            x = _call(m, block, x, bias, keys)
     if m.encoder_norm is not None:
         memory, x = m.drop(m.encoder_norm(x)), None
     if len(m.decoder):
         t = dec_ids.shape[1]
         future = torch.ones(t, t, dtype=torch.bool, device=dec_table.device).triu(1)
         bias = position_bias(dec_table, t, t, False, cfg).masked_fill(future, MASK_VALUE)
-        padding = _key_mask(mb)
-        cross = None if padding is None else torch.zeros(padding.shape, device=padding.device).masked_fill(padding, MASK_VALUE)
         for block in m.decoder.values():
-            y = _call(m, block, y, memory, bias, cross)
+            y = _call(m, block, y, memory, bias, keys)
     if m.lm_head is not None:
         y = m.drop(m.decoder_norm(y))
         if cfg.tie_embeddings:
