@@ -32,7 +32,8 @@ def recipe_module(args: argparse.Namespace, system: dict, compile: bool | str | 
     if compile is None:
         compile = "max-autotune-no-cudagraphs" if system["autotune"] else system["compile"]
     common = dict(preset_name=args.preset, vocab_size=args.vocab_size, activation_checkpointing=system["ckpt"],
-                  compile=compile, optimizer_fused=True, decay_steps=1000)
+                  compile=compile, optimizer_fused=True, decay_steps=1000,
+                  compile_scope="stage" if system.get("stage") else "block")
     if args.model == "t5":
         return T5(**common)
     extra = {"fused_head_loss": True} if system.get("fusedce") else {}

@@ -10,7 +10,8 @@ Suffixes: ``+compile`` (per-block torch.compile, and the loss; hf: the whole mod
 with "max-autotune-no-cudagraphs"), ``+whole`` (plain only: ``torch.compile`` of the whole model with its loss, as a
 user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (ours only: the default compression
 stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fusedce`` (GPT, plain and ours: the
-chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``). ``--model t5`` runs the T5 recipe (inputs of
+chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (ours only, with +compile: one graph
+per pipeline stage, ``compile_scope="stage"``). ``--model t5`` runs the T5 recipe (inputs of
 ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
@@ -39,10 +40,10 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
                                          environment)
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
-SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce")
+SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage")
 OURS_ONLY = ("cc", "nofuse")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
-ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
+ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
             "fp32res": ("plain", "ddp", "fsdp", "ours")}
 MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
@@ -62,6 +63,8 @@ def parse_system(text: str, gpus: int) -> dict:
                                              f"{' only' if len(only) == 1 else ''}, not {name}")
     if "whole" in suffixes and ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +whole compiles the whole model; drop +compile/+autotune")
+    if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
+        raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
     if name in ("plain", "hf"):
         dp, pp, tp = 1, 1, 1

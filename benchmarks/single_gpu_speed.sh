@@ -5,11 +5,13 @@
 # torch.compile's graph/break/recompile counts per system):
 #   bash benchmarks/single_gpu_speed.sh OUT_DIR [PART ...]        default parts: gpt4 t5 gpt16, in that order
 #     gpt4   GPT-1.3B, seq 2048, 4 x 8 accumulated: ours compiled per block, plain PyTorch compiled whole (model and
-#            loss), ours + the fused chunked head/loss, transformers GPT2LMHeadModel (SDPA) compiled whole
+#            loss), ours + the fused chunked head/loss, the same compiled per stage, transformers GPT2LMHeadModel
+#            (SDPA) compiled whole
 #     t5     T5-770M (v1.0), 512 + 128, 8 x 8: ours, transformers T5ForConditionalGeneration compiled whole, ours
-#            without gradient-accumulation fusion (its per-linear custom op is host work); --profile: each system's
-#            log ends with a kernel table of two extra steps (device vs host time)
-#     gpt16  GPT-1.3B, seq 2048, 16 x 2: ours + fused head/loss, plain compiled whole, ours
+#            compiled per stage, ours without gradient-accumulation fusion (its per-linear custom op is host work);
+#            --profile: each system's log ends with a kernel table of two extra steps (device vs host time)
+#     gpt16  GPT-1.3B, seq 2048, 16 x 2: ours per stage + fused head/loss, plain compiled whole, ours + fused
+#            head/loss, ours
 # Time: the whole call ends within SPEED_BUDGET_S seconds (default 525, for a 10-minute device call): the budget is
 # shared by the parts asked for in the weights gpt4 4, t5 3, gpt16 3 as cumulative deadlines (time a part leaves
 # unused goes to the next), each system gets the time left before its part's deadline (at most SYSTEM_TIMEOUT_S,
@@ -56,11 +58,12 @@ run_part() {
 for part in "${parts[@]}"; do
   case $part in
     gpt4) run_part gpt4 "${gpt[@]}" "${mb4[@]}" \
-            --systems ours@1,1,1+compile plain+whole ours@1,1,1+compile+fusedce hf+compile ;;
+            --systems ours@1,1,1+compile plain+whole ours@1,1,1+compile+fusedce ours@1,1,1+compile+stage+fusedce \
+                      hf+compile ;;
     t5) run_part t5 --model t5 "${t5[@]}" "${mb_t5[@]}" \
-            --systems ours@1,1,1+compile hf+compile ours@1,1,1+compile+nofuse ;;
+            --systems ours@1,1,1+compile hf+compile ours@1,1,1+compile+stage ours@1,1,1+compile+nofuse ;;
     gpt16) run_part gpt16 "${gpt[@]}" "${mb16[@]}" \
-            --systems ours@1,1,1+compile+fusedce plain+whole ours@1,1,1+compile ;;
+            --systems ours@1,1,1+compile+stage+fusedce plain+whole ours@1,1,1+compile+fusedce ours@1,1,1+compile ;;
     *) echo "unknown part $part (gpt4, t5, gpt16)" >&2; exit 2 ;;
   esac
 done

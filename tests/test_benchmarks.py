@@ -268,10 +268,13 @@ def test_peers_system_suffixes() -> None:
     hf = parse_system("hf+compile", gpus=1)
     assert (hf["name"], hf["world"], hf["compile"], hf["whole"]) == ("hf", 1, True, False)
     assert parse_system("plain+whole", gpus=1)["whole"] and parse_system("ours@1,1,1+fusedce", gpus=1)["fusedce"]
+    assert parse_system("ours@1,1,1+compile+stage", gpus=1)["stage"]
     for bad, message in (("ours@1,1,1+whole", r"\+whole is for plain only, not ours"),
                          ("hf+ckpt", r"\+ckpt is for plain and ddp and fsdp and ours, not hf"),
                          ("ddp+fusedce", r"\+fusedce is for plain and ours, not ddp"),
-                         ("plain+whole+compile", r"\+whole compiles the whole model; drop")):
+                         ("plain+whole+compile", r"\+whole compiles the whole model; drop"),
+                         ("ours@1,1,1+stage", r"\+stage sets what one compiled graph covers; add \+compile"),
+                         ("plain+compile+stage", r"\+stage is for ours only, not plain")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse_system(bad, gpus=1)
 
@@ -280,12 +283,14 @@ def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
     """benchmarks/single_gpu_speed.sh (issue 25's device call) on CPU with tiny presets: every system of the GPT and T5
     parts runs, the peers start from the same weights and tokens (first losses agree to bf16), T5 counts inputs plus
     targets, and the compiled systems report torch.compile's counts: no graph break and no recompilation in ours (GPT
-    and T5, with the fused head/loss) or in the whole-model compiles."""
+    and T5, per block or per stage, with the fused head/loss) or in the whole-model compiles; per stage, ours is one
+    graph for the stage (and one for the loss: T5's, or the fused head's chunk)."""
     env = {**os.environ, "SPEED_CPU": "1", "SPEED_BUDGET_S": "1500"}
     subprocess.run(["bash", str(ROOT / "benchmarks/single_gpu_speed.sh"), str(tmp_path), "gpt4", "t5"], check=True,
                    cwd=ROOT, capture_output=True, timeout=1500, env=env)
-    expected = {"gpt4": ["ours@1,1,1+compile", "plain+whole", "ours@1,1,1+compile+fusedce", "hf+compile"],
-                "t5": ["ours@1,1,1+compile", "hf+compile", "ours@1,1,1+compile+nofuse"]}
+    expected = {"gpt4": ["ours@1,1,1+compile", "plain+whole", "ours@1,1,1+compile+fusedce",
+                         "ours@1,1,1+compile+stage+fusedce", "hf+compile"],
+                "t5": ["ours@1,1,1+compile", "hf+compile", "ours@1,1,1+compile+stage", "ours@1,1,1+compile+nofuse"]}
     for part, labels in expected.items():
         report = json.loads((tmp_path / f"speed_{part}.json").read_text())
         rows = {r["label"]: r for r in report["results"]}
@@ -297,6 +302,8 @@ def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
             assert set(row["step_ms"]) >= {"median", "p10", "p90", "min", "max", "mean"}
             assert row["compile"]["unique_graphs"] >= 1, label  # every system here is compiled
             assert row["compile"]["graph_breaks"] == 0 and row["compile"]["recompiles"] == 0, (label, row["compile"])
+            if label.endswith(("+stage", "+stage+fusedce")):
+                assert row["compile"]["unique_graphs"] == 2, (label, row["compile"])
             first = rows[labels[0]]["first_loss"]
             assert abs(row["first_loss"] - first) <= 1e-3 * first, (label, row["first_loss"], first)
 

@@ -228,3 +228,34 @@ def test_t5_encoder_bias_is_batch_free_and_gradients_match_transformers() -> Non
 
 def count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (batch["labels"] != IGNORE_INDEX).sum()
+
+
+@pytest.mark.parametrize("recipe", ["gpt", "t5"])
+def test_stage_compile_scope_trains_like_per_block(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_scope="stage"``: under our strategy each pipeline stage (embedding, every block, norm, head) is one
+    compiled module and no block is compiled on its own; training gives the per-block losses (aot_eager: the same
+    captured operations, so only fusion-free reordering could differ, bounded like test_compile's comparison)."""
+    import lightning_3d.recipes.training as training
+    from lightning_3d.recipes import GPT, T5
+    from tests.test_compile import blocks_of, fit
+
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
+    cls = GPT if recipe == "gpt" else T5
+    built: list[torch.nn.Module] = []
+    original = cls.build_pipeline_stages
+    monkeypatch.setattr(cls, "build_pipeline_stages",
+                        lambda self, layouts: (stages := original(self, layouts), built.extend(stages))[0])
+    block_losses, _, _ = fit(recipe=recipe, compile=True)
+    built.clear()
+    stage_losses, staged, _ = fit(recipe=recipe, compile=True, compile_scope="stage")
+    assert len(built) == 1 and built[0]._compiled_call_impl is not None
+    assert all(block._compiled_call_impl is None for block in blocks_of(staged))
+    assert torch.allclose(torch.tensor(stage_losses), torch.tensor(block_losses), rtol=1e-5, atol=0)
+
+
+def test_compile_scope_is_checked() -> None:
+    from lightning_3d.recipes import GPT, T5
+
+    for cls in (GPT, T5):
+        with pytest.raises(ValueError, match=r"compile_scope='model': use one of \('block', 'stage'\)"):
+            cls("tiny", compile=True, compile_scope="model")

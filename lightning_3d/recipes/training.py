@@ -19,6 +19,9 @@ IGNORE_INDEX = -100
 # C++/Triton build): in-process by patching this name, in subprocesses through L3D_COMPILE_BACKEND.
 COMPILE_BACKEND = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# What one torch.compile graph covers: a transformer block (the default), or a whole pipeline stage (embedding, blocks,
+# final norm and head: one graph per stage and direction, so per-block launch wrappers and guards leave the host).
+COMPILE_SCOPES = ("block", "stage")
 
 
 def summed_token_cross_entropy(output: Tensor, labels: Tensor, compiled: bool = False) -> Tensor:
@@ -65,8 +68,12 @@ def compile_blocks(blocks: Iterable[nn.Module], mode: bool | str = True) -> None
         block.compile(backend=COMPILE_BACKEND, mode=mode if COMPILE_BACKEND == "inductor" else None)
 
 
-def check_speed_options(compile: bool | str, optimizer_foreach: bool | None, optimizer_fused: bool | None) -> None:
-    """The recipes' ``compile`` / ``optimizer_*`` arguments, refused at construction (before any process starts)."""
+def check_speed_options(compile: bool | str, optimizer_foreach: bool | None, optimizer_fused: bool | None,
+                        compile_scope: str = "block") -> None:
+    """The recipes' ``compile`` / ``compile_scope`` / ``optimizer_*`` arguments, refused at construction (before any
+    process starts)."""
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope={compile_scope!r}: use one of {COMPILE_SCOPES} (what one compiled graph covers).")
     if optimizer_foreach and optimizer_fused:
         raise ValueError("optimizer_foreach=True and optimizer_fused=True exclude each other; set one of them.")
     if compile not in (False, True, *COMPILE_MODES):

@@ -29,7 +29,9 @@ class GPT(pl.LightningModule):
     ``-100`` is ignored). The model is built on the meta device and initialised deterministically by
     parameter name, so every parallel layout starts from the same weights as a single-device run.
     ``fused_head_loss``: the head and the loss computed chunk by chunk (``recipes.kernels.linear_cross_entropy``),
-    never holding a micro-batch's full-vocabulary logits; tensor-parallel size 1 only.
+    never holding a micro-batch's full-vocabulary logits; tensor-parallel size 1 only. ``compile_scope="stage"``: with
+    ``compile``, one graph per pipeline stage (or the whole model outside our strategy) instead of one per block;
+    tensor-parallel size 1 only.
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class GPT(pl.LightningModule):
         activation_checkpointing: bool = False,
         compile: bool | str = False,
         fused_head_loss: bool = False,
+        compile_scope: str = "block",
         learning_rate: float = 3e-4,
         min_learning_rate: float = 3e-5,
         weight_decay: float = 0.1,
@@ -70,7 +73,7 @@ class GPT(pl.LightningModule):
             raise ValueError(
                 f"hidden_size={self.config.hidden_size} is not divisible by num_heads={self.config.num_heads}."
             )
-        check_speed_options(compile, optimizer_foreach, optimizer_fused)
+        check_speed_options(compile, optimizer_foreach, optimizer_fused, compile_scope)
         self.model: GPTModel | None = None
 
     # ----- building -----------------------------------------------------------------------------------------
@@ -89,12 +92,16 @@ class GPT(pl.LightningModule):
                 raise ValueError(f"fused_head_loss=True needs tensor_parallel_size 1 (got {self._tensor_parallel_size()}):"
                                  " with tp > 1 the vocabulary-parallel loss already splits the logits; turn it off.")
             self.model.head.fused_with_loss = True
+        if self.hparams.compile_scope == "stage" and self._tensor_parallel_size() > 1:
+            raise ValueError(f"compile_scope='stage' needs tensor_parallel_size 1 (got {self._tensor_parallel_size()}):"
+                             " tensor-parallel stages are compiled per block (compile_scope='block').")
         if not (self._trainer and isinstance(self.trainer.strategy, Compressed3DStrategy)):
             # Other strategies (single device, DDP, benchmarks' peers) get a materialised model right away.
             device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
             materialize_(self.model, device)
             self.init_weights()
-            compile_blocks(self.model.layers.values(), self.hparams.compile)
+            compile_blocks([self.model] if self.hparams.compile_scope == "stage" else self.model.layers.values(),
+                           self.hparams.compile)
 
     def init_weights(self) -> None:
         self.model.init_weights(self.hparams.init_seed)
@@ -138,8 +145,12 @@ class GPT(pl.LightningModule):
         keep = [i for layout in layouts for i in layout.layers]
         self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
         # lazy: traced at the first call, after tensor parallelism has sharded the blocks
-        compile_blocks(self.model.layers.values(), self.hparams.compile)
-        return [GPTStage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+        per_block = self.hparams.compile_scope == "block"
+        compile_blocks(self.model.layers.values(), self.hparams.compile if per_block else False)
+        stages = [GPTStage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+        if not per_block:
+            compile_blocks(stages, self.hparams.compile)  # each stage one graph
+        return stages
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         if sequence_parallel and self.config.seq_length % tp_mesh.size() != 0:

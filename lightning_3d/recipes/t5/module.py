@@ -63,6 +63,7 @@ class T5(pl.LightningModule):
         decoder_start_token_id: int | None = None,
         activation_checkpointing: bool = False,
         compile: bool | str = False,
+        compile_scope: str = "block",
         learning_rate: float = 1e-3,
         min_learning_rate: float = 1e-4,
         weight_decay: float = 0.0,
@@ -85,7 +86,7 @@ class T5(pl.LightningModule):
             layer_norm_eps=layer_norm_eps, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
             decoder_start_token_id=decoder_start_token_id,
         )
-        check_speed_options(compile, optimizer_foreach, optimizer_fused)
+        check_speed_options(compile, optimizer_foreach, optimizer_fused, compile_scope)
         self.model: T5Model | None = None
         # Created on first use, outside the module tree: materialising the model (to_empty) would wipe their states.
         self._metrics: dict[str, MeanMetric] = {}
@@ -101,11 +102,17 @@ class T5(pl.LightningModule):
         padded = self.config.padded_vocab_size(self._tensor_parallel_size())
         with torch.device("meta"):
             self.model = T5Model(self.config, padded, self.hparams.activation_checkpointing)
+        if self.hparams.compile_scope == "stage" and self._tensor_parallel_size() > 1:
+            raise ValueError(f"compile_scope='stage' needs tensor_parallel_size 1 (got {self._tensor_parallel_size()}):"
+                             " tensor-parallel stages are compiled per block (compile_scope='block').")
         if not (self._trainer and isinstance(self.trainer.strategy, Compressed3DStrategy)):
             device = self._trainer.strategy.root_device if self._trainer else torch.device("cpu")
             materialize_(self.model, device)
             self.init_weights()
-            self._compile_blocks()
+            if self.hparams.compile_scope == "stage":
+                compile_blocks([self.model], self.hparams.compile)
+            else:
+                self._compile_blocks()
 
     def _compile_blocks(self) -> None:
         """Per-block compilation (see ``compile_blocks``): the encoder and the decoder block each trace once."""
@@ -178,8 +185,12 @@ class T5(pl.LightningModule):
     def build_pipeline_stages(self, layouts: Sequence[StageLayout]) -> list[nn.Module]:
         keep = [i for layout in layouts for i in layout.layers]
         self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
-        self._compile_blocks()  # lazy: traced at the first call, after tensor parallelism has sharded the blocks
-        return [T5Stage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+        if self.hparams.compile_scope == "block":
+            self._compile_blocks()  # lazy: traced at the first call, after tensor parallelism has sharded the blocks
+        stages = [T5Stage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+        if self.hparams.compile_scope == "stage":
+            compile_blocks(stages, self.hparams.compile)  # each stage one graph
+        return stages
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         parallelize_t5(stage, tp_mesh, sequence_parallel)
