@@ -63,6 +63,8 @@ def parse_system(text: str, gpus: int) -> dict:
                                              f"{' only' if len(only) == 1 else ''}, not {name}")
     if "whole" in suffixes and ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +whole compiles the whole model; drop +compile/+autotune")
+    if "whole" in suffixes and "fusedce" in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +fusedce runs its chunks outside the compiled model; not with +whole")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
