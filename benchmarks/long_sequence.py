@@ -201,7 +201,9 @@ def main() -> None:
         print(json.dumps(measure(args.worker[0], int(args.worker[1]), args)), flush=True)
         return
     out = args.out or Path(os.environ.get("OUT", ".")) / "long_sequence.json"
-    report = {"preset": args.preset, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+    cuda = args.device.startswith("cuda")
+    report = {"preset": args.preset, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "device_memory_gb": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
               "dtype": args.dtype, "loss": args.loss, "torch": torch.__version__, "runs": [], "longest": {},
               "flops": "6*N + 12*L*h*s per token, N without the position table; recomputation not counted"}
 

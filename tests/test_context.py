@@ -19,6 +19,7 @@ from lightning_3d.context import (
     position_ids,
     rank_chunks,
     ring_attention,
+    shard_batch,
     shard_sequence,
     unshard_sequence,
 )
@@ -61,6 +62,22 @@ def test_zigzag_balances_causal_work_exactly(cp: int) -> None:
     # Contiguous: rank r's work grows like 2r + 1 (its queries see r earlier chunks and half of its own).
     c = seq // cp
     assert contiguous == [c * c * r + c * (c + 1) // 2 for r in range(cp)]
+
+
+def test_shard_batch_slices_the_sequences_and_adds_their_positions() -> None:
+    tokens = torch.arange(2 * 17).view(2, 17)
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "weight": torch.ones(2)}
+    parts = [shard_batch(batch, 2, r, "zigzag") for r in range(2)]
+    assert parts[1]["input_ids"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11], [21, 22, 23, 24, 25, 26, 27, 28]]
+    assert parts[1]["position_ids"].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert torch.equal(parts[0]["labels"], batch["labels"][:, parts[0]["position_ids"]])  # targets stay with their inputs
+    assert parts[0]["weight"] is batch["weight"]
+    with pytest.raises(ValueError, match=r"no \['labels'\] to split.*name the sequence entries"):
+        shard_batch({"input_ids": tokens}, 2, 0)
+    with pytest.raises(ValueError, match=r"one length, got \{'input_ids': 16, 'labels': 17\}"):
+        shard_batch({"input_ids": tokens[:, 1:], "labels": tokens}, 2, 0)
+    with pytest.raises(ValueError, match=r"already has 'position_ids'"):
+        shard_batch({**batch, "position_ids": torch.arange(16)}, 2, 0)
 
 
 def test_sharding_errors_name_the_value_and_the_fix() -> None:

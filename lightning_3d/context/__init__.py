@@ -15,9 +15,10 @@ from lightning_3d.context.sharding import (
     num_chunks,
     position_ids,
     rank_chunks,
+    shard_batch,
     shard_sequence,
     unshard_sequence,
 )
 
 __all__ = ["LAYOUTS", "causal_pairs", "check_layout", "check_ring_inputs", "gather_sequence", "num_chunks",
-           "position_ids", "rank_chunks", "ring_attention", "shard_sequence", "unshard_sequence"]
+           "position_ids", "rank_chunks", "ring_attention", "shard_batch", "shard_sequence", "unshard_sequence"]

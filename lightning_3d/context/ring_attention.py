@@ -2,7 +2,8 @@
 
 Each rank holds its slice of the queries, keys and values (``sharding.py``: contiguous, or zigzag for balanced causal
 work). The K/V slices travel around the ring: at every step a rank attends its queries to the K/V slice it holds
-while the next one is already being passed on, and the partial results are merged with the log-sum-exp rule
+while that slice is already on its way to the next rank (an asynchronous one-peer permutation: send to rank + 1,
+receive from rank - 1, waited for just before its use), and the partial results are merged with the log-sum-exp rule
 (online softmax). Causal masking follows the chunk positions: blocks entirely in a query's future are skipped, the
 diagonal block gets the triangular mask, blocks entirely in its past none. The backward is a second ring pass: K/V
 circulate again, and each block's dK/dV travel with them back to their owners. Memory is that of the local slices.

@@ -103,6 +103,27 @@ def gather_sequence(local: Tensor, group: dist.ProcessGroup | None = None, layou
     return unshard_sequence(slices, layout, dim)
 
 
+def shard_batch(batch: dict, cp: int, rank: int, layout: str = "zigzag", keys: tuple[str, ...] = ("input_ids", "labels"),
+                positions_key: str = "position_ids") -> dict:
+    """This rank's part of a batch of ``(batch, sequence, ...)`` tensors: ``keys`` sliced along dim 1 (labels already
+    shifted on the full sequence, so each slice keeps its own targets), every other entry as given, and the global
+    positions of the slice under ``positions_key`` (shape ``(local sequence,)``). What the strategy does to each
+    per-replica batch before splitting it into micro-batches (docs/context_parallel.md)."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ValueError(f"The batch has no {missing} to split over the context-parallel ranks (it has {sorted(batch)});"
+                         " name the sequence entries in `keys`.")
+    lengths = {k: batch[k].shape[1] if batch[k].dim() > 1 else None for k in keys}
+    if len(set(lengths.values())) != 1 or None in lengths.values():
+        raise ValueError(f"The sequence entries must be (batch, sequence, ...) tensors of one length, got {lengths}.")
+    if positions_key in batch:
+        raise ValueError(f"The batch already has {positions_key!r}; context parallelism sets it from the slice.")
+    seq_len = next(iter(lengths.values()))
+    out = {k: shard_sequence(v, cp, rank, layout, dim=1) if k in keys else v for k, v in batch.items()}
+    out[positions_key] = position_ids(seq_len, cp, rank, layout, device=batch[keys[0]].device)
+    return out
+
+
 def causal_pairs(seq_len: int, cp: int, rank: int, layout: str = "zigzag") -> int:
     """(query, key) pairs that causal attention computes on rank ``rank``: each query at global position ``p``
     attends to ``p + 1`` keys, so this is the rank's share of causal attention FLOPs (exactly proportional)."""

@@ -11,13 +11,15 @@ Cases, for the cp group spanning the world and (at world 4) for two cp=2 groups 
    dp x cp ranks, gradients summed over dp x cp) has the loss and gradients of one process on the full batch.
 
 Every rank checks its own slice against a reference it computes itself; rank 0 writes what all ranks measured.
+``L3D_TEST_DEVICE=cuda`` runs the same cases on GPUs with NCCL (fp32: CUDA's memory-efficient kernel, whose local
+slices must be multiples of 64 tokens, hence the longer chunks there).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 from pathlib import Path
 
 import torch
@@ -29,7 +31,10 @@ from lightning_3d.context import gather_sequence, position_ids, ring_attention, 
 from tests.tolerance import chain_tolerance, scaled_error
 
 B, H, D = 2, 2, 8  # batch, heads, head dim
-CHUNK = 3  # tokens per zigzag chunk: sequences of 2 * cp * CHUNK tokens (odd chunks exercise the half-splits)
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if os.environ.get("L3D_TEST_DEVICE") == "cuda" \
+    else torch.device("cpu")
+# Tokens per zigzag chunk: sequences of 2 * cp * CHUNK tokens (odd chunks exercise the half-splits on CPU).
+CHUNK = 32 if DEVICE.type == "cuda" else 3
 VOCAB, HIDDEN = 50, 16
 
 
@@ -58,8 +63,8 @@ def expect_error(fragment: str, fn) -> str:
 
 
 def bad_inputs(group, cp: int) -> dict:
-    x = torch.randn(B, H, 2 * cp * CHUNK, D)
-    odd = torch.randn(B, H, 2 * CHUNK + 1, D)
+    x = torch.randn(B, H, 2 * cp * CHUNK, D, device=DEVICE)
+    odd = torch.randn(B, H, 2 * CHUNK + 1, D, device=DEVICE)
     return {
         "indivisible": expect_error("not divisible by", lambda: shard_sequence(torch.randn(B, 2 * cp * CHUNK + 1), cp, 0)),
         "odd_local": expect_error("(odd)", lambda: ring_attention(odd, odd, odd, group, causal=True, layout="zigzag")),
@@ -70,10 +75,10 @@ def bad_inputs(group, cp: int) -> dict:
 
 def round_trips(group, cp: int, rank: int) -> bool:
     for layout in ("contiguous", "zigzag"):
-        full = torch.randn(B, 2 * cp * CHUNK, 5, generator=torch.Generator().manual_seed(1))
+        full = torch.randn(B, 2 * cp * CHUNK, 5, generator=torch.Generator().manual_seed(1)).to(DEVICE)
         assert torch.equal(gather_sequence(shard_sequence(full, cp, rank, layout), group, layout), full)
-        pos = position_ids(full.shape[1], cp, rank, layout)
-        assert torch.equal(gather_sequence(pos[None], group, layout)[0], torch.arange(full.shape[1]))
+        pos = position_ids(full.shape[1], cp, rank, layout, device=DEVICE)
+        assert torch.equal(gather_sequence(pos[None], group, layout)[0], torch.arange(full.shape[1], device=DEVICE))
     return True
 
 
@@ -83,7 +88,7 @@ def attention_cases(group, cp: int, rank: int) -> dict:
     for layout in ("contiguous", "zigzag"):
         for causal in (True, False):
             g = torch.Generator().manual_seed(7)
-            q, k, v, dout = (torch.randn(B, H, seq, D, generator=g) for _ in range(4))
+            q, k, v, dout = (torch.randn(B, H, seq, D, generator=g).to(DEVICE) for _ in range(4))
             full = [t.clone().requires_grad_() for t in (q, k, v)]
             ref = F.scaled_dot_product_attention(*full, is_causal=causal)
             ref.backward(dout)
@@ -131,17 +136,18 @@ def training_pattern(cp_group, cp: int, cp_rank: int, dp: int, dp_rank: int, lay
     tokens = torch.randint(0, VOCAB, (dp * B, seq + 1), generator=g)
     ids, labels = tokens[:, :-1], tokens[:, 1:].clone()
     labels[torch.rand(labels.shape, generator=g) < 0.3] = -100  # replicas and slices hold different numbers of terms
-    ref_model = TinyLM(seq)
-    logits = ref_model(ids, torch.arange(seq))
+    ids, labels = ids.to(DEVICE), labels.to(DEVICE)
+    ref_model = TinyLM(seq).to(DEVICE)
+    logits = ref_model(ids, torch.arange(seq, device=DEVICE))
     ref_loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum")
     ref_loss = ref_loss / (labels != -100).sum()
     ref_loss.backward()
 
-    model = TinyLM(seq)
+    model = TinyLM(seq).to(DEVICE)
     rows = slice(dp_rank * B, (dp_rank + 1) * B)
     # Labels are shifted on the full sequence, then sliced like the inputs: every slice keeps its own targets.
     local_ids, local_labels = (shard_sequence(t[rows], cp, cp_rank, layout) for t in (ids, labels))
-    local_logits = model(local_ids, position_ids(seq, cp, cp_rank, layout), cp_group, layout)
+    local_logits = model(local_ids, position_ids(seq, cp, cp_rank, layout, device=DEVICE), cp_group, layout)
     terms = (local_labels != -100).sum()
     dist.all_reduce(terms)  # the step's loss terms over dp x cp (here the world), as the global normalisation does
     summed = F.cross_entropy(local_logits.reshape(-1, VOCAB), local_labels.reshape(-1), ignore_index=-100, reduction="sum")
@@ -164,7 +170,10 @@ def main() -> None:
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--world", type=int)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+        torch.backends.cuda.matmul.allow_tf32 = False  # the bounds are fp32's
+    dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     layouts = [(world, dist.group.WORLD, rank, 1, 0)]  # (cp, cp group, cp rank, dp, dp rank)
     if world == 4:
