@@ -69,8 +69,8 @@ def test_shard_batch_slices_the_sequences_and_adds_their_positions() -> None:
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "weight": torch.ones(2)}
     parts = [shard_batch(batch, 2, r, "zigzag") for r in range(2)]
     assert parts[1]["input_ids"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11], [21, 22, 23, 24, 25, 26, 27, 28]]
-    assert parts[1]["position_ids"].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    assert torch.equal(parts[0]["labels"], batch["labels"][:, parts[0]["position_ids"]])  # targets stay with their inputs
+    assert parts[1]["position_ids"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]] * 2  # a row per sample
+    assert torch.equal(parts[0]["labels"], batch["labels"][:, parts[0]["position_ids"][0]])  # targets stay with inputs
     assert parts[0]["weight"] is batch["weight"]
     with pytest.raises(ValueError, match=r"no \['labels'\] to split.*name the sequence entries"):
         shard_batch({"input_ids": tokens}, 2, 0)

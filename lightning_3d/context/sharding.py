@@ -107,8 +107,9 @@ def shard_batch(batch: dict, cp: int, rank: int, layout: str = "zigzag", keys: t
                 positions_key: str = "position_ids") -> dict:
     """This rank's part of a batch of ``(batch, sequence, ...)`` tensors: ``keys`` sliced along dim 1 (labels already
     shifted on the full sequence, so each slice keeps its own targets), every other entry as given, and the global
-    positions of the slice under ``positions_key`` (shape ``(local sequence,)``). What the strategy does to each
-    per-replica batch before splitting it into micro-batches (docs/context_parallel.md)."""
+    positions of the slice under ``positions_key``, shape ``(batch, local sequence)`` (one row per sample, so that
+    splitting the batch into micro-batches along dim 0 splits them too). What the strategy does to each per-replica
+    batch before splitting it into micro-batches (docs/context_parallel.md)."""
     missing = [k for k in keys if k not in batch]
     if missing:
         raise ValueError(f"The batch has no {missing} to split over the context-parallel ranks (it has {sorted(batch)});"
@@ -120,7 +121,8 @@ def shard_batch(batch: dict, cp: int, rank: int, layout: str = "zigzag", keys: t
         raise ValueError(f"The batch already has {positions_key!r}; context parallelism sets it from the slice.")
     seq_len = next(iter(lengths.values()))
     out = {k: shard_sequence(v, cp, rank, layout, dim=1) if k in keys else v for k, v in batch.items()}
-    out[positions_key] = position_ids(seq_len, cp, rank, layout, device=batch[keys[0]].device)
+    rows = batch[keys[0]].shape[0]
+    out[positions_key] = position_ids(seq_len, cp, rank, layout, device=batch[keys[0]].device).expand(rows, -1)
     return out
 
 
