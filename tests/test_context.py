@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from lightning_3d.context import (
     causal_pairs,
+    check_ulysses_heads,
     check_layout,
     check_ring_inputs,
     num_chunks,
@@ -21,6 +22,7 @@ from lightning_3d.context import (
     ring_attention,
     shard_batch,
     shard_sequence,
+    ulysses_attention,
     unshard_sequence,
 )
 from tests.launch import run_scenario
@@ -110,10 +112,18 @@ def test_ring_input_errors_are_raised_without_communication() -> None:
     check_ring_inputs(q[:, :, :5], q[:, :, :5], q[:, :, :5], cp=2, layout="zigzag", causal=False)  # no halves needed
 
 
-def test_ring_attention_without_a_group_is_sdpa() -> None:
+def test_attention_without_a_group_is_sdpa() -> None:
     q, k, v = torch.randn(3, 2, 2, 8, 4).unbind(0)
     for causal in (True, False):
-        assert torch.equal(ring_attention(q, k, v, causal=causal), F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert torch.equal(ring_attention(q, k, v, causal=causal), expected)
+        assert torch.equal(ulysses_attention(q, k, v, causal=causal), expected)
+
+
+def test_ulysses_needs_heads_divisible_by_cp() -> None:
+    check_ulysses_heads(8, 4)
+    with pytest.raises(ValueError, match=r"this rank's 6 heads are not divisible by context_parallel_size=4.*ring"):
+        check_ulysses_heads(6, 4)
 
 
 def test_ring_attention_and_cp_training_equal_one_process(tmp_path) -> None:
@@ -127,5 +137,7 @@ def test_ring_attention_and_cp_training_equal_one_process(tmp_path) -> None:
             # The same messages on every rank (each raised before any collective: the cases after them ran).
             assert case["errors"] == report["ranks"][0][key]["errors"]
             assert case["round_trips"] is True
-            assert sorted(case["attention"]) == ["contiguous,causal", "contiguous,full", "zigzag,causal", "zigzag,full"]
+            assert sorted(case["attention"]) == [f"{kernel},{layout},{mask}" for kernel in ("ring", "ulysses")
+                                                 for layout in ("contiguous", "zigzag") for mask in ("causal", "full")]
+            assert sorted(case["errors"]) == ["head_dim", "heads", "indivisible", "layout", "odd_local", "ulysses_odd"]
             assert sorted(case["training"]) == ["contiguous", "zigzag"]

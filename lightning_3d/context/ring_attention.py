@@ -37,14 +37,16 @@ from lightning_3d.context.sharding import LAYOUTS
 from lightning_3d.utils.compat import attention_block_ops, ring_attention_backward, ring_attention_forward
 
 
-def check_ring_inputs(query: Tensor, key: Tensor, value: Tensor, cp: int, layout: str, causal: bool) -> None:
-    """Raise a ValueError naming the bad value and the fix; pure (no communication), so every rank raises alike."""
+def check_attention_shapes(query: Tensor, key: Tensor, value: Tensor, layout: str) -> None:
+    """The checks every context-parallel attention shares: a known layout, (batch, heads, local sequence, head dim)
+    tensors of equal shapes, dtype and device. Raise a ValueError naming the bad value and the fix; pure (no
+    communication), so every rank raises alike, before any collective."""
     if layout not in LAYOUTS:
         raise ValueError(f"Unknown context-parallel layout {layout!r}; use one of {LAYOUTS}.")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
-            raise ValueError(f"Ring attention takes (batch, heads, local sequence, head dim) tensors; {name} has shape"
-                             f" {tuple(t.shape)}.")
+            raise ValueError(f"Context-parallel attention takes (batch, heads, local sequence, head dim) tensors; {name}"
+                             f" has shape {tuple(t.shape)}.")
     if not (query.shape[:2] == key.shape[:2] == value.shape[:2]):
         raise ValueError(f"query, key and value must have the same batch and heads, got {tuple(query.shape)},"
                          f" {tuple(key.shape)} and {tuple(value.shape)} (grouped-query attention: repeat the K/V heads"
@@ -58,6 +60,12 @@ def check_ring_inputs(query: Tensor, key: Tensor, value: Tensor, cp: int, layout
     if not (query.dtype == key.dtype == value.dtype) or not (query.device == key.device == value.device):
         raise ValueError(f"query, key and value must share dtype and device, got {query.dtype}/{query.device},"
                          f" {key.dtype}/{key.device} and {value.dtype}/{value.device}.")
+
+
+def check_ring_inputs(query: Tensor, key: Tensor, value: Tensor, cp: int, layout: str, causal: bool) -> None:
+    """``check_attention_shapes`` and what the ring adds: zigzag slices of two equal halves under causal masking, and
+    CUDA's fp32 kernel's lengths."""
+    check_attention_shapes(query, key, value, layout)
     local = query.shape[2]
     if layout == "zigzag" and causal and cp > 1 and local % 2 != 0:
         raise ValueError(f"A zigzag slice holds two equal chunks, but the local sequence length is {local} (odd): make"

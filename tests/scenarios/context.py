@@ -5,8 +5,8 @@ Cases, for the cp group spanning the world and (at world 4) for two cp=2 groups 
 1. bad inputs raise the same ValueError on every rank before any collective (the cases that follow would hang or
    mismatch if one rank had gone on into the ring);
 2. ``shard_sequence`` / ``gather_sequence`` / ``position_ids`` rebuild the full sequence and its positions exactly;
-3. ring attention, forward and backward, contiguous and zigzag, causal and full, equals full-sequence SDPA on one
-   process (the matching rows of the output, of dQ, dK and dV) within the fp32 bound of ``attention_tolerance``;
+3. ring and Ulysses attention, forward and backward, contiguous and zigzag, causal and full, equal full-sequence SDPA
+   on one process (the matching rows of the output, of dQ, dK and dV) within the fp32 bound of ``attention_tolerance``;
 4. a tiny causal LM trained the context-parallel way (positions of the slice, loss normalised by the terms of all
    dp x cp ranks, gradients summed over dp x cp) has the loss and gradients of one process on the full batch.
 
@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_3d.context import gather_sequence, position_ids, ring_attention, shard_sequence
+from lightning_3d.context import gather_sequence, position_ids, ring_attention, shard_sequence, ulysses_attention
 from tests.tolerance import chain_tolerance, scaled_error
 
-B, H, D = 2, 2, 8  # batch, heads, head dim
+B, H, D = 2, 4, 8  # batch, heads (divisible by cp for Ulysses), head dim
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if os.environ.get("L3D_TEST_DEVICE") == "cuda" \
     else torch.device("cpu")
 # Tokens per zigzag chunk: sequences of 2 * cp * CHUNK tokens (odd chunks exercise the half-splits on CPU).
@@ -70,6 +70,8 @@ def bad_inputs(group, cp: int) -> dict:
         "odd_local": expect_error("(odd)", lambda: ring_attention(odd, odd, odd, group, causal=True, layout="zigzag")),
         "head_dim": expect_error("same head dim", lambda: ring_attention(x, x, x[..., :-1], group)),
         "layout": expect_error("Unknown context-parallel layout", lambda: ring_attention(x, x, x, group, layout="ring")),
+        "heads": expect_error("not divisible by context_parallel_size", lambda: ulysses_attention(*(x[:, :3],) * 3, group)),
+        "ulysses_odd": expect_error("(odd)", lambda: ulysses_attention(odd, odd, odd, group, causal=False)),
     }
 
 
@@ -85,22 +87,23 @@ def round_trips(group, cp: int, rank: int) -> bool:
 def attention_cases(group, cp: int, rank: int) -> dict:
     seq = 2 * cp * CHUNK
     errors = {}
-    for layout in ("contiguous", "zigzag"):
-        for causal in (True, False):
-            g = torch.Generator().manual_seed(7)
-            q, k, v, dout = (torch.randn(B, H, seq, D, generator=g).to(DEVICE) for _ in range(4))
-            full = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = F.scaled_dot_product_attention(*full, is_causal=causal)
-            ref.backward(dout)
-            local = [shard_sequence(t, cp, rank, layout, dim=2).requires_grad_() for t in (q, k, v)]
-            out = ring_attention(*local, group, causal=causal, layout=layout)
-            out.backward(shard_sequence(dout, cp, rank, layout, dim=2))
-            fwd = scaled_error(out.detach(), shard_sequence(ref.detach(), cp, rank, layout, dim=2))
-            bwd = max(scaled_error(a.grad, shard_sequence(b.grad, cp, rank, layout, dim=2)) for a, b in zip(local, full))
-            name = f"{layout},{'causal' if causal else 'full'}"
-            assert fwd <= attention_tolerance(seq, cp, False), (name, "forward", fwd)
-            assert bwd <= attention_tolerance(seq, cp, True), (name, "backward", bwd)
-            errors[name] = (fwd, bwd)
+    for kernel, layout, causal in [(k, layout, c) for k in ("ring", "ulysses") for layout in ("contiguous", "zigzag")
+                                   for c in (True, False)]:
+        attention = ring_attention if kernel == "ring" else ulysses_attention
+        g = torch.Generator().manual_seed(7)
+        q, k, v, dout = (torch.randn(B, H, seq, D, generator=g).to(DEVICE) for _ in range(4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+        ref.backward(dout)
+        local = [shard_sequence(t, cp, rank, layout, dim=2).requires_grad_() for t in (q, k, v)]
+        out = attention(*local, group, causal=causal, layout=layout)
+        out.backward(shard_sequence(dout, cp, rank, layout, dim=2))
+        fwd = scaled_error(out.detach(), shard_sequence(ref.detach(), cp, rank, layout, dim=2))
+        bwd = max(scaled_error(a.grad, shard_sequence(b.grad, cp, rank, layout, dim=2)) for a, b in zip(local, full))
+        name = f"{kernel},{layout},{'causal' if causal else 'full'}"
+        assert fwd <= attention_tolerance(seq, cp, False), (name, "forward", fwd)
+        assert bwd <= attention_tolerance(seq, cp, True), (name, "backward", bwd)
+        errors[name] = (fwd, bwd)
     return errors
 
 
