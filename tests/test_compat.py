@@ -82,7 +82,7 @@ def test_dtensor_sharding_caches_can_be_cleared() -> None:
 def test_torch_ring_attention_loops_and_block_kernels_keep_their_interface() -> None:
     """lightning_3d/context/ring_attention.py calls torch's ring loops with the CPU block kernels and sets its options
     per call; the ring itself is checked against full attention in tests/test_context.py."""
-    ring = compat._cp_attention
+    ring = compat.torch_ring_module()
     assert _params(ring._templated_ring_attention)[:7] == ["group", "seq_dim", "op", "query", "key", "value", "is_causal"]
     assert _params(ring._templated_ring_attention_backward)[:12] == [
         "group", "seq_dim", "op", "grad_out", "grad_out_name", "query", "key", "value", "out", "logsumexp", "is_causal",

@@ -22,7 +22,6 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-from torch.distributed.tensor.experimental._context_parallel import _attention as _cp_attention
 
 # Lightning's own helpers for the default process group, used as its DDP strategy uses them (environment variables,
 # backend per device type, the all-reduce behind ``Strategy.reduce``).
@@ -62,7 +61,15 @@ def logger_connector(trainer: pl.Trainer) -> Any:
 # ----- context parallelism: torch's ring attention (lightning_3d/context/ring_attention.py, docs/context_parallel.md) -----
 # torch's public ``context_parallel`` reaches its ring through DTensor dispatch of the CUDA SDPA kernels only (CPU SDPA
 # runs another op), and its options are module globals; we call the ring loops themselves, with the block kernel of
-# the device, and set the options for the duration of each call.
+# the device, and set the options for the duration of each call. Imported on first use: a torch release that moves it
+# breaks context parallelism only, not the package.
+
+
+def torch_ring_module() -> Any:
+    """torch's context-parallel attention module (``_templated_ring_attention``, ``_cp_options``, ``_RotateMethod``)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
 
 
 @contextlib.contextmanager
@@ -70,10 +77,11 @@ def _ring_options(load_balance: bool):
     """torch's ring options for one call: ``load_balance`` (the zigzag layout under causal masking), K/V passed to the
     next rank by a point-to-point permutation (memory of one chunk, unlike the default all-gather of all of them),
     partial results merged in fp32."""
-    options = _cp_attention._cp_options
+    ring = torch_ring_module()
+    options = ring._cp_options
     saved = (options.enable_load_balance, options.rotate_method, options.convert_to_f32)
     options.enable_load_balance = load_balance
-    options.rotate_method = _cp_attention._RotateMethod.ALL_TO_ALL
+    options.rotate_method = ring._RotateMethod.ALL_TO_ALL
     options.convert_to_f32 = True
     try:
         yield
@@ -84,14 +92,14 @@ def _ring_options(load_balance: bool):
 def ring_attention_forward(group, op, query, key, value, is_causal: bool, load_balance: bool, **kwargs):
     """torch's ring attention forward over ``group`` (sequence dim 2): returns ``(out, logsumexp, *rest of op)``."""
     with _ring_options(load_balance):
-        return _cp_attention._templated_ring_attention(group, 2, op, query, key, value, is_causal=is_causal, **kwargs)
+        return torch_ring_module()._templated_ring_attention(group, 2, op, query, key, value, is_causal=is_causal, **kwargs)
 
 
 def ring_attention_backward(group, op, grad_out, grad_out_name: str, query, key, value, out, logsumexp,
                             is_causal: bool, load_balance: bool, **kwargs):
     """torch's ring attention backward (K/V and their gradients travel around the ring): ``(dq, dk, dv, *rest)``."""
     with _ring_options(load_balance):
-        return _cp_attention._templated_ring_attention_backward(
+        return torch_ring_module()._templated_ring_attention_backward(
             group, 2, op, grad_out, grad_out_name, query, key, value, out, logsumexp, is_causal=is_causal, **kwargs)
 
 
