@@ -137,7 +137,8 @@ def test_ring_attention_and_cp_training_equal_one_process(tmp_path) -> None:
             # The same messages on every rank (each raised before any collective: the cases after them ran).
             assert case["errors"] == report["ranks"][0][key]["errors"]
             assert case["round_trips"] is True
-            assert sorted(case["attention"]) == [f"{kernel},{layout},{mask}" for kernel in ("ring", "ulysses")
-                                                 for layout in ("contiguous", "zigzag") for mask in ("causal", "full")]
+            assert sorted(case["attention"]) == sorted([f"{kernel},{layout},{mask}" for kernel in ("ring", "ulysses")
+                                                        for layout in ("contiguous", "zigzag") for mask in ("causal", "full")]
+                                                       + ["ring,zigzag,causal,bf16"])
             assert sorted(case["errors"]) == ["head_dim", "heads", "indivisible", "layout", "odd_local", "ulysses_odd"]
             assert sorted(case["training"]) == ["contiguous", "zigzag"]

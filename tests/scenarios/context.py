@@ -104,7 +104,30 @@ def attention_cases(group, cp: int, rank: int) -> dict:
         assert fwd <= attention_tolerance(seq, cp, False), (name, "forward", fwd)
         assert bwd <= attention_tolerance(seq, cp, True), (name, "backward", bwd)
         errors[name] = (fwd, bwd)
+    errors["ring,zigzag,causal,bf16"] = bf16_case(group, cp, rank)
     return errors
+
+
+def bf16_case(group, cp: int, rank: int) -> tuple[float, float]:
+    """The ring in bf16 (how training under autocast runs it) against full attention in fp32 on the same bf16 inputs.
+    With bf16's unit roundoff u = 2^-8: the block kernel may round the probabilities to bf16 before P·V (an error of
+    at most u·max|v|), each block's output is rounded to bf16 (u of the output's scale), the merge runs in fp32 and its
+    result is rounded once more (u): at most 2u·max|out| + u·max|v|, plus the fp32 chain. The backward's block
+    gradients can cancel, so for them only dtype and finiteness are checked here."""
+    seq = 2 * cp * CHUNK
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, seq, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    local = [shard_sequence(t, cp, rank, "zigzag", dim=2).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, group, causal=True, layout="zigzag")
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in local)
+    assert all(torch.isfinite(t.grad).all() for t in local)
+    error = scaled_error(out.detach(), shard_sequence(ref, cp, rank, "zigzag", dim=2))
+    u = 2.0**-8
+    bound = 2 * u + u * v.abs().max().item() / ref.abs().max().item() + attention_tolerance(seq, cp, False)
+    assert error <= bound, ("bf16", error, bound)
+    return error, 0.0
 
 
 class TinyLM(nn.Module):
