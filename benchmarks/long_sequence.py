@@ -211,7 +211,8 @@ def main() -> None:
         report["runs"].append(result)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
-        shown = f"{result['tokens_per_s']:.0f} tokens/s, {result['tflops']:.1f} TFLOP/s" if result["fits"] else "does not fit"
+        shown = (f"{result['tokens_per_s']:.0f} tokens/s, {result['tflops']:.1f} TFLOP/s" if result["fits"]
+                 else "does not fit")
         print(f"{result['system']:>5} seq {result['seq']:>7}: {shown}", flush=True)
         return result["fits"]
 

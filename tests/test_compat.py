@@ -93,6 +93,7 @@ def test_torch_ring_attention_loops_and_block_kernels_keep_their_interface() -> 
     forward, backward, grad_name = compat.attention_block_ops("cpu", torch.float32)
     q = torch.randn(1, 1, 4, 2)
     out, lse = forward(q, q, q, is_causal=True, dropout_p=0.0, scale=None)
-    assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)) and lse.shape == (1, 1, 4)
+    assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert lse.shape == (1, 1, 4)
     grads = backward(**{grad_name: out}, query=q, key=q, value=q, out=out, logsumexp=lse, dropout_p=0.0, is_causal=True)
     assert [g.shape for g in grads] == [q.shape] * 3

@@ -60,7 +60,8 @@ def rank_chunks(cp: int, rank: int, layout: str) -> tuple[int, ...]:
     return (rank, 2 * cp - 1 - rank) if layout == "zigzag" else (rank,)
 
 
-def position_ids(seq_len: int, cp: int, rank: int, layout: str = "zigzag", device: torch.device | str | None = None) -> Tensor:
+def position_ids(seq_len: int, cp: int, rank: int, layout: str = "zigzag",
+                 device: torch.device | str | None = None) -> Tensor:
     """Global positions (int64, shape ``(seq_len // cp,)``) of the tokens rank ``rank`` holds, in local order."""
     check_layout(seq_len, cp, layout)
     size = seq_len // num_chunks(cp, layout)
