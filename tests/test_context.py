@@ -88,6 +88,9 @@ def test_sharding_errors_name_the_value_and_the_fix() -> None:
     message = r"Sequence length 30 .* context_parallel_size=4 .* not divisible by 8.*layout='contiguous'"
     with pytest.raises(ValueError, match=message):
         check_layout(30, 4, "zigzag")
+    check_layout(48, 4, "zigzag", sequence_parallel_size=2)
+    with pytest.raises(ValueError, match=r"leaves 10 tokens per rank.*tensor_parallel_size=4; .* multiple of 16"):
+        check_layout(40, 4, "zigzag", sequence_parallel_size=4)
     with pytest.raises(ValueError, match=r"not divisible by 4"):
         shard_sequence(torch.zeros(1, 30), 4, 0, "contiguous")
     with pytest.raises(ValueError, match=r"Unknown context-parallel layout 'stripes'"):

@@ -18,6 +18,7 @@ that rebuilds the full sequence on every rank. See docs/context_parallel.md.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -28,9 +29,10 @@ Layout = Literal["contiguous", "zigzag"]
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def check_layout(seq_len: int, cp: int, layout: str) -> None:
+def check_layout(seq_len: int, cp: int, layout: str, sequence_parallel_size: int = 1) -> None:
     """Raise a ValueError naming the bad value and the fix if ``seq_len`` tokens cannot be split over ``cp`` ranks in
-    ``layout``. Pure: call it on every rank before any collective."""
+    ``layout`` (and, with Megatron sequence parallelism over ``sequence_parallel_size`` tensor-parallel ranks, each
+    rank's slice once more). Pure: call it on every rank before any collective."""
     if layout not in LAYOUTS:
         raise ValueError(f"Unknown context-parallel layout {layout!r}; use one of {LAYOUTS}.")
     if not isinstance(cp, int) or cp < 1:
@@ -45,6 +47,13 @@ def check_layout(seq_len: int, cp: int, layout: str) -> None:
         raise ValueError(
             f"Sequence length {seq_len} cannot be split over context_parallel_size={cp} in the {layout!r} layout: it is"
             f" not divisible by {chunks}; {fix}."
+        )
+    local = seq_len // cp
+    if local % sequence_parallel_size != 0:
+        raise ValueError(
+            f"Sequence length {seq_len} over context_parallel_size={cp} leaves {local} tokens per rank, which sequence"
+            f" parallelism cannot split over tensor_parallel_size={sequence_parallel_size}; make the sequence a"
+            f" multiple of {math.lcm(chunks, cp * sequence_parallel_size)}."
         )
 
 
