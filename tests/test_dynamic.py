@@ -193,14 +193,14 @@ print(json.dumps([[[list(mb.samples), mb.seq_len] for mb in r.microbatches] + [r
 
 
 def test_every_process_derives_the_same_plan() -> None:
-    outputs = []
-    for hash_seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        result = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], env=env, capture_output=True, text=True,
-                                cwd=ROOT, timeout=120)
-        assert result.returncode == 0, result.stderr
-        outputs.append(json.loads(result.stdout))
-    assert outputs[0] == outputs[1]
+    # another interpreter with another hash seed (and this one, whose hash seed is random) plan the same batch alike
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], env=env, capture_output=True, text=True, cwd=ROOT,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    here = {}
+    exec(PLAN_SCRIPT.replace("print(", "out = ("), here)  # noqa: S102 - our own constant script
+    assert json.loads(result.stdout) == json.loads(here["out"])
 
 
 @pytest.mark.parametrize("case, message", [

@@ -81,7 +81,9 @@ def order_microbatches(
     middle = ascending[0::2] + ascending[1::2][::-1]  # small at both ends, largest in the middle
     candidates = [list(range(m)), list(range(m))[::-1], ascending, ascending[::-1], middle]
     rng = np.random.default_rng(seed)
-    candidates += [[int(i) for i in rng.permutation(m)] for _ in range(shuffles if m > 2 and pp > 1 else 0)]
+    # Shuffles only for steps of few micro-batches: with many, only the first and last pp - 1 shape the fill and
+    # drain, and the sorted candidates already place them (each candidate costs one simulation).
+    candidates += [[int(i) for i in rng.permutation(m)] for _ in range(shuffles if 2 < m <= MAX_SWAP_SEARCH and pp > 1 else 0)]
     if pp > 1 and m <= EXHAUSTIVE:
         candidates = [list(p) for p in itertools.permutations(range(m))]
     schedules = [tuple(build_schedule(schedule, pp, virtual_stages, m, r) for r in range(pp))]

@@ -1,0 +1,161 @@
+"""Dynamic micro-batching against single-process training: every replica loads the same global batch of
+variable-length samples, plans it with ``DynamicMicroBatcher`` and trains on its own micro-batches (different counts,
+shapes and token counts per replica, each step with its own schedule); the reference trains one process on the
+whole global batch, padded, with the token mean over its labels.
+
+World 2: (1,2,1) with 1F1B. World 4: (2,2,1) 1F1B, (2,1,2), (1,2,2) interleaved 1F1B. One process group per world.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.costs.model import ModelShape
+from lightning_3d.dynamic import DynamicMicroBatcher
+from tests.scenarios.common import (
+    MODEL, SEQ, VOCAB, LossRecorder, all_max, compare, make_model, parse_args, trainer, write_report,
+)
+from tests.scenarios.dynamic_costs import ToyCostModel
+
+STEPS, GLOBAL = 3, 16
+SHAPE = ModelShape("gpt", num_layers=MODEL["num_layers"], hidden_size=MODEL["hidden_size"], num_heads=MODEL["num_heads"],
+                   ffn_hidden_size=4 * MODEL["hidden_size"], vocab_size=VOCAB)
+# Small enough that a replica's samples need several micro-batches of different shapes (see dynamic_costs.py).
+BUDGET = 6.0e5
+
+
+class Ragged(Dataset):
+    """Samples of 1 to SEQ tokens (long-tailed: mostly short), some labels ignored."""
+
+    def __init__(self, n: int = STEPS * GLOBAL, seed: int = 5) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.exp(1.6 + 0.8 * torch.randn(n, generator=g)).long().clamp(max=SEQ - 1) + 1
+        self.samples = []
+        for length in lengths.tolist():
+            x = torch.randint(0, VOCAB, (length + 1,), generator=g)
+            labels = x[1:].clone()
+            labels[torch.rand(length, generator=g) < 0.2] = -100
+            self.samples.append({"input_ids": x[:-1], "labels": labels})
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[i]
+
+
+def pad_collate(samples: list[dict], seq_len: int, target_len: int | None = None) -> dict:
+    """Right-pad to ``seq_len``: causal attention never looks right, and padded labels are ignored."""
+    ids = torch.zeros(len(samples), seq_len, dtype=torch.long)
+    labels = torch.full((len(samples), seq_len), -100, dtype=torch.long)
+    for row, s in enumerate(samples):
+        ids[row, : len(s["input_ids"])] = s["input_ids"]
+        labels[row, : len(s["labels"])] = s["labels"]
+    return {"input_ids": ids, "labels": labels}
+
+
+class DynamicData(pl.LightningDataModule):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def batcher(self, dp_rank: int) -> DynamicMicroBatcher:
+        c = self.cfg
+        return DynamicMicroBatcher(
+            pad_collate, shape=SHAPE, dp=c["dp"], pp=c["pp"], dp_rank=dp_rank, memory_budget=BUDGET,
+            cost_model=ToyCostModel(), schedule=c["schedule"], virtual_stages=c.get("v", 1), max_seq_len=SEQ, tp=c["tp"],
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        rank = self.trainer.strategy.distributed_sampler_kwargs["rank"]
+        return DataLoader(Ragged(), batch_size=GLOBAL, shuffle=False, collate_fn=self.batcher(rank))
+
+
+def reference(steps: int) -> tuple:
+    """Single-process training on the padded global batches (same weights, optimizer and schedule as common.py)."""
+    module = make_model()
+    module.configure_model()
+    model = module.model
+    hp = module.hparams
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "wpe" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "wpe" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay}, {"params": other, "weight_decay": 0.0}],
+                            lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps)
+    floor = hp.min_learning_rate / hp.learning_rate
+
+    def schedule(step: int) -> float:
+        if step < hp.warmup_steps:
+            return (step + 1) / hp.warmup_steps
+        progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.decay_steps - hp.warmup_steps))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    data, losses = Ragged(), []
+    for step in range(steps):
+        batch = pad_collate([data[i] for i in range(step * GLOBAL, (step + 1) * GLOBAL)], SEQ)
+        opt.zero_grad()
+        logits = model(batch["input_ids"])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def layouts(world: int) -> list[dict]:
+    if world == 2:
+        return [dict(dp=1, pp=2, tp=1, schedule="1f1b")]
+    return [dict(dp=2, pp=2, tp=1, schedule="1f1b"), dict(dp=2, pp=1, tp=2, schedule="1f1b"),
+            dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", v=2)]
+
+
+def step_facts(cfg: dict) -> dict:
+    """What the plans of the run's steps look like on every replica: micro-batch counts, shapes and tokens."""
+    data, batcher = Ragged(), DynamicData(cfg).batcher(0)
+    counts, tokens, shapes = [], [], set()
+    for step in range(STEPS):
+        plan = batcher.plan([data[i] for i in range(step * GLOBAL, (step + 1) * GLOBAL)])
+        counts.append([len(r.microbatches) for r in plan.replicas])
+        tokens.append([sum(len(data[step * GLOBAL + i]["input_ids"]) for mb in r.microbatches for i in mb.samples)
+                       for r in plan.replicas])
+        shapes |= {(len(mb.samples), mb.seq_len) for r in plan.replicas for mb in r.microbatches}
+    return {"counts": counts, "tokens": tokens, "shapes": len(shapes)}
+
+
+def run(cfg: dict, ref: tuple) -> dict:
+    strategy = Compressed3DStrategy(
+        data_parallel_size=cfg["dp"], pipeline_parallel_size=cfg["pp"], tensor_parallel_size=cfg["tp"],
+        num_microbatches=cfg["pp"], schedule=cfg["schedule"], virtual_stages=cfg.get("v"), compression=False,
+    )
+    recorder = LossRecorder()
+    model = make_model()
+    start = time.perf_counter()
+    trainer(strategy, STEPS, [recorder]).fit(model, datamodule=DynamicData(cfg))
+    result = compare(model, recorder.losses, ref)
+    ran = strategy.pipeline_runtime.last_orders
+    return {**cfg, **step_facts(cfg), "loss_err": all_max(result["loss_err"]), "param_err": all_max(result["param_err"]),
+            "last_orders_microbatches": 1 + max(a.microbatch for o in ran for a in o),
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def main() -> None:
+    args = parse_args()
+    ref = reference(STEPS)
+    results = []
+    for cfg in layouts(args.world):
+        results.append(run(cfg, ref))
+        write_report(args.report, {"results": results})
+
+
+if __name__ == "__main__":
+    main()
