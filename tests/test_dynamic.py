@@ -223,3 +223,38 @@ def test_bad_inputs_name_the_value_and_the_fix(case: dict, message: str) -> None
         kwargs["dp"] = 3
     with pytest.raises(ValueError, match=message):
         plan_step(kwargs.pop("input_lengths"), **kwargs)
+
+
+def test_the_batcher_plans_in_dataloader_workers_and_returns_this_replicas_microbatches() -> None:
+    import pickle
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_3d.dynamic import DynamicMicroBatcher
+    from lightning_3d.pipeline.microbatch import MicroBatches
+    from tests.scenarios.dynamic import Ragged, pad_collate
+
+    data = Ragged(n=32)
+    seen = []
+    for rank in range(2):
+        batcher = DynamicMicroBatcher(pad_collate, shape=TINY, dp=2, pp=2, dp_rank=rank, memory_budget=3e5,
+                                      cost_model=TOY, max_seq_len=16)
+        first = [data[i] for i in range(16)]
+        assert pickle.loads(pickle.dumps(batcher)).plan(first) == batcher.plan(first)  # workers receive a copy
+        loader = DataLoader(data, batch_size=16, collate_fn=batcher, num_workers=1, prefetch_factor=2)
+        for step, batch in enumerate(loader):
+            assert isinstance(batch, MicroBatches) and batch.orders is not None and len(batch.orders) == 2
+            expected = batcher.plan([data[i] for i in range(16 * step, 16 * step + 16)]).replicas[rank]
+            assert batch.orders == expected.orders and len(batch) == len(expected.microbatches)
+            for mb, planned in zip(batch, expected.microbatches):
+                assert mb["input_ids"].shape == (len(planned.samples), planned.seq_len)
+                for row, i in enumerate(planned.samples):
+                    sample = data[16 * step + i]
+                    n = len(sample["input_ids"])
+                    assert torch.equal(mb["input_ids"][row, :n], sample["input_ids"])
+                    assert (mb["labels"][row, n:] == -100).all()
+                    seen.append(16 * step + i)
+    assert sorted(seen) == list(range(32))  # the replicas' shares make up every global batch exactly once
+    with pytest.raises(ValueError, match=r"dp_rank=2 must lie in \[0, dp=2\)"):
+        DynamicMicroBatcher(pad_collate, shape=TINY, dp=2, pp=1, dp_rank=2, memory_budget=1e9)
