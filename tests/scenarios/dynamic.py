@@ -3,7 +3,10 @@ variable-length samples, plans it with ``DynamicMicroBatcher`` and trains on its
 shapes and token counts per replica, each step with its own schedule); the reference trains one process on the
 whole global batch, padded, with the token mean over its labels.
 
-World 2: (1,2,1) with 1F1B. World 4: (2,2,1) 1F1B, (2,1,2), (1,2,2) interleaved 1F1B. One process group per world.
+World 2: (1,2,1) with 1F1B. World 4: (2,2,1) 1F1B, (2,1,2), (1,2,2) interleaved 1F1B. T5 (inputs and targets of
+their own lengths, padded per micro-batch with an encoder attention mask): (1,2,1) and (2,2,1), against the
+single-process reference of tests/scenarios/t5_layouts.py (the same pairs, padded to the longest). One process
+group per world.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.costs.model import ModelShape
 from lightning_3d.dynamic import DynamicMicroBatcher
+from lightning_3d.recipes import T5
+from tests.scenarios import t5_layouts
 from tests.scenarios.common import (
     MODEL, SEQ, VOCAB, LossRecorder, all_max, compare, make_model, parse_args, trainer, write_report,
 )
@@ -62,6 +67,44 @@ def pad_collate(samples: list[dict], seq_len: int, target_len: int | None = None
     return {"input_ids": ids, "labels": labels}
 
 
+T5_SHAPE = ModelShape("t5", num_layers=4, num_decoder_layers=4, hidden_size=32, num_heads=4, ffn_hidden_size=64,
+                      vocab_size=VOCAB)
+T5_BUDGET = 8e5
+
+
+class T5Pairs(Dataset):
+    """t5_layouts.Pairs without their padding: each input as long as its attention mask, each target up to its last
+    real label (targets are a prefix of labels followed by ignored ones)."""
+
+    def __init__(self) -> None:
+        pairs = t5_layouts.Pairs()
+        self.samples = []
+        for i in range(len(pairs)):
+            p = pairs[i]
+            n, t = int(p["attention_mask"].sum()), int((p["labels"] != -100).sum())
+            self.samples.append({"input_ids": p["input_ids"][:n], "decoder_input_ids": p["decoder_input_ids"][:t],
+                                 "labels": p["labels"][:t]})
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[i]
+
+
+def t5_collate(samples: list[dict], seq_len: int, target_len: int | None) -> dict:
+    """Inputs right-padded with a zero attention mask, targets right-padded with ignored labels."""
+    out = {"input_ids": torch.zeros(len(samples), seq_len, dtype=torch.long),
+           "attention_mask": torch.zeros(len(samples), seq_len, dtype=torch.long),
+           "decoder_input_ids": torch.zeros(len(samples), target_len, dtype=torch.long),
+           "labels": torch.full((len(samples), target_len), -100, dtype=torch.long)}
+    for row, s in enumerate(samples):
+        n, t = len(s["input_ids"]), len(s["labels"])
+        out["input_ids"][row, :n], out["attention_mask"][row, :n] = s["input_ids"], 1
+        out["decoder_input_ids"][row, :t], out["labels"][row, :t] = s["decoder_input_ids"], s["labels"]
+    return out
+
+
 class DynamicData(pl.LightningDataModule):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
@@ -69,14 +112,20 @@ class DynamicData(pl.LightningDataModule):
 
     def batcher(self, dp_rank: int) -> DynamicMicroBatcher:
         c = self.cfg
-        return DynamicMicroBatcher(
-            pad_collate, shape=SHAPE, dp=c["dp"], pp=c["pp"], dp_rank=dp_rank, memory_budget=BUDGET,
-            cost_model=ToyCostModel(), schedule=c["schedule"], virtual_stages=c.get("v", 1), max_seq_len=SEQ, tp=c["tp"],
-        )
+        common = dict(dp=c["dp"], pp=c["pp"], dp_rank=dp_rank, cost_model=ToyCostModel(), schedule=c["schedule"],
+                      virtual_stages=c.get("v", 1), tp=c["tp"])
+        if c.get("t5"):
+            return DynamicMicroBatcher(t5_collate, shape=T5_SHAPE, memory_budget=T5_BUDGET, round_to=4,
+                                       max_seq_len=t5_layouts.ENC, max_target_len=t5_layouts.DEC,
+                                       target_length=lambda s: len(s["labels"]), **common)
+        return DynamicMicroBatcher(pad_collate, shape=SHAPE, memory_budget=BUDGET, max_seq_len=SEQ, **common)
+
+    def dataset(self) -> Dataset:
+        return T5Pairs() if self.cfg.get("t5") else Ragged()
 
     def train_dataloader(self) -> DataLoader:
         rank = self.trainer.strategy.distributed_sampler_kwargs["rank"]
-        return DataLoader(Ragged(), batch_size=GLOBAL, shuffle=False, collate_fn=self.batcher(rank))
+        return DataLoader(self.dataset(), batch_size=GLOBAL, shuffle=False, collate_fn=self.batcher(rank))
 
 
 def reference(steps: int) -> tuple:
@@ -114,34 +163,38 @@ def reference(steps: int) -> tuple:
 
 def layouts(world: int) -> list[dict]:
     if world == 2:
-        return [dict(dp=1, pp=2, tp=1, schedule="1f1b")]
+        return [dict(dp=1, pp=2, tp=1, schedule="1f1b"), dict(dp=1, pp=2, tp=1, schedule="1f1b", t5=True)]
     return [dict(dp=2, pp=2, tp=1, schedule="1f1b"), dict(dp=2, pp=1, tp=2, schedule="1f1b"),
-            dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", v=2)]
+            dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", v=2), dict(dp=2, pp=2, tp=1, schedule="1f1b", t5=True)]
 
 
 def step_facts(cfg: dict) -> dict:
     """What the plans of the run's steps look like on every replica: micro-batch counts, shapes and tokens."""
-    data, batcher = Ragged(), DynamicData(cfg).batcher(0)
+    module = DynamicData(cfg)
+    data, batcher = module.dataset(), module.batcher(0)
     counts, tokens, shapes = [], [], set()
     for step in range(STEPS):
         plan = batcher.plan([data[i] for i in range(step * GLOBAL, (step + 1) * GLOBAL)])
         counts.append([len(r.microbatches) for r in plan.replicas])
         tokens.append([sum(len(data[step * GLOBAL + i]["input_ids"]) for mb in r.microbatches for i in mb.samples)
                        for r in plan.replicas])
-        shapes |= {(len(mb.samples), mb.seq_len) for r in plan.replicas for mb in r.microbatches}
+        shapes |= {(len(mb.samples), mb.seq_len, mb.target_len) for r in plan.replicas for mb in r.microbatches}
     return {"counts": counts, "tokens": tokens, "shapes": len(shapes)}
 
 
-def run(cfg: dict, ref: tuple) -> dict:
+def run(cfg: dict, ref: tuple | None) -> dict:
     strategy = Compressed3DStrategy(
         data_parallel_size=cfg["dp"], pipeline_parallel_size=cfg["pp"], tensor_parallel_size=cfg["tp"],
         num_microbatches=cfg["pp"], schedule=cfg["schedule"], virtual_stages=cfg.get("v"), compression=False,
     )
     recorder = LossRecorder()
-    model = make_model()
+    model = T5("tiny", **t5_layouts.MODEL) if cfg.get("t5") else make_model()
     start = time.perf_counter()
     trainer(strategy, STEPS, [recorder]).fit(model, datamodule=DynamicData(cfg))
-    result = compare(model, recorder.losses, ref)
+    if cfg.get("t5"):
+        result = t5_layouts.compare(model, recorder.losses, t5_layouts.reference(GLOBAL))
+    else:
+        result = compare(model, recorder.losses, ref)
     ran = strategy.pipeline_runtime.last_orders
     return {**cfg, **step_facts(cfg), "loss_err": all_max(result["loss_err"]), "param_err": all_max(result["param_err"]),
             "last_orders_microbatches": 1 + max(a.microbatch for o in ran for a in o),
