@@ -1,7 +1,8 @@
 """Planning time of dynamic micro-batching (``lightning_3d.dynamic.plan_step``) on one CPU core, for global batches
 of about ``--tokens`` tokens with a long-tailed (log-normal) length distribution, GPT-1.3B shape by default.
 
-Prints one JSON document: per layout the median / min / max planning milliseconds over ``--repeats`` batches, the
+Prints one JSON document: per layout the median / min / max planning milliseconds over ``--repeats`` batches (wall
+clock and this process's CPU time, which a loaded machine inflates less), the
 plan's micro-batch count and its predicted step time against padding the batch to its longest sample (same cost
 model). Pin it to one core (``taskset -c 0``) and set ``OMP_NUM_THREADS=1``; issue 21 asks for <= 200 ms per
 65,536-token batch. The cost model is the analytic one (``lightning_3d.costs.AnalyticCostModel``) when present,
@@ -87,19 +88,22 @@ def main(argv: list[str] | None = None) -> dict:
                   max_seq_len=args.max_seq_len, schedule="interleaved_1f1b" if interleaved else "1f1b",
                   virtual_stages=2 if interleaved else 1)
         plan_step(batches[0], **kw)  # warm caches (schedule builders)
-        ms, counts, speedups = [], [], []
+        ms, cpu_ms, counts, speedups = [], [], [], []
         for lengths in batches:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             plan = plan_step(lengths, **kw)
             ms.append(1000 * (time.perf_counter() - start))
+            cpu_ms.append(1000 * (time.process_time() - cpu))
             counts.append(sum(len(r.microbatches) for r in plan.replicas))
             padded = plan_step(np.full(len(lengths), lengths.max()), **kw)
             speedups.append(padded.makespan / plan.makespan)
         results.append({"dp": dp, "pp": pp, "schedule": kw["schedule"], "samples_mean": float(np.mean([len(b) for b in batches])),
                         "plan_ms": {"median": statistics.median(ms), "min": min(ms), "max": max(ms)},
+                        "plan_cpu_ms": {"median": statistics.median(cpu_ms), "min": min(cpu_ms), "max": max(cpu_ms)},
                         "microbatches_mean": float(np.mean(counts)),
                         "predicted_speedup_over_padding_to_longest": float(np.mean(speedups))})
-    report = {"tokens_per_batch": args.tokens, "cost_model": cost_model.source, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+    report = {"tokens_per_batch": args.tokens, "median_length": args.median, "sigma": args.sigma,
+              "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "cost_model": cost_model.source, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
               "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
               "results": results}
     print(json.dumps(report, indent=1))

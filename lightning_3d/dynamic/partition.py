@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# More distinct range times than this: the bounds tried are this many of them, spread evenly (in rank) over the
-# feasible ones. Exact below it; above it the estimate is at most one spacing away from the optimum.
-MAX_BOUNDS = 64
+# Up to EXACT_BOUNDS distinct range times (every batch of <= 13 samples), every one is tried: exact. Above, COARSE
+# bounds spread evenly (in rank) over them, then COARSE more between the best one's neighbours: a heuristic whose
+# cost does not grow with the number of distinct times.
+EXACT_BOUNDS, COARSE = 96, 24
 
 
 def round_up(lengths: np.ndarray, multiple: int, cap: int | None = None) -> np.ndarray:
@@ -81,13 +82,15 @@ def range_shapes(inputs: np.ndarray, targets: np.ndarray | None) -> tuple[np.nda
     return size, running_max(inputs), running_max(targets) if targets is not None else None
 
 
-def best_partition(time: np.ndarray, pp: int, virtual_stages: int, dp: int) -> tuple[list[int], float]:
+def best_partition(time: np.ndarray, pp: int, virtual_stages: int, dp: int,
+                   candidates: np.ndarray | None = None) -> tuple[list[int], float]:
     """The cut points [0, c_1, ..., n] minimising ``(pp - 1) · max t / v + Σ t / dp`` over partitions of the ordered
     samples into contiguous ranges whose ``time[start, stop]`` is finite. Returns (cuts, estimate); raises if none
-    exists (some sample fits no range)."""
-    n = time.shape[0]
+    exists (some sample fits no range). ``candidates``: a smaller set of values that holds every finite range time
+    (extra values never win: the same partition with a larger bound scores worse)."""
     finite = np.isfinite(time)
-    bounds = np.unique(time[finite])
+    values = time[finite] if candidates is None else candidates[np.isfinite(candidates)]
+    bounds = np.unique(values)
     if len(bounds) == 0:
         raise NoPartition()
     # No partition can beat the slowest sample's best range: bounds below it are infeasible.
@@ -95,14 +98,32 @@ def best_partition(time: np.ndarray, pp: int, virtual_stages: int, dp: int) -> t
     bounds = bounds[bounds >= lower]
     if len(bounds) == 0:
         raise NoPartition()
-    if len(bounds) > MAX_BOUNDS:
-        bounds = bounds[np.unique(np.linspace(0, len(bounds) - 1, MAX_BOUNDS).round().astype(np.int64))]
+    if pp == 1:  # no fill or drain: only the sum counts, the loosest bound is the optimum
+        bounds = bounds[-1:]
+    if len(bounds) <= EXACT_BOUNDS:
+        return _solve(time, finite, bounds, pp, virtual_stages, dp)
+    half = COARSE
+    coarse_at = np.unique(np.linspace(0, len(bounds) - 1, half).round().astype(np.int64))
+    cuts, estimate, k = _solve(time, finite, bounds[coarse_at], pp, virtual_stages, dp, with_index=True)
+    lo, hi = coarse_at[max(k - 1, 0)], coarse_at[min(k + 1, len(coarse_at) - 1)]
+    fine = bounds[np.unique(np.linspace(lo, hi, half).round().astype(np.int64))]
+    fine_cuts, fine_estimate = _solve(time, finite, fine, pp, virtual_stages, dp)
+    return (fine_cuts, fine_estimate) if fine_estimate < estimate else (cuts, estimate)
+
+
+def _solve(time: np.ndarray, finite: np.ndarray, bounds: np.ndarray, pp: int, virtual_stages: int, dp: int,
+           with_index: bool = False):
+    """The program for the given bounds on max t, all at once: f[c, stop] = least Σ t of the first ``stop`` samples
+    with every range's t <= bounds[c]."""
+    n = time.shape[0]
     c = len(bounds)
     f = np.full((c, n + 1), np.inf)
     f[:, 0] = 0.0
     arg = np.zeros((c, n + 1), dtype=np.int64)
-    # Ranges ending at `stop` that fit memory start at or after first[stop] (longer ranges need more memory).
-    first = np.where(finite.any(axis=0), np.argmax(finite, axis=0), 0)
+    # Ranges ending at `stop` within the largest bound start at or after first[stop]: the loop skips the rest
+    # (exact for any matrix: the earliest such start, not an assumption that longer ranges cost more).
+    usable = time <= bounds.max()
+    first = np.where(usable.any(axis=0), np.argmax(usable, axis=0), 0)
     for stop in range(1, n + 1):
         lo = int(first[stop])
         col = time[lo:stop, stop]
@@ -118,7 +139,8 @@ def best_partition(time: np.ndarray, pp: int, virtual_stages: int, dp: int) -> t
     while cuts[-1] > 0:
         cuts.append(int(arg[k, cuts[-1]]))
     cuts.reverse()
-    return cuts, float(objective(time, cuts, pp, virtual_stages, dp))
+    value = float(objective(time, cuts, pp, virtual_stages, dp))
+    return (cuts, value, k) if with_index else (cuts, value)
 
 
 def _cover_lower_bound(time: np.ndarray, finite: np.ndarray) -> float:

@@ -97,13 +97,10 @@ def plan_step(
                          round_up(targets, round_to, max_target_len) if targets is not None else None)
     rin = round_up(inputs[order], round_to, max_seq_len)
     rtg = round_up(targets[order], round_to, max_target_len) if targets is not None else None
-    size, seq, tgt = range_shapes(rin, rtg)
-    starts, stops = np.nonzero(size)
-    ctx = _Context(order, seq, tgt, starts, stops, pp, virtual_stages, dp, schedule, memory_budget, seed)
+    ctx = _Context(order, rin, rtg, *_grid(rin, rtg), pp, virtual_stages, dp, schedule, memory_budget, seed)
     levels = _held_levels(schedule, pp, virtual_stages, _count_for(schedule, pp, len(inputs)))
     for recompute in (False, True):
-        ctx.costs = evaluate(cost_model, stages, size[starts, stops], seq[starts, stops],
-                             tgt[starts, stops] if tgt is not None else None, recompute=recompute, tp=tp)
+        ctx.costs = evaluate(cost_model, stages, *ctx.shapes, recompute=recompute, tp=tp)
         for held in levels:
             limit = memory_budget
             for _ in range(RETRIES):
@@ -115,7 +112,25 @@ def plan_step(
                     return StepPlan(plan.replicas, plan.makespan, plan.peak_memory, plan.estimate, recompute,
                                     str(getattr(cost_model, "source", type(cost_model).__name__)))
                 limit *= TIGHTEN
-    raise _budget_error(ctx, rin, rtg, levels[-1])
+    raise _budget_error(ctx, levels[-1])
+
+
+def _grid(rin: np.ndarray, rtg: np.ndarray | None) -> tuple:
+    """Every contiguous range [start, stop) of the ordered samples (as two arrays), the distinct micro-batch shapes
+    the cost model is asked about (size, length[, target length]) and each range's index into them.
+
+    Without targets the order is ascending, so a range's shape is (its size, its last sample's length): the shapes
+    are the grid of sizes 1..n by distinct lengths, n x (distinct lengths) of them instead of n^2 / 2. With targets
+    every range is its own shape (padded lengths from running maxima)."""
+    n = len(rin)
+    starts, last = np.triu_indices(n)
+    stops = last + 1
+    if rtg is None:
+        lengths = np.unique(rin)
+        index = np.searchsorted(lengths, rin[last]) * n + (stops - starts - 1)
+        return starts, stops, (np.tile(np.arange(1, n + 1), len(lengths)), np.repeat(lengths, n), None), index
+    size, seq, tgt = range_shapes(rin, rtg)
+    return starts, stops, (size[starts, stops], seq[starts, stops], tgt[starts, stops]), np.arange(len(starts))
 
 
 def _held_levels(schedule: str, pp: int, v: int, m: int) -> list[np.ndarray]:
@@ -130,25 +145,26 @@ def _held_levels(schedule: str, pp: int, v: int, m: int) -> list[np.ndarray]:
 
 @dataclass
 class _Context:
-    order: np.ndarray
-    seq: np.ndarray
-    tgt: np.ndarray | None
-    starts: np.ndarray
+    order: np.ndarray  # position in the order -> sample index
+    rin: np.ndarray  # rounded lengths in that order
+    rtg: np.ndarray | None
+    starts: np.ndarray  # every range [start, stop) of the order
     stops: np.ndarray
+    shapes: tuple  # the distinct shapes the cost model is asked about
+    index: np.ndarray  # range -> shape
     pp: int
     v: int
     dp: int
     schedule: str
     budget: float
     seed: int
-    costs: StageCosts | None = None
+    costs: StageCosts | None = None  # per stage and shape
 
-    def column(self) -> np.ndarray:
-        """(n, n + 1) matrix: the costs column of range [start, stop), -1 where there is none."""
-        n = self.seq.shape[0]
-        col = np.full((n, n + 1), -1, dtype=np.int64)
-        col[self.starts, self.stops] = np.arange(len(self.starts))
-        return col
+    def shape_of(self, a: int, b: int) -> int:
+        """The shape index of range [a, b)."""
+        n = len(self.rin)
+        # np.triu_indices(n) lists ranges by start, then stop: those of start a begin after sum(n - i for i < a).
+        return int(self.index[a * n - a * (a - 1) // 2 + (b - a - 1)])
 
 
 def _rank_view(costs: StageCosts, pp: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -159,30 +175,28 @@ def _rank_view(costs: StageCosts, pp: int, v: int) -> tuple[np.ndarray, np.ndarr
 
 
 def _plan_once(ctx: _Context, limit: float, held: np.ndarray, recompute: bool) -> StepPlan:
-    n = ctx.seq.shape[0]
+    n = len(ctx.rin)
     rank_time, stored, transient = _rank_view(ctx.costs, ctx.pp, ctx.v)
     # A micro-batch fits if ``held`` (per rank) stages like its largest, plus its largest working set, fit every
     # rank; the simulation of the final order checks the real mix.
     fits = np.all(held[:, None] * stored + transient <= limit, axis=0)
+    per_shape = np.where(fits, rank_time.max(axis=0), np.inf)
     time = np.full((n, n + 1), np.inf)
-    t = rank_time.max(axis=0)
-    time[ctx.starts[fits], ctx.stops[fits]] = t[fits]
-    cuts, estimate = best_partition(time, ctx.pp, ctx.v, ctx.dp)
+    time[ctx.starts, ctx.stops] = per_shape[ctx.index]
+    cuts, estimate = best_partition(time, ctx.pp, ctx.v, ctx.dp, candidates=per_shape)
     ranges = list(zip(cuts[:-1], cuts[1:]))
     ranges = _split_until(ranges, ctx.dp, time)
     groups = karmarkar_karp([time[a, b] for a, b in ranges], ctx.dp)
-    groups = [sorted(g) for g in groups]
-    col = ctx.column()
     replicas = []
     for r, group in enumerate(groups):
-        mine = [ranges[i] for i in group]
+        mine = [ranges[i] for i in sorted(group)]
         if schedule_spec(ctx.schedule).microbatch_multiple_of_pp:
             mine = _split_to_multiple(mine, ctx.pp, time, ctx.schedule)
-        cols = np.array([col[a, b] for a, b in mine])
+        cols = np.array([ctx.shape_of(a, b) for a, b in mine])
         chosen = order_microbatches(ctx.costs.take(cols), ctx.pp, ctx.v, ctx.schedule, ctx.budget, ctx.seed + r)
         mbs = tuple(
-            MicroBatchPlan(tuple(sorted(int(i) for i in ctx.order[a:b])), int(ctx.seq[a, b]),
-                           int(ctx.tgt[a, b]) if ctx.tgt is not None else None, recompute)
+            MicroBatchPlan(tuple(sorted(int(i) for i in ctx.order[a:b])), int(ctx.rin[a:b].max()),
+                           int(ctx.rtg[a:b].max()) if ctx.rtg is not None else None, recompute)
             for a, b in (mine[j] for j in chosen.perm)
         )
         replicas.append(ReplicaPlan(mbs, chosen.orders, chosen.timeline.makespan, chosen.timeline.peak_memory))
@@ -259,18 +273,17 @@ def _check_layout(n: int, dp: int, pp: int, v: int, schedule: str, budget: float
                          f" one: use a global batch of at least {dp} samples.")
 
 
-def _budget_error(ctx: _Context, rin: np.ndarray, rtg: np.ndarray | None, held: np.ndarray) -> ValueError:
-    """The budget no micro-batch fits: name the longest sample, its need and the budget."""
-    col = ctx.column()
-    n = len(rin)
-    singles = np.array([col[i, i + 1] for i in range(n)])
+def _budget_error(ctx: _Context, held: np.ndarray) -> ValueError:
+    """The budget no micro-batch fits: name the sample that needs the most, its need and the budget."""
+    n = len(ctx.rin)
+    singles = np.array([ctx.shape_of(i, i + 1) for i in range(n)])
     _, stored, transient = _rank_view(ctx.costs.take(singles), ctx.pp, ctx.v)
     need = (held[:, None] * stored + transient).max(axis=0)
     worst = int(np.argmax(need))
-    length = f"length {int(rin[worst])}" + (f" (target {int(rtg[worst])})" if rtg is not None else "")
+    length = f"length {int(ctx.rin[worst])}" + (f" (target {int(ctx.rtg[worst])})" if ctx.rtg is not None else "")
     return ValueError(
         f"memory_budget={ctx.budget:.4g} bytes fits no micro-batch plan: sample {int(ctx.order[worst])} ({length}) alone"
         f" needs {need[worst]:.4g} bytes of activations on a pipeline rank with up to {int(held.max())} micro-batches in"
-        f" flight, even with recomputation. Raise memory_budget to at least {need[worst]:.4g},"
-        " lower max_seq_len (truncate long samples), or use more pipeline or tensor parallelism."
+        f" flight, even with recomputation. Raise memory_budget to at least {need[worst]:.4g}, lower max_seq_len"
+        " (truncate long samples), or use more pipeline or tensor parallelism."
     )
