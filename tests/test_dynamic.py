@@ -258,3 +258,12 @@ def test_the_batcher_plans_in_dataloader_workers_and_returns_this_replicas_micro
     assert sorted(seen) == list(range(32))  # the replicas' shares make up every global batch exactly once
     with pytest.raises(ValueError, match=r"dp_rank=2 must lie in \[0, dp=2\)"):
         DynamicMicroBatcher(pad_collate, shape=TINY, dp=2, pp=1, dp_rank=2, memory_budget=1e9)
+
+
+def test_the_planning_benchmark_runs_and_reports_every_layout() -> None:
+    from benchmarks.dynamic_planning import main
+
+    report = main(["--tokens", "2048", "--repeats", "1", "--layouts", "1,1", "2,2", "1,2,interleaved"])
+    assert [(r["dp"], r["pp"], r["schedule"]) for r in report["results"]] == [
+        (1, 1, "1f1b"), (2, 2, "1f1b"), (1, 2, "interleaved_1f1b")]
+    assert all(r["microbatches_mean"] >= 1 and r["predicted_speedup_over_padding_to_longest"] >= 1 for r in report["results"])
