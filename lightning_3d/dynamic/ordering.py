@@ -86,6 +86,8 @@ def order_microbatches(
     candidates += [[int(i) for i in rng.permutation(m)] for _ in range(shuffles if 2 < m <= MAX_SWAP_SEARCH and pp > 1 else 0)]
     if pp > 1 and m <= EXHAUSTIVE:
         candidates = [list(p) for p in itertools.permutations(range(m))]
+    if pp == 1:  # one rank runs them back to back, one in flight: every order takes as long and as much memory
+        candidates = candidates[:1]
     schedules = [tuple(build_schedule(schedule, pp, virtual_stages, m, r) for r in range(pp))]
     check_schedule(list(schedules[0]), pp * virtual_stages, m, train=True)
     if virtual_stages == 1 and pp > 1:
