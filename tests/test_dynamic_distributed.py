@@ -16,7 +16,8 @@ TOLERANCE = 1e-5  # fp32, as tests/test_distributed.py: summation order only (te
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dynamic_microbatching_matches_single_process_training(world: int, tmp_path: Path) -> None:
-    results = run_scenario(world, "dynamic", ["--world", str(world)], tmp_path / "report.json", timeout=900)["results"]
+    report = run_scenario(world, "dynamic", ["--world", str(world)], tmp_path / "report.json", timeout=900)
+    results = report["results"]
     expected = {2: {(1, 2, 1, False), (1, 2, 1, True)},
                 4: {(2, 2, 1, False), (2, 1, 2, False), (1, 2, 2, False), (2, 2, 1, True)}}[world]
     assert {(r["dp"], r["pp"], r["tp"], r.get("t5", False)) for r in results} == expected  # (dp, pp, tp, T5)
@@ -27,3 +28,5 @@ def test_dynamic_microbatching_matches_single_process_training(world: int, tmp_p
             assert any(len(set(t)) > 1 for t in r["tokens"]) and any(len(set(c)) > 1 for c in r["counts"]), r
     if world == 4:
         assert any(r["schedule"] == "interleaved_1f1b" for r in results)
+    else:  # bad input in the data path: every rank raised the planner's message, none hung in a collective
+        assert report["empty_sample_raised_on_every_rank"] is True

@@ -5,8 +5,8 @@ whole global batch, padded, with the token mean over its labels.
 
 World 2: (1,2,1) with 1F1B. World 4: (2,2,1) 1F1B, (2,1,2), (1,2,2) interleaved 1F1B. T5 (inputs and targets of
 their own lengths, padded per micro-batch with an encoder attention mask): (1,2,1) and (2,2,1), against the
-single-process reference of tests/scenarios/t5_layouts.py (the same pairs, padded to the longest). One process
-group per world.
+single-process reference of tests/scenarios/t5_layouts.py (the same pairs, padded to the longest). On 2 ranks, an
+empty sample raises the planner's error on every rank. One process group per world.
 """
 
 from __future__ import annotations
@@ -124,7 +124,12 @@ class DynamicData(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank = self.trainer.strategy.distributed_sampler_kwargs["rank"]
-        return DataLoader(self.dataset(), batch_size=GLOBAL, shuffle=False, collate_fn=self.batcher(rank))
+        data = self.dataset()
+        if self.cfg.get("empty_sample"):  # bad input: sample 3 of the first global batch has no tokens
+            data.samples[3] = {"input_ids": data.samples[3]["input_ids"][:0], "labels": data.samples[3]["labels"][:0]}
+        # Planning in a worker process, two batches ahead, as in training.
+        return DataLoader(data, batch_size=GLOBAL, shuffle=False, collate_fn=self.batcher(rank), num_workers=1,
+                          prefetch_factor=2)
 
 
 def reference(steps: int) -> tuple:
@@ -200,6 +205,18 @@ def run(cfg: dict, ref: tuple | None) -> dict:
             "seconds": round(time.perf_counter() - start, 2)}
 
 
+def bad_input() -> dict:
+    """An empty sample: every rank plans the same batch, so every rank raises the planner's message from its data
+    loader, before the step's first collective (none waits for another until a timeout)."""
+    strategy = Compressed3DStrategy(pipeline_parallel_size=2, num_microbatches=2, compression=False)
+    try:
+        trainer(strategy, 1).fit(make_model(), datamodule=DynamicData(dict(dp=1, pp=2, tp=1, schedule="1f1b",
+                                                                           empty_sample=True)))
+    except ValueError as e:
+        return {"raised": "Sample 3 of the batch has input length 0" in str(e)}
+    return {"raised": False}
+
+
 def main() -> None:
     args = parse_args()
     ref = reference(STEPS)
@@ -207,6 +224,10 @@ def main() -> None:
     for cfg in layouts(args.world):
         results.append(run(cfg, ref))
         write_report(args.report, {"results": results})
+    if args.world == 2:
+        flag = torch.tensor(float(bad_input()["raised"]))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        write_report(args.report, {"results": results, "empty_sample_raised_on_every_rank": bool(flag.item())})
 
 
 if __name__ == "__main__":
