@@ -4,7 +4,10 @@ replicas and ordered in a memory-aware pipeline schedule checked by the timed si
 the design and when to use it; ``DynamicMicroBatcher`` is the data-loader entry point, ``plan_step`` the planner.
 """
 
-from lightning_3d.dynamic.batcher import DynamicMicroBatcher
+from lightning_3d.dynamic.batcher import DynamicMicroBatcher, input_length, labels_length
 from lightning_3d.dynamic.plan import MicroBatchPlan, ReplicaPlan, StepPlan, default_cost_model, plan_step
 
-__all__ = ["DynamicMicroBatcher", "MicroBatchPlan", "ReplicaPlan", "StepPlan", "default_cost_model", "plan_step"]
+__all__ = [
+    "DynamicMicroBatcher", "MicroBatchPlan", "ReplicaPlan", "StepPlan", "default_cost_model", "input_length",
+    "labels_length", "plan_step",
+]

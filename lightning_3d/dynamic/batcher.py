@@ -26,6 +26,12 @@ def input_length(sample: Any) -> int:
     return len(sample["input_ids"]) if isinstance(sample, Mapping) else len(sample)
 
 
+def labels_length(sample: Mapping[str, Any]) -> int:
+    """A T5 sample's target length: its ``labels`` (pass as ``target_length``; a module-level function pickles into
+    spawned workers, a lambda does not)."""
+    return len(sample["labels"])
+
+
 class DynamicMicroBatcher:
     """Plan a global batch and collate this replica's micro-batches (see the module docstring).
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.costs.model import ModelShape
-from lightning_3d.dynamic import DynamicMicroBatcher
+from lightning_3d.dynamic import DynamicMicroBatcher, labels_length
 from lightning_3d.recipes import T5
 from tests.scenarios import t5_layouts
 from tests.scenarios.common import (
@@ -116,7 +116,7 @@ class DynamicData(pl.LightningDataModule):
         if c.get("t5"):
             return DynamicMicroBatcher(t5_collate, shape=T5_SHAPE, memory_budget=T5_BUDGET, round_to=4,
                                        max_seq_len=t5_layouts.ENC, max_target_len=t5_layouts.DEC,
-                                       target_length=lambda s: len(s["labels"]), **common)
+                                       target_length=labels_length, **common)
         return DynamicMicroBatcher(pad_collate, shape=SHAPE, memory_budget=BUDGET, max_seq_len=SEQ, **common)
 
     def dataset(self) -> Dataset:
