@@ -10,6 +10,9 @@
    and ``token_budget`` (samples sorted by length, greedy micro-batches of at most ``--token-budget`` padded tokens).
    ``packing`` needs document-masked attention in the model (the multi-task data module's); it is not run here.
 
+3. Steps waiting for a plan: ``--wait-steps`` (200) training steps whose batches a ``DynamicMicroBatcher`` plans in
+   DataLoader workers (``--workers`` 2, prefetch 2); a step waits when fetching its batch takes over 1 ms.
+
 Writes ``$OUT/dynamic_gpu.json`` (or ``--out``). GPT recipe, bf16 weights; ``--preset tiny --device cpu`` is a smoke
 test. The cost model is ``--cost-model module:factory`` (called with the ModelShape) or the analytic default.
 """
@@ -50,6 +53,60 @@ def microbatch(lengths: list[int], seq_len: int, vocab: int, device: str, g: tor
         ids[row, :n] = torch.randint(0, vocab, (n,), generator=g)
         labels[row, : n - 1] = ids[row, 1:n]
     return ids.to(device), labels.to(device)
+
+
+class LengthSamples(torch.utils.data.Dataset):
+    """Samples of given lengths with random tokens (what the DataLoader workers batch and plan)."""
+
+    def __init__(self, lengths: np.ndarray, vocab: int) -> None:
+        self.lengths, self.vocab = lengths, vocab
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, self.vocab, (int(self.lengths[i]),), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids}
+
+
+def collate(samples: list[dict], seq_len: int, target_len: int | None = None) -> tuple:
+    ids = torch.zeros(len(samples), seq_len, dtype=torch.long)
+    labels = torch.full((len(samples), seq_len), -100, dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[row, :n] = s["input_ids"]
+        labels[row, : n - 1] = s["input_ids"][1:]
+    return ids, labels
+
+
+def waiting(model, opt, args, cfg, shape, cost_model, budget: float) -> dict:
+    """Train ``--wait-steps`` steps fed by a DataLoader whose workers plan every batch; count the steps that waited."""
+    from lightning_3d.dynamic import DynamicMicroBatcher
+
+    rng = np.random.default_rng(1)
+    lengths, per_batch = [], []
+    for _ in range(args.wait_steps):
+        batch = lengths_mix(rng, args.tokens, args.max_seq_len)
+        lengths += batch.tolist()
+        per_batch.append(len(batch))
+    # Fixed-size global batches keep the DataLoader simple: the mix's batch size is its mean sample count.
+    size = int(np.mean(per_batch))
+    batcher = DynamicMicroBatcher(collate, shape=shape, dp=1, pp=1, dp_rank=0, memory_budget=budget,
+                                  cost_model=cost_model, max_seq_len=args.max_seq_len)
+    loader = torch.utils.data.DataLoader(LengthSamples(np.array(lengths), cfg.vocab_size), batch_size=size,
+                                         collate_fn=batcher, num_workers=args.workers, prefetch_factor=2, drop_last=True)
+    waits, it = [], iter(loader)
+    for step in range(args.wait_steps):
+        start = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - start)
+        run_step(model, opt, [(ids.to(args.device), labels.to(args.device)) for ids, labels in batch], timed=False)
+    steady = waits[2:]  # the first batches wait for the workers to start
+    return {"steps": len(waits), "steps_waiting_over_1ms": int(sum(w > 1e-3 for w in steady)),
+            "max_wait_ms": 1000 * max(steady, default=0.0)}
 
 
 def run_step(model, opt, mbs: list[tuple], timed: bool) -> list[float]:
@@ -103,6 +160,8 @@ def main() -> None:
     p.add_argument("--padding-size", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--cost-model", default="", help="module:factory taking the ModelShape (default: analytic)")
+    p.add_argument("--wait-steps", type=int, default=200)
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "dynamic_gpu.json")
     args = p.parse_args()
     cuda = args.device == "cuda"
@@ -193,6 +252,8 @@ def main() -> None:
                 seconds += time.perf_counter() - start
                 useful += int(lengths.sum())
         report["throughput"][name] = {"useful_tokens_per_s": useful / seconds if seconds else None, "error": failed}
+    if args.wait_steps > 0:
+        report["plan_waiting"] = waiting(model, opt, args, cfg, shape, cost_model, budget)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "accuracy"}, indent=1))
