@@ -169,6 +169,13 @@ def test_tight_memory_cuts_smaller_microbatches_fewer_warmups_then_recomputation
     assert rc.recompute and all(mb.recompute for mb in rc.replicas[0].microbatches) and rc.peak_memory <= 7e5
 
 
+def test_t5_samples_are_ordered_by_clusters_of_equal_rounded_lengths() -> None:
+    inputs, targets = np.array([100, 9, 98, 10, 300, 12]), np.array([30, 2, 31, 3, 5, 4])
+    order = sample_order(round_up(inputs, 8), round_up(targets, 8))
+    # (16, 8) x3 from the smallest, then its nearest (104, 32) pair, then (304, 8)
+    assert order.tolist() == [1, 3, 5, 0, 2, 4]
+
+
 def test_t5_plans_pad_inputs_and_targets_separately() -> None:
     rng = np.random.default_rng(4)
     inputs, targets = rng.integers(1, 200, 24), rng.integers(1, 40, 24)
