@@ -45,6 +45,14 @@ def split_first_sentence(text: str) -> tuple[str, str]:
     return (" ".join(head.split()), rest) if head and rest else ("", "")
 
 
+def _without_heading(text: str) -> str:
+    """A help() topic without its underlined title (``Title\n*****``): the first sentence is then real prose."""
+    lines = text.strip().splitlines()
+    if len(lines) >= 2 and lines[1].strip() and set(lines[1].strip()) <= set("*=-~^"):
+        lines = lines[2:]
+    return "\n".join(lines).strip()
+
+
 def _documented(root: Path) -> Iterator[tuple[str, str, str]]:
     """(qualified name, docstring, source) of the standard library's documented functions and classes."""
     for path in sorted(root.rglob("*.py")):
@@ -87,7 +95,7 @@ def iter_offline_mix(tasks: Sequence[str] = TASKS, stdlib: Path | None = None) -
     from pydoc_data.topics import topics
 
     for topic in sorted(topics):
-        text = topics[topic].strip()
+        text = _without_heading(topics[topic])
         if not text:
             continue
         head, rest = split_first_sentence(text)
