@@ -231,3 +231,39 @@ def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="need both document_ids"):
         run_stage(t5_model(), (), {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 2, dtype=torch.long),
                                    "document_ids": torch.zeros(1, 4, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("microbatching", ["padding", "packing", "token_budget", "dynamic"])
+def test_cli_reaches_every_microbatching_option(tmp_path: Path, microbatching: str, monkeypatch) -> None:
+    from lightning_3d.cli import build_cli
+
+    monkeypatch.setattr("sys.argv", ["lightning-3d"])
+    args = ["--config", "gpt_multitask_tiny", f"--data.microbatching={microbatching}", "--data.token_budget=2048",
+            "--data.micro_batch_size=3", "--data.seq_length=128", f"--data.data_files={FLAN}", "--data.tokenizer=bytes",
+            f"--trainer.default_root_dir={tmp_path}", f"--data.cache_dir={tmp_path / 'cache'}"]
+    cli = build_cli(args, run=False)
+    hp = cli.datamodule.hparams
+    assert (hp.microbatching, hp.token_budget, hp.micro_batch_size) == (microbatching, 2048, 3)
+    assert (cli.model.config.seq_length, cli.model.config.vocab_size) == (128, 257)  # linked from the data
+
+
+@pytest.mark.parametrize("config", ["gpt_multitask_tiny", "t5_multitask_tiny"])
+def test_packaged_multitask_config_trains_through_the_entry_point(tmp_path: Path, config: str) -> None:
+    """The real console script in a fresh process: a few packed steps and a validation on a FLAN file."""
+    import os
+    import shutil
+    import subprocess
+
+    from tests.conftest import clean_env
+
+    exe = shutil.which("lightning-3d")
+    assert exe is not None
+    root = Path(__file__).resolve().parent.parent
+    env = clean_env(PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    args = [exe, "fit", "--config", config, "--trainer.max_steps=3", "--trainer.val_check_interval=3",
+            "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}", f"--data.data_files={FLAN}", "--data.tokenizer=bytes",
+            "--data.global_batch_size=4", "--data.val_fraction=0.1", f"--data.cache_dir={tmp_path / 'cache'}"]
+    done = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in done.stdout + done.stderr
