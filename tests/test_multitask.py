@@ -247,7 +247,18 @@ def test_cli_reaches_every_microbatching_option(tmp_path: Path, microbatching: s
     assert (cli.model.config.seq_length, cli.model.config.vocab_size) == (128, 257)  # linked from the data
 
 
-@pytest.mark.parametrize("config", ["gpt_multitask_tiny", "t5_multitask_tiny"])
+def test_t5_multitask_config_links_the_vocabulary(tmp_path: Path, monkeypatch) -> None:
+    from lightning_3d.cli import build_cli
+
+    monkeypatch.setattr("sys.argv", ["lightning-3d"])
+    cli = build_cli(["--config", "t5_multitask_tiny", f"--data.data_files={FLAN}", "--data.tokenizer=bytes",
+                     f"--trainer.default_root_dir={tmp_path}", f"--data.cache_dir={tmp_path / 'cache'}"], run=False)
+    config = cli.model.config
+    assert (config.vocab_size, config.pad_token_id, config.eos_token_id) == (258, 257, 256)
+    assert cli.datamodule.hparams.microbatching == "packing"
+
+
+@pytest.mark.parametrize("config", ["gpt_multitask_tiny"])
 def test_packaged_multitask_config_trains_through_the_entry_point(tmp_path: Path, config: str) -> None:
     """The real console script in a fresh process: a few packed steps and a validation on a FLAN file."""
     import os
@@ -267,3 +278,18 @@ def test_packaged_multitask_config_trains_through_the_entry_point(tmp_path: Path
     done = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in done.stdout + done.stderr
+
+
+def test_packed_batches_train_like_unpacked_ones_at_pp2_and_tp2(tmp_path: Path) -> None:
+    """GPT at pp=2 and tp=2: packed training equals padded training (same global batches) within the 1e-5 relative
+    fp32 tolerance of tests/test_distributed.py (summation order only; Adam eps 1e-6 as there). T5 at pp=2 runs with
+    ``L3D_MULTITASK_T5=1`` (it passes; left out by default to keep the suite short)."""
+    import os
+
+    from tests.launch import run_scenario
+
+    extra = ["--extra", "t5"] if os.environ.get("L3D_MULTITASK_T5") else []
+    report = run_scenario(2, "multitask", extra, tmp_path / "report.json", timeout=900)
+    assert {"gpt_pp2_packing", "gpt_tp2_packing"} <= set(report)
+    for name, result in report.items():
+        assert result["loss_err"] <= 1e-5 and result["param_err"] <= 1e-5, (name, result)
