@@ -226,8 +226,13 @@ def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
         MultiTaskDataModule(data_files=write_lines(tmp_path / "x.txt", ["a"]))
     with pytest.raises(ValueError, match="leaves replica 2 of 3 none"):
         collator("gpt", "padding", dp=3, rank=2)(random_samples("gpt", 2))
+    from lightning_3d.recipes import GPT
+
+    gpt = GPT("tiny", vocab_size=VOCAB, seq_length=32)  # its pre-step check, run on every rank before any collective
     with pytest.raises(ValueError, match="position_ids hold 40, outside the model's 32 positions"):
-        check_packed_batch({"input_ids": torch.zeros(1, 2, dtype=torch.long), "position_ids": torch.tensor([[0, 40]])}, 32)
+        gpt.check_pipeline_batch({"input_ids": torch.zeros(1, 2, dtype=torch.long), "position_ids": torch.tensor([[0, 40]])})
+    with pytest.raises(ValueError, match=r"document_ids has shape \(1, 3\) but input_ids \(1, 2\)"):
+        check_packed_batch({"input_ids": torch.zeros(1, 2, dtype=torch.long), "document_ids": torch.zeros(1, 3)}, 32)
     with pytest.raises(ValueError, match="need both document_ids"):
         run_stage(t5_model(), (), {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 2, dtype=torch.long),
                                    "document_ids": torch.zeros(1, 4, dtype=torch.long)})
