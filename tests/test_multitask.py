@@ -298,3 +298,14 @@ def test_packed_batches_train_like_unpacked_ones_at_pp2_and_tp2(tmp_path: Path) 
     assert {"gpt_pp2_packing", "gpt_tp2_packing"} <= set(report)
     for name, result in report.items():
         assert result["loss_err"] <= 1e-5 and result["param_err"] <= 1e-5, (name, result)
+
+
+def test_microbatch_multiple_halves_the_largest_micro_batches() -> None:
+    samples = random_samples("gpt", 7, seed=5)
+    plain = collator("gpt", "padding", micro_batch_size=4)(samples)
+    assert [mb["input_ids"].shape[0] for mb in plain] == [4, 3]
+    split = collator("gpt", "padding", micro_batch_size=4, microbatch_multiple=3)(samples)
+    assert [mb["input_ids"].shape[0] for mb in split] == [2, 2, 3]
+    assert torch.equal(torch.cat([mb["labels"] for mb in split[:2]]), plain[0]["labels"])
+    with pytest.raises(ValueError, match="microbatch_multiple=4: every micro-batch holds one row"):
+        collator("gpt", "padding", micro_batch_size=1, microbatch_multiple=4)(samples[:3])

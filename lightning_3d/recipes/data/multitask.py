@@ -88,7 +88,9 @@ class MultiTaskDataModule(L.LightningDataModule):
     ``global_batch_size`` samples per optimizer step over all data-parallel replicas. ``microbatching``:
     ``"padding"`` (``micro_batch_size`` samples, padded to the longest), ``"packing"`` (``micro_batch_size`` rows of
     ``seq_length`` tokens, documents masked from each other), ``"token_budget"`` (at most ``token_budget`` padded
-    tokens per micro-batch) or ``"dynamic"`` (DynaPipe planner; ``memory_budget_gb`` per GPU). ``tokenizer`` as in
+    tokens per micro-batch) or ``"dynamic"`` (DynaPipe planner; ``memory_budget_gb`` per GPU). ``microbatch_multiple``:
+    the largest micro-batches are halved until their count is a multiple of it (interleaved 1F1B needs a multiple of
+    the pipeline size). ``tokenizer`` as in
     :class:`CausalLMDataModule`; T5's pad (= decoder start) id is appended after the text vocabulary.
     """
 
@@ -111,6 +113,7 @@ class MultiTaskDataModule(L.LightningDataModule):
         microbatching: Literal["padding", "packing", "token_budget", "dynamic"] = "padding",
         micro_batch_size: int = 4,
         token_budget: int | None = None,
+        microbatch_multiple: int = 1,
         memory_budget_gb: float | None = None,
         val_fraction: float = 0.02,
         cache_dir: str | None = None,
@@ -126,6 +129,7 @@ class MultiTaskDataModule(L.LightningDataModule):
             raise ValueError(f"microbatching={microbatching!r}: use one of {list(MICROBATCHINGS)}.")
         limits = (("seq_length", seq_length, 2), ("target_length", target_length, 2), ("num_samples", num_samples, 1),
                   ("global_batch_size", global_batch_size, 1), ("micro_batch_size", micro_batch_size, 1),
+                  ("microbatch_multiple", microbatch_multiple, 1),
                   ("num_workers", num_workers, 0))
         for name, value, low in limits:
             if value < low:
@@ -290,7 +294,8 @@ class MultiTaskDataModule(L.LightningDataModule):
         hp = self.hparams
         target = hp.target_length if hp.model_type == "t5" else 0
         collator = StepCollator(hp.model_type, hp.microbatching, dp, rank, seq_length=hp.seq_length, target_length=target,
-                                pad_id=self.pad_token_id, micro_batch_size=hp.micro_batch_size, token_budget=hp.token_budget)
+                                pad_id=self.pad_token_id, micro_batch_size=hp.micro_batch_size, token_budget=hp.token_budget,
+                                microbatch_multiple=hp.microbatch_multiple)
         if hp.microbatching == "dynamic":
             collator.dynamic = self._dynamic_planner(collator, dp, rank)
         return collator

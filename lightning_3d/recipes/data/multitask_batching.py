@@ -165,13 +165,14 @@ class StepCollator:
     """
 
     def __init__(self, model_type: str, microbatching: str, dp: int, rank: int, *, seq_length: int, target_length: int,
-                 pad_id: int, micro_batch_size: int, token_budget: int | None,
+                 pad_id: int, micro_batch_size: int, token_budget: int | None, microbatch_multiple: int = 1,
                  dynamic: Callable[[list[Sample], list[tuple[int, int]]], MicroBatches] | None = None) -> None:
         if microbatching not in MICROBATCHINGS:
             raise ValueError(f"microbatching={microbatching!r} is not one of {list(MICROBATCHINGS)}.")
         self.model_type, self.microbatching, self.dp, self.rank = model_type, microbatching, dp, rank
         self.seq_length, self.target_length, self.pad_id = seq_length, target_length, pad_id
         self.micro_batch_size, self.token_budget, self.dynamic = micro_batch_size, token_budget, dynamic
+        self.microbatch_multiple = microbatch_multiple
 
     def collate(self, samples: Sequence[Sample], seq_len: int, target_len: int) -> dict[str, Tensor]:
         """One padded micro-batch of exactly (seq_len, target_len): what the dynamic planner calls."""
@@ -204,4 +205,19 @@ class StepCollator:
         if not share:
             raise ValueError(f"A global batch of {len(samples)} samples leaves replica {self.rank} of {self.dp} none:"
                              f" make global_batch_size >= {self.dp} (the data-parallel size).")
-        return MicroBatches(self.microbatches(share))
+        return MicroBatches(split_to_multiple(self.microbatches(share), self.microbatch_multiple))
+
+
+def split_to_multiple(mbs: list[dict[str, Tensor]], multiple: int) -> list[dict[str, Tensor]]:
+    """Halve the micro-batch with the most rows until the count is a multiple of ``multiple`` (schedules such as
+    interleaved 1F1B need a multiple of the pipeline size); shapes stay valid, only the batch dimension is cut."""
+    mbs = list(mbs)
+    while len(mbs) % multiple:
+        big = max(range(len(mbs)), key=lambda i: (mbs[i]["input_ids"].shape[0], -i))
+        rows = mbs[big]["input_ids"].shape[0]
+        if rows < 2:
+            raise ValueError(f"Cannot make {len(mbs)} micro-batches a multiple of microbatch_multiple={multiple}: every"
+                             " micro-batch holds one row. Raise global_batch_size or lower microbatch_multiple.")
+        half = rows // 2
+        mbs[big : big + 1] = [{k: v[:half] for k, v in mbs[big].items()}, {k: v[half:] for k, v in mbs[big].items()}]
+    return mbs
