@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_3d.recipes.data.causal_lm import cache_key, default_cache_dir
 from lightning_3d.recipes.data.loader import ResumableDataLoader, ResumableDistributedSampler, data_parallel_rank
-from lightning_3d.recipes.data.multitask_batching import MICROBATCHINGS, Sample, StepCollator
+from lightning_3d.recipes.data.multitask_batching import (
+    MICROBATCHINGS, Sample, StepCollator, sample_input_length, sample_target_length,
+)
 from lightning_3d.recipes.data.multitask_mix import TASKS, iter_offline_mix, read_flan_jsonl
 from lightning_3d.recipes.data.packing import resolve_data_files
 from lightning_3d.recipes.data.span_corruption import Seq2SeqVocab
@@ -301,20 +303,32 @@ class MultiTaskDataModule(L.LightningDataModule):
         return collator
 
     def _dynamic_planner(self, collator: StepCollator, dp: int, rank: int):
-        """DynaPipe's planner over this step's global batch. Imported here: ``lightning_3d.dynamic`` and its cost
-        models are only needed for this option."""
-        from lightning_3d.costs import AnalyticCostModel
+        """DynaPipe's planner (``lightning_3d.dynamic``) over each step's global batch, with the cost model of the
+        trained model's shape. Imported here: only this option needs the planner and the cost models."""
+        from lightning_3d.costs import model_shape
         from lightning_3d.dynamic import DynamicMicroBatcher
 
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is None or not callable(getattr(module, "model_shape", None)):
-            raise ValueError("microbatching='dynamic' needs the model's shape for its cost model: train a recipe model"
-                             " (GPT or T5, which provide model_shape()) with this data module.")
-        dims = self.trainer.strategy.dims
-        gigabytes = self.hparams.memory_budget_gb
-        return DynamicMicroBatcher(AnalyticCostModel(module.model_shape(), None), collator.collate, dims=dims,
-                                   rank=rank, memory_budget=None if gigabytes is None else gigabytes * 2**30,
-                                   seed=self.hparams.seed)
+        hp, trainer = self.hparams, self.trainer
+        config = getattr(getattr(trainer, "lightning_module", None), "config", None)
+        if config is None:
+            raise ValueError("microbatching='dynamic' plans with the model's shape: train a recipe model (GPT or T5,"
+                             " which have a .config) with this data module.")
+        if hp.memory_budget_gb is None:
+            raise ValueError("microbatching='dynamic' needs memory_budget_gb: the activation memory per GPU the planner"
+                             " may fill (e.g. 0.8 x the card's memory minus weights and optimizer state).")
+        strategy = trainer.strategy
+        dims = getattr(strategy, "dims", None)
+        pp, tp = (dims.pp, dims.tp) if dims is not None else (1, 1)
+        half = any(k in str(trainer.precision) for k in ("16", "bf16"))
+        t5 = hp.model_type == "t5"
+        return DynamicMicroBatcher(
+            collator.collate, shape=model_shape(config, bytes_per_element=2 if half else 4, tensor_parallel_size=tp),
+            dp=dp, pp=pp, dp_rank=rank, memory_budget=hp.memory_budget_gb * 2**30, tp=tp, seed=hp.seed,
+            virtual_stages=getattr(strategy, "virtual_stages", 1) or 1, schedule=getattr(strategy, "schedule", "1f1b"),
+            layer_split=getattr(strategy, "pipeline_layer_split", None), max_seq_len=hp.seq_length,
+            max_target_len=hp.target_length if t5 else None, input_length=sample_input_length,
+            target_length=sample_target_length if t5 else None,
+        )
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> ResumableDataLoader:
         hp = self.hparams

@@ -39,6 +39,15 @@ def sample_lengths(sample: Sample) -> tuple[int, int]:
     return len(sample["inputs"]), len(sample["targets"])
 
 
+def sample_input_length(sample: Sample) -> int:
+    """The dynamic planner's sequence length of a sample (module-level: picklable into DataLoader workers)."""
+    return sample_lengths(sample)[0]
+
+
+def sample_target_length(sample: Sample) -> int:
+    return sample_lengths(sample)[1]
+
+
 # ----- collate: samples -> one micro-batch dict ---------------------------------------------------------------------
 def collate_gpt(samples: Sequence[Sample], seq_len: int, pad_id: int) -> dict[str, Tensor]:
     """``input_ids`` / ``labels`` of shape (len(samples), seq_len); padding after each sample, labels -100 there
@@ -160,13 +169,14 @@ def plan_packing(lengths: Sequence[tuple[int, int]], capacity: tuple[int, int]) 
 class StepCollator:
     """``collate_fn`` of the training loader: a global batch of samples -> this replica's ``MicroBatches``.
 
-    Picklable (DataLoader workers run it). ``dynamic`` is a callable ``(samples, lengths) -> MicroBatches`` built by
-    the data module from ``lightning_3d.dynamic`` (it then sees the whole global batch, to balance the replicas).
+    Picklable (DataLoader workers run it). ``dynamic``: a ``lightning_3d.dynamic.DynamicMicroBatcher`` (``samples ->
+    MicroBatches`` with the step's schedule) built by the data module; it sees the whole global batch, to balance the
+    replicas, and collates with :meth:`collate`.
     """
 
     def __init__(self, model_type: str, microbatching: str, dp: int, rank: int, *, seq_length: int, target_length: int,
                  pad_id: int, micro_batch_size: int, token_budget: int | None, microbatch_multiple: int = 1,
-                 dynamic: Callable[[list[Sample], list[tuple[int, int]]], MicroBatches] | None = None) -> None:
+                 dynamic: Callable[[list[Sample]], MicroBatches] | None = None) -> None:
         if microbatching not in MICROBATCHINGS:
             raise ValueError(f"microbatching={microbatching!r} is not one of {list(MICROBATCHINGS)}.")
         self.model_type, self.microbatching, self.dp, self.rank = model_type, microbatching, dp, rank
@@ -174,8 +184,9 @@ class StepCollator:
         self.micro_batch_size, self.token_budget, self.dynamic = micro_batch_size, token_budget, dynamic
         self.microbatch_multiple = microbatch_multiple
 
-    def collate(self, samples: Sequence[Sample], seq_len: int, target_len: int) -> dict[str, Tensor]:
-        """One padded micro-batch of exactly (seq_len, target_len): what the dynamic planner calls."""
+    def collate(self, samples: Sequence[Sample], seq_len: int, target_len: int | None) -> dict[str, Tensor]:
+        """One padded micro-batch of exactly (seq_len, target_len): what the dynamic planner calls (GPT: target_len
+        is ignored)."""
         if self.model_type == "gpt":
             return collate_gpt(samples, seq_len, self.pad_id)
         return collate_t5(samples, seq_len, target_len, self.pad_id)
@@ -200,7 +211,7 @@ class StepCollator:
             if self.dynamic is None:
                 raise RuntimeError("microbatching='dynamic' needs the planner the data module builds in"
                                    " train_dataloader(); call it through the data module.")
-            return self.dynamic(samples, [sample_lengths(s) for s in samples])
+            return self.dynamic(samples)
         share = samples[self.rank :: self.dp]
         if not share:
             raise ValueError(f"A global batch of {len(samples)} samples leaves replica {self.rank} of {self.dp} none:"
