@@ -286,9 +286,10 @@ def test_packaged_multitask_config_trains_through_the_entry_point(tmp_path: Path
 
 
 def test_packed_batches_train_like_unpacked_ones_at_pp2_and_tp2(tmp_path: Path) -> None:
-    """GPT at pp=2 and tp=2: packed training equals padded training (same global batches) within the 1e-5 relative
-    fp32 tolerance of tests/test_distributed.py (summation order only; Adam eps 1e-6 as there). T5 at pp=2 runs with
-    ``L3D_MULTITASK_T5=1`` (it passes; left out by default to keep the suite short)."""
+    """GPT at pp=2 and tp=2: packed training equals plain single-process training on the same global batches, padded,
+    within the 1e-5 relative fp32 tolerance of tests/test_distributed.py (summation order only; Adam eps 1e-6 as
+    there). T5 at pp=2 (packed against padded) runs with ``L3D_MULTITASK_T5=1`` (it passes; left out by default to
+    keep the suite short)."""
     import os
 
     from tests.launch import run_scenario
