@@ -346,3 +346,26 @@ def test_dynamic_microbatching_covers_the_global_batch_over_replicas(tmp_path: P
     dm.hparams.memory_budget_gb = None
     with pytest.raises(ValueError, match="needs memory_budget_gb"):
         dm.collator(2, 0)
+
+
+def test_file_options_keys_val_files_bpe_inputs_in_the_loss_and_workers(tmp_path: Path) -> None:
+    rows = [json.loads(line) for line in FLAN.read_text().splitlines()]
+    renamed = [json.dumps({"question": r["inputs"][:200], "answer": r["targets"][:40]}) for r in rows]
+    train, val = write_lines(tmp_path / "train.jsonl", renamed[:60]), write_lines(tmp_path / "val.jsonl", renamed[60:])
+    options = dict(data_files=train, val_files=val, input_key="question", target_key="answer", tokenizer="bpe",
+                   tokenizer_vocab_size=400, seq_length=128, target_length=16, global_batch_size=4, micro_batch_size=4,
+                   microbatch_multiple=2, cache_dir=str(tmp_path / "cache"), shuffle=False)
+    dm = MultiTaskDataModule(**options, train_on_inputs=True, num_workers=1)
+    dm.setup("fit")
+    assert (len(dm.train_dataset), len(dm.val_dataset), dm.vocab_size) == (60, 20, 400)
+    first = dm.train_dataset[0]
+    batch = next(iter(dm.train_dataloader()))
+    assert len(batch) == 2  # one micro-batch of 4 samples, halved to a multiple of 2
+    assert torch.equal(batch[0]["labels"][0, : len(first["tokens"]) - 1], torch.from_numpy(first["tokens"][1:]))
+    target_only = MultiTaskDataModule(**options)
+    target_only.setup("fit")
+    same = target_only.train_dataset[0]
+    assert np.array_equal(same["tokens"], first["tokens"]) and same["prompt"] > 0 and first["prompt"] == 0
+    labels = next(iter(target_only.train_dataloader()))[0]["labels"][0]
+    assert (labels[: same["prompt"] - 1] == IGNORE_INDEX).all() and (labels[same["prompt"] - 1 : len(same["tokens"]) - 1] != IGNORE_INDEX).all()
+    assert len(dm.val_dataloader()) == 5  # 20 held-out samples in global batches of 4, in order
