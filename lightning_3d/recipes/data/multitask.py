@@ -152,7 +152,8 @@ class MultiTaskDataModule(L.LightningDataModule):
                 raise ValueError(f"data_files must be JSON lines (.jsonl/.json) in FLAN's format, got {files[0]}.")
         self.tokenizer_kind = tokenizer_kind(tokenizer)
         if self.tokenizer_kind == "bpe" and tokenizer_vocab_size < BYTE_VOCAB_SIZE:
-            raise ValueError(f"tokenizer_vocab_size must be >= {BYTE_VOCAB_SIZE} for 'bpe', got {tokenizer_vocab_size}.")
+            raise ValueError(f"tokenizer_vocab_size must be >= {BYTE_VOCAB_SIZE} for 'bpe',"
+                             f" got {tokenizer_vocab_size}.")
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.train_dataset: MultiTaskSamples | None = None
         self.val_dataset: MultiTaskSamples | None = None
@@ -206,7 +207,8 @@ class MultiTaskDataModule(L.LightningDataModule):
         tok = {"spec": hp.tokenizer, "vocab": hp.tokenizer_vocab_size, "train": self._source("train")}
         if self.tokenizer_kind == "local":
             path = Path(hp.tokenizer).expanduser()
-            tok = {"files": files_fingerprint(sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path])}
+            files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+            tok = {"files": files_fingerprint(files)}
         key = cache_key([MIX_FORMAT_VERSION, self._source(split), tok])
         return self.cache_dir / "multitask" / f"{split}-{key}.npz"
 
@@ -265,14 +267,15 @@ class MultiTaskDataModule(L.LightningDataModule):
         n_in, n_tg = np.diff(a["input_offsets"])[dataset.indices], np.diff(a["target_offsets"])[dataset.indices]
         if hp.model_type == "t5":
             bad = np.flatnonzero((n_in + 1 > hp.seq_length) | (n_tg + 1 > hp.target_length))
-            limit = f"seq_length={hp.seq_length} input and target_length={hp.target_length} target tokens (EOS included)"
+            limit = (f"seq_length={hp.seq_length} input and target_length={hp.target_length} target tokens"
+                     " (EOS included)")
         else:
             bad = np.flatnonzero((n_in + n_tg > hp.seq_length) | (n_tg + 1 > hp.target_length))
             limit = f"seq_length={hp.seq_length} tokens (input + target + EOS - 1), target_length={hp.target_length}"
         if len(bad):
             i = int(dataset.indices[bad[0]])
-            raise ValueError(f"Sample {a['where'][i]} has {n_in[bad[0]]} input and {n_tg[bad[0]]} target tokens, more than"
-                             f" {limit} ({len(bad)} such samples). Set truncate=True, or raise the lengths.")
+            raise ValueError(f"Sample {a['where'][i]} has {n_in[bad[0]]} input and {n_tg[bad[0]]} target tokens,"
+                             f" more than {limit} ({len(bad)} such samples). Set truncate=True, or raise the lengths.")
 
     def setup(self, stage: str | None = None) -> None:
         self.prepare_data()
@@ -295,9 +298,9 @@ class MultiTaskDataModule(L.LightningDataModule):
         """The ``collate_fn`` that turns a global batch into replica ``rank``'s micro-batches."""
         hp = self.hparams
         target = hp.target_length if hp.model_type == "t5" else 0
-        collator = StepCollator(hp.model_type, hp.microbatching, dp, rank, seq_length=hp.seq_length, target_length=target,
-                                pad_id=self.pad_token_id, micro_batch_size=hp.micro_batch_size, token_budget=hp.token_budget,
-                                microbatch_multiple=hp.microbatch_multiple)
+        collator = StepCollator(hp.model_type, hp.microbatching, dp, rank, seq_length=hp.seq_length,
+                                target_length=target, pad_id=self.pad_token_id, micro_batch_size=hp.micro_batch_size,
+                                token_budget=hp.token_budget, microbatch_multiple=hp.microbatch_multiple)
         if hp.microbatching == "dynamic":
             collator.dynamic = self._dynamic_planner(collator, dp, rank)
         return collator
@@ -334,8 +337,8 @@ class MultiTaskDataModule(L.LightningDataModule):
         hp = self.hparams
         dp, rank = data_parallel_rank(self.trainer)
         if hp.global_batch_size < dp:
-            raise ValueError(f"global_batch_size={hp.global_batch_size} is smaller than the {dp} data-parallel replicas:"
-                             f" every replica needs at least one sample per step; raise it to >= {dp}.")
+            raise ValueError(f"global_batch_size={hp.global_batch_size} is smaller than the {dp} data-parallel"
+                             f" replicas: every replica needs at least one sample per step; raise it to >= {dp}.")
         # One replica in the sampler: every rank reads the same global batch; the collator takes this replica's part.
         sampler = ResumableDistributedSampler(dataset, 1, 0, shuffle=shuffle, seed=hp.seed, drop_last=True)
         loader = ResumableDataLoader(dataset, hp.global_batch_size, sampler, num_workers=hp.num_workers,

@@ -66,7 +66,8 @@ def collate_t5(samples: Sequence[Sample], seq_len: int, target_len: int, pad_id:
     decoder input is the target shifted right behind the start token (``pad_id``, as in T5)."""
     b = len(samples)
     ids, mask = np.full((b, seq_len), pad_id, dtype=np.int64), np.zeros((b, seq_len), dtype=np.int64)
-    dec, labels = np.full((b, target_len), pad_id, dtype=np.int64), np.full((b, target_len), IGNORE_INDEX, dtype=np.int64)
+    dec = np.full((b, target_len), pad_id, dtype=np.int64)
+    labels = np.full((b, target_len), IGNORE_INDEX, dtype=np.int64)
     for row, sample in enumerate(samples):
         inputs, targets = sample["inputs"], sample["targets"]
         ids[row, : len(inputs)], mask[row, : len(inputs)] = inputs, 1
@@ -95,7 +96,8 @@ def collate_packed_gpt(rows: Sequence[Sequence[Sample]], seq_len: int, pad_id: i
             "position_ids": torch.from_numpy(positions), "document_ids": torch.from_numpy(docs)}
 
 
-def collate_packed_t5(rows: Sequence[Sequence[Sample]], seq_len: int, target_len: int, pad_id: int) -> dict[str, Tensor]:
+def collate_packed_t5(rows: Sequence[Sequence[Sample]], seq_len: int, target_len: int,
+                      pad_id: int) -> dict[str, Tensor]:
     """Rows of concatenated pairs with encoder ``document_ids`` and ``decoder_document_ids`` (pair d of a row is d
     on both sides; the padding tails are one more "pair"); each decoder input restarts with the start token."""
     shape, tshape = (len(rows), seq_len), (len(rows), target_len)

@@ -109,7 +109,8 @@ def iter_offline_mix(tasks: Sequence[str] = TASKS, stdlib: Path | None = None) -
         yield from _tasks_of(name, doc, source, is_class, tasks)
 
 
-def read_flan_jsonl(paths: Sequence[Path], input_key: str = "inputs", target_key: str = "targets") -> Iterator[tuple[str, str, str]]:
+def read_flan_jsonl(paths: Sequence[Path], input_key: str = "inputs",
+                    target_key: str = "targets") -> Iterator[tuple[str, str, str]]:
     """(where, input, target) for every line of FLAN-format JSON-lines files (blank lines skipped); ``where`` is
     ``"file:line"``. Raises ValueError naming the file and line of a line that is not a JSON object with non-empty
     string ``input_key`` and ``target_key`` fields."""
