@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
-from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
+from lightning_3d.recipes.gpt.model import GPTModel, check_packed_batch, copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
                                            count_target_tokens, summed_token_cross_entropy)
@@ -96,21 +96,25 @@ class GPT(pl.LightningModule):
             copy_full_into(head.padding_mask, mask)
 
     # ----- single-device / data-parallel path ----------------------------------------------------------------
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return self.model(input_ids)
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+        """Logits; ``document_ids`` / ``position_ids`` describe packed rows (see ``recipes/gpt/model.py``)."""
+        return self.model(input_ids, position_ids, document_ids)
+
+    def _logits(self, batch: dict[str, Tensor]) -> Tensor:
+        return self(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self._logits(batch), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "train")
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self._logits(batch), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "val")
         return loss
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self._logits(batch), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "test")
         return loss
 
@@ -146,6 +150,7 @@ class GPT(pl.LightningModule):
 
     def check_pipeline_batch(self, microbatch: dict[str, Tensor]) -> None:
         check_token_batch(microbatch, self.config.vocab_size, ["input_ids"], "input_ids", max_length=self.config.seq_length)
+        check_packed_batch(microbatch, self.config.seq_length)
 
     def padded_parameters(self) -> list[str]:
         """Parameters whose first dimension is the padded vocabulary (it changes with the tensor-parallel size)."""
