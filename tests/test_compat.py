@@ -77,3 +77,23 @@ def test_dtensor_sharding_caches_can_be_cleared() -> None:
     assert propagator.propagate_op_sharding.cache_info().currsize == 0
     assert propagator._propagate_tensor_meta_cached.cache_info().currsize == 0
     assert len(_get_fast_path_sharding_prop_cache_stats()) == 2  # (hits, misses) of the C++ cache it also clears
+
+
+def test_torch_ring_attention_loops_and_block_kernels_keep_their_interface() -> None:
+    """lightning_3d/context/ring_attention.py calls torch's ring loops with the CPU block kernels and sets its options
+    per call; the ring itself is checked against full attention in tests/test_context.py."""
+    ring = compat.torch_ring_module()
+    assert _params(ring._templated_ring_attention)[:7] == ["group", "seq_dim", "op", "query", "key", "value", "is_causal"]
+    assert _params(ring._templated_ring_attention_backward)[:12] == [
+        "group", "seq_dim", "op", "grad_out", "grad_out_name", "query", "key", "value", "out", "logsumexp", "is_causal",
+        "kwargs"]
+    options = ring._cp_options
+    assert {"enable_load_balance", "rotate_method", "convert_to_f32"} <= set(vars(options))
+    assert hasattr(ring._RotateMethod, "ALL_TO_ALL")
+    forward, backward, grad_name = compat.attention_block_ops("cpu", torch.float32)
+    q = torch.randn(1, 1, 4, 2)
+    out, lse = forward(q, q, q, is_causal=True, dropout_p=0.0, scale=None)
+    assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert lse.shape == (1, 1, 4)
+    grads = backward(**{grad_name: out}, query=q, key=q, value=q, out=out, logsumexp=lse, dropout_p=0.0, is_causal=True)
+    assert [g.shape for g in grads] == [q.shape] * 3

@@ -1,1 +1,13 @@
-"""Dynamic micro-batching (DynaPipe-style): not built yet; docs/architecture.md describes where it will plug in."""
+"""Dynamic micro-batching (DynaPipe-style) for variable-length and multi-task data: each global batch is cut into
+micro-batches of different sizes and lengths by a dynamic program over a cost model, balanced over data-parallel
+replicas and ordered in a memory-aware pipeline schedule checked by the timed simulator. docs/dynamic.md explains
+the design and when to use it; ``DynamicMicroBatcher`` is the data-loader entry point, ``plan_step`` the planner.
+"""
+
+from lightning_3d.dynamic.batcher import DynamicMicroBatcher, input_length, labels_length
+from lightning_3d.dynamic.plan import MicroBatchPlan, ReplicaPlan, StepPlan, default_cost_model, plan_step
+
+__all__ = [
+    "DynamicMicroBatcher", "MicroBatchPlan", "ReplicaPlan", "StepPlan", "default_cost_model", "input_length",
+    "labels_length", "plan_step",
+]

@@ -7,9 +7,11 @@ distributed run. Code elsewhere in the package imports these wrappers, never the
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -54,3 +56,62 @@ def logger_connector(trainer: pl.Trainer) -> Any:
     """The trainer's logger connector (``should_update_logs``, ``log_metrics``): how Lightning's own
     ThroughputMonitor logs at the trainer's logging cadence."""
     return trainer._logger_connector
+
+
+# ----- context parallelism: torch's ring attention (lightning_3d/context/ring_attention.py, docs/context_parallel.md) -----
+# torch's public ``context_parallel`` reaches its ring through DTensor dispatch of the CUDA SDPA kernels only (CPU SDPA
+# runs another op), and its options are module globals; we call the ring loops themselves, with the block kernel of
+# the device, and set the options for the duration of each call. Imported on first use: a torch release that moves it
+# breaks context parallelism only, not the package.
+
+
+def torch_ring_module() -> Any:
+    """torch's context-parallel attention module (``_templated_ring_attention``, ``_cp_options``, ``_RotateMethod``)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
+
+
+@contextlib.contextmanager
+def _ring_options(load_balance: bool):
+    """torch's ring options for one call: ``load_balance`` (the zigzag layout under causal masking), K/V passed to the
+    next rank by a point-to-point permutation (memory of one chunk, unlike the default all-gather of all of them),
+    partial results merged in fp32."""
+    ring = torch_ring_module()
+    options = ring._cp_options
+    saved = (options.enable_load_balance, options.rotate_method, options.convert_to_f32)
+    options.enable_load_balance = load_balance
+    options.rotate_method = ring._RotateMethod.ALL_TO_ALL
+    options.convert_to_f32 = True
+    try:
+        yield
+    finally:
+        options.enable_load_balance, options.rotate_method, options.convert_to_f32 = saved
+
+
+def ring_attention_forward(group, op, query, key, value, is_causal: bool, load_balance: bool, **kwargs):
+    """torch's ring attention forward over ``group`` (sequence dim 2): returns ``(out, logsumexp, *rest of op)``."""
+    with _ring_options(load_balance):
+        return torch_ring_module()._templated_ring_attention(group, 2, op, query, key, value, is_causal=is_causal, **kwargs)
+
+
+def ring_attention_backward(group, op, grad_out, grad_out_name: str, query, key, value, out, logsumexp,
+                            is_causal: bool, load_balance: bool, **kwargs):
+    """torch's ring attention backward (K/V and their gradients travel around the ring): ``(dq, dk, dv, *rest)``."""
+    with _ring_options(load_balance):
+        return torch_ring_module()._templated_ring_attention_backward(
+            group, 2, op, grad_out, grad_out_name, query, key, value, out, logsumexp, is_causal=is_causal, **kwargs)
+
+
+def attention_block_ops(device_type: str, dtype) -> tuple[Any, Any, str]:
+    """The SDPA kernels one ring step runs on ``device_type``: ``(forward, backward, name of backward's gradient
+    argument)``. Each returns the log-sum-exp the ring merges with."""
+    aten = torch.ops.aten
+    if device_type == "cpu":
+        return (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out")
+    if dtype in (torch.float16, torch.bfloat16):
+        return (aten._scaled_dot_product_flash_attention.default,
+                aten._scaled_dot_product_flash_attention_backward.default, "grad_out")
+    return (aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_efficient_attention_backward.default, "grad_out_")

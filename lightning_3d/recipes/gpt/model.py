@@ -3,13 +3,18 @@
 Layers live in an ``nn.ModuleDict`` keyed by their global index (torchtitan's trick): pruning the
 layers a pipeline rank does not own leaves ``layers.7.attn.q.weight`` named exactly as in the full
 model, so checkpoints, optimizer state and Hugging Face export line up across (dp, pp, tp) layouts.
+
+Packed rows (several documents concatenated into one sequence) carry ``document_ids`` and ``position_ids`` in the
+micro-batch: attention is then causal *within* each document only and positions restart at 0 per document, so a
+packed row computes exactly what its documents compute alone (see docs/multitask.md). Without ``document_ids`` the
+model runs SDPA's causal kernel as before, with no mask built.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +41,20 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout = config.dropout
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``mask``: None (plain causal attention) or a boolean (batch, 1, queries, keys) mask, True where a query may
+        attend (block-diagonal causal for packed documents, see :func:`document_mask`)."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        causal = mask is None  # a mask already holds causality; SDPA refuses both at once
         if self.training and self.dropout > 0 and is_seeded():
             # The probabilities of this rank's own heads: their masks come from its tensor-parallel stream.
-            y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, is_causal=True,
+            y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=causal,
                                           dropout_p=self.dropout, device=x.device)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -69,8 +78,9 @@ class Block(nn.Module):
         # Replicated residual: the same masks on every tp rank; sharded under sequence parallelism (parallelize_gpt).
         self.drop = ParallelDropout(config.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        # The mask goes by keyword: the tensor-parallel plan's PrepareModuleInput redistributes positional inputs only.
+        x = x + self.drop(self.attn(self.ln1(x)) if mask is None else self.attn(self.ln1(x), mask=mask))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -86,11 +96,13 @@ class Embedding(nn.Module):
         self.max_positions = config.seq_length
         self.fp32_residual = config.fp32_residual
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """``position_ids``: (batch, seq) positions of packed documents (restarting at 0 per document), or None for
+        0..seq-1 in every row."""
         seq = input_ids.shape[1]
         if seq > self.max_positions:
             raise ValueError(f"Sequence length {seq} exceeds the model's {self.max_positions} positions (seq_length).")
-        positions = torch.arange(seq, device=input_ids.device)
+        positions = torch.arange(seq, device=input_ids.device) if position_ids is None else position_ids
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
         device = x.device.type
         if not self.fp32_residual and torch.is_autocast_enabled(device):
@@ -141,8 +153,10 @@ class GPTModel(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.wte.weight
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return run_layers(self, self.embed(input_ids), self.layers.values())
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+        """Logits; ``document_ids`` (batch, seq) marks packed documents (see the module docstring)."""
+        positions, mask = packing_inputs({"document_ids": document_ids, "position_ids": position_ids})
+        return run_layers(self, self.embed(input_ids, positions), self.layers.values(), mask)
 
     # ----- pipeline support -------------------------------------------------------------------------
     def prune(self, keep_layers: Iterable[int], keep_embedding: bool, keep_head: bool) -> None:
@@ -189,18 +203,68 @@ class GPTModel(nn.Module):
             copy_full_into(param, values.to(param.dtype))
 
 
-def run_layers(model: GPTModel, x: Tensor, layers: Iterable[nn.Module]) -> Tensor:
-    """Apply blocks (with optional activation checkpointing) and, if owned, the final norm and head."""
+def run_layers(model: GPTModel, x: Tensor, layers: Iterable[nn.Module], mask: Tensor | None = None) -> Tensor:
+    """Apply blocks (with optional activation checkpointing) and, if owned, the final norm and head. ``mask``: the
+    packed documents' attention mask (:func:`document_mask`), built once per micro-batch and shared by all blocks."""
+    extra = {} if mask is None else {"mask": mask}
     for layer in layers:
         if model.activation_checkpointing and torch.is_grad_enabled():
-            x = checkpoint(layer, x, use_reentrant=False)
+            x = checkpoint(layer, x, use_reentrant=False, **extra)
         else:
-            x = layer(x)
+            x = layer(x, **extra)
     if model.head is not None:
         x = model.norm(x)
         if not model.head.fused_with_loss:
             x = model.head(x)
     return x
+
+
+def document_mask(document_ids: Tensor) -> Tensor:
+    """(batch, 1, seq, seq) boolean mask, True where query i may attend key j: same document and j <= i.
+
+    Every query keeps at least its own position, so no softmax row is empty (padding at the end of a packed row is
+    one more "document" whose labels are ignored)."""
+    seq = document_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """Positions restarting at 0 where the document id changes (documents are contiguous runs of one id)."""
+    seq = document_ids.shape[-1]
+    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+
+
+def packing_inputs(microbatch: Mapping[str, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
+    """(position ids, attention mask) of a micro-batch: both None without ``document_ids`` (plain rows); with them,
+    its ``position_ids`` (or positions derived from the documents) and the block-diagonal causal mask."""
+    documents = microbatch.get("document_ids")
+    if documents is None:
+        return microbatch.get("position_ids"), None
+    positions = microbatch.get("position_ids")
+    return (document_positions(documents) if positions is None else positions), document_mask(documents)
+
+
+def check_packed_batch(microbatch: Mapping[str, Tensor], max_positions: int) -> None:
+    """ValueError naming the bad value when a packed micro-batch's ``document_ids`` / ``position_ids`` do not match
+    its ``input_ids`` or hold a position outside the model's ``max_positions`` (an embedding index error on one stage
+    otherwise). Nothing to do (no synchronisation) for plain micro-batches."""
+    ids = microbatch.get("input_ids")
+    for name in ("document_ids", "position_ids"):
+        value = microbatch.get(name)
+        if value is not None and ids is not None and value.shape != ids.shape:
+            raise ValueError(f"{name} has shape {tuple(value.shape)} but input_ids {tuple(ids.shape)}: packed rows need"
+                             f" one {name[:-4]} id per token.")
+    positions = microbatch.get("position_ids")
+    if positions is not None and positions.numel():
+        low, high = torch.stack([positions.min(), positions.max()]).tolist()
+        if low < 0 or high >= max_positions:
+            raise ValueError(f"position_ids hold {low if low < 0 else high}, outside the model's {max_positions}"
+                             f" positions (0 to {max_positions - 1}, seq_length): pack documents of at most"
+                             f" {max_positions} tokens, or build the model with a larger seq_length.")
 
 
 def seed_for(seed: int, name: str) -> int:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
-from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
+from lightning_3d.recipes.gpt.model import GPTModel, check_packed_batch, copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
 from lightning_3d.recipes.kernels import linear_cross_entropy
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
@@ -112,23 +112,27 @@ class GPT(pl.LightningModule):
             copy_full_into(head.padding_mask, mask)
 
     # ----- single-device / data-parallel path ----------------------------------------------------------------
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """Logits over the padded vocabulary."""
-        out, head = self.model(input_ids), self.model.head
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+        """Logits; ``document_ids`` / ``position_ids`` describe packed rows (see ``recipes/gpt/model.py``)."""
+        out, head = self.model(input_ids, position_ids, document_ids), self.model.head
         return head(out) if head is not None and head.fused_with_loss else out
 
+    def _logits(self, batch: dict[str, Tensor]) -> Tensor:
+        """What the loss takes: the logits, or the final norm's output with ``fused_head_loss``."""
+        return self.model(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self.model(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self._logits(batch), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "train")
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self.model(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self._logits(batch), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "val")
         return loss
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self.model(batch["input_ids"]), batch) / self.pipeline_loss_terms(batch)
+        loss = self.pipeline_loss(self._logits(batch), batch) / self.pipeline_loss_terms(batch)
         self.log_pipeline_loss(loss, "test")
         return loss
 
@@ -171,6 +175,7 @@ class GPT(pl.LightningModule):
 
     def check_pipeline_batch(self, microbatch: dict[str, Tensor]) -> None:
         check_token_batch(microbatch, self.config.vocab_size, ["input_ids"], "input_ids", max_length=self.config.seq_length)
+        check_packed_batch(microbatch, self.config.seq_length)
 
     def padded_parameters(self) -> list[str]:
         """Parameters whose first dimension is the padded vocabulary (it changes with the tensor-parallel size)."""

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_3d.recipes.gpt.model import GPTModel, run_layers
+from lightning_3d.recipes.gpt.model import GPTModel, packing_inputs, run_layers
 
 
 class GPTStage(nn.Module):
@@ -33,8 +33,9 @@ class GPTStage(nn.Module):
         self.activation_checkpointing = model.activation_checkpointing
 
     def forward(self, *received: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
-        x = self.embed(microbatch["input_ids"]) if self.embed is not None else received[0]
-        return run_layers(self, x, self.layers.values())  # type: ignore[arg-type]
+        positions, mask = packing_inputs(microbatch)  # None, None for plain rows; packed documents: see model.py
+        x = self.embed(microbatch["input_ids"], positions) if self.embed is not None else received[0]
+        return run_layers(self, x, self.layers.values(), mask)  # type: ignore[arg-type]
 
 
 def parallelize_gpt(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:

@@ -8,6 +8,12 @@ Every stage runs :func:`run_stage` on the tensors it received. The first stage o
 both relative-attention-bias tables; it embeds the encoder *and* the decoder input and passes the two tables on
 as boundary tensors (tiny: buckets x heads), so each stage computes its position bias locally and the tables'
 gradients flow back through the pipeline to their one owner: no weight is tied across more than two stages.
+
+Packed rows (several (input, target) pairs concatenated) carry ``document_ids`` (encoder) and
+``decoder_document_ids``: each pair's tokens then attend only to their own pair (encoder self-attention, causal
+decoder self-attention and cross-attention), and the decoder input restarts with the start token at every pair.
+Relative position buckets depend only on key - query offsets, which are unchanged inside a contiguous pair, so a
+packed row computes exactly what its pairs compute alone (docs/multitask.md). Without them nothing extra is built.
 """
 
 from __future__ import annotations
@@ -166,6 +172,8 @@ def decoder_inputs(mb: Mapping[str, Tensor], config: T5Config) -> Tensor:
     labels = mb["labels"]
     shifted = torch.full_like(labels, config.start_token_id)
     shifted[:, 1:] = labels[:, :-1]
+    if (documents := mb.get("decoder_document_ids")) is not None:  # every packed target starts afresh
+        shifted[:, 1:] = shifted[:, 1:].masked_fill(documents[:, 1:] != documents[:, :-1], config.start_token_id)
     return shifted.masked_fill(shifted == IGNORE_INDEX, config.pad_token_id)
 
 
@@ -173,6 +181,32 @@ def _key_mask(mb: Mapping[str, Tensor]) -> Tensor | None:
     """(batch, 1, 1, keys) True where an encoder token must be ignored, or None without an attention mask."""
     mask = mb.get("attention_mask")
     return None if mask is None else ~mask.bool()[:, None, None, :]
+
+
+def _other_document(queries: Tensor | None, keys: Tensor | None) -> Tensor | None:
+    """(batch, 1, queries, keys) True where query and key belong to different packed pairs, or None when unpacked."""
+    if queries is None and keys is None:
+        return None
+    if queries is None or keys is None:
+        raise ValueError("Packed T5 micro-batches need both document_ids (encoder) and decoder_document_ids; got only"
+                         f" {'document_ids' if keys is not None else 'decoder_document_ids'}.")
+    return (queries[:, :, None] != keys[:, None, :])[:, None]
+
+
+def _masked(bias: Tensor, *masks: Tensor | None) -> Tensor:
+    for mask in masks:
+        if mask is not None:
+            bias = bias.masked_fill(mask, MASK_VALUE)
+    return bias
+
+
+def _mask_addend(*masks: Tensor | None) -> Tensor | None:
+    """The masks as one additive fp32 tensor of their broadcast shape (MASK_VALUE where any is True), or None."""
+    present = [mask for mask in masks if mask is not None]
+    if not present:
+        return None
+    shape = torch.broadcast_shapes(*(mask.shape for mask in present))
+    return _masked(torch.zeros(shape, device=present[0].device), *present)
 
 
 def run_stage(m: nn.Module, received: tuple[Tensor, ...], mb: Mapping[str, Tensor]) -> Tensor | tuple[Tensor, ...]:
@@ -195,13 +229,14 @@ def run_stage(m: nn.Module, received: tuple[Tensor, ...], mb: Mapping[str, Tenso
         x, y, enc_table, dec_table = received
     else:
         y, memory, dec_table = received
-    padding = _key_mask(mb)
-    # The padding mask as its own (batch, 1, 1, keys) addend: folded into the position bias it made a (batch, heads, s, s)
-    # fp32 tensor that every encoder block read, and whose gradient every block wrote and autograd summed.
-    keys = None if padding is None else torch.zeros(padding.shape, device=padding.device).masked_fill(padding, MASK_VALUE)
+    enc_docs, dec_docs = mb.get("document_ids"), mb.get("decoder_document_ids")
     if len(m.encoder):
         s = mb["input_ids"].shape[1]
         bias = position_bias(enc_table, s, s, True, cfg)
+        # The encoder's masks as their own head-free addend (batch, 1, 1 or s, s): folded into the position bias they
+        # made a (batch, heads, s, s) fp32 tensor that every encoder block read, and whose gradient every block wrote
+        # and autograd summed; apart, the bias and its gradient stay (1, heads, s, s).
+        keys = _mask_addend(_key_mask(mb), _other_document(enc_docs, enc_docs))
         for block in m.encoder.values():
             x = _call(m, block, x, bias, keys)
     if m.encoder_norm is not None:
@@ -209,9 +244,10 @@ def run_stage(m: nn.Module, received: tuple[Tensor, ...], mb: Mapping[str, Tenso
     if len(m.decoder):
         t = dec_ids.shape[1]
         future = torch.ones(t, t, dtype=torch.bool, device=dec_table.device).triu(1)
-        bias = position_bias(dec_table, t, t, False, cfg).masked_fill(future, MASK_VALUE)
+        bias = _masked(position_bias(dec_table, t, t, False, cfg), future, _other_document(dec_docs, dec_docs))
+        cross = _mask_addend(_key_mask(mb), _other_document(dec_docs, enc_docs))
         for block in m.decoder.values():
-            y = _call(m, block, y, memory, bias, keys)
+            y = _call(m, block, y, memory, bias, cross)
     if m.lm_head is not None:
         y = m.drop(m.decoder_norm(y))
         if cfg.tie_embeddings:

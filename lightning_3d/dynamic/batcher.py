@@ -1,0 +1,74 @@
+"""``DynamicMicroBatcher``: the data-loader end of dynamic micro-batching. Given one global batch of samples it plans
+the step (``plan_step``) and returns this replica's micro-batches, collated to their planned shapes, as a
+``MicroBatches`` list that carries the step's schedule (``orders``), which the strategy's runtime then runs.
+
+It is a plain, picklable object, so it runs in DataLoader worker processes (as ``collate_fn`` with
+``batch_size=global batch``, or mapped over batches): planning happens there, ``prefetch_factor`` steps ahead of
+training, off the critical path. Every replica loads the same global batch and plans it identically (the plan is a
+deterministic function of the lengths, the cost model and the seed), then keeps its own share: no communication, no
+planning server (docs/dynamic.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lightning_3d.costs.model import CostModel, ModelShape
+from lightning_3d.dynamic.plan import StepPlan, plan_step
+from lightning_3d.pipeline.microbatch import MicroBatches
+
+Collate = Callable[[list[Any], int, "int | None"], Any]
+
+
+def input_length(sample: Any) -> int:
+    """Default length of a sample: its ``input_ids`` (a mapping) or the sample itself (a sequence)."""
+    return len(sample["input_ids"]) if isinstance(sample, Mapping) else len(sample)
+
+
+def labels_length(sample: Mapping[str, Any]) -> int:
+    """A T5 sample's target length: its ``labels`` (pass as ``target_length``; a module-level function pickles into
+    spawned workers, a lambda does not)."""
+    return len(sample["labels"])
+
+
+class DynamicMicroBatcher:
+    """Plan a global batch and collate this replica's micro-batches (see the module docstring).
+
+    ``collate(samples, seq_len, target_len)`` builds one micro-batch's tensors from its samples, padded to the planned
+    lengths (padding labels ignored in the loss). ``dp_rank``: this replica (``trainer.strategy.
+    distributed_sampler_kwargs["rank"]``). ``input_length`` / ``target_length``: a sample's lengths (T5: give
+    ``target_length``). The other arguments are ``plan_step``'s; ``cost_model=None`` uses the analytic one.
+    """
+
+    def __init__(
+        self, collate: Collate, *, shape: ModelShape, dp: int, pp: int, dp_rank: int, memory_budget: float,
+        cost_model: CostModel | None = None, virtual_stages: int = 1, schedule: str = "1f1b", round_to: int = 8,
+        max_seq_len: int | None = None, max_target_len: int | None = None, tp: int = 1, seed: int = 0,
+        layer_split: Sequence[int] | None = None, input_length: Callable[[Any], int] = input_length,
+        target_length: Callable[[Any], int] | None = None,
+    ) -> None:
+        if not 0 <= dp_rank < dp:
+            raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp={dp}).")
+        self.collate = collate
+        self.dp_rank = dp_rank
+        self.input_length, self.target_length = input_length, target_length
+        self.options = dict(
+            shape=shape, dp=dp, pp=pp, memory_budget=memory_budget, cost_model=cost_model,
+            virtual_stages=virtual_stages, schedule=schedule, round_to=round_to, max_seq_len=max_seq_len,
+            max_target_len=max_target_len, tp=tp, seed=seed, layer_split=layer_split,
+        )
+
+    def plan(self, samples: Sequence[Any]) -> StepPlan:
+        """The step's plan for every replica (the same on every rank)."""
+        targets = [self.target_length(s) for s in samples] if self.target_length is not None else None
+        return plan_step([self.input_length(s) for s in samples], target_lengths=targets, **self.options)
+
+    def __call__(self, samples: Sequence[Any]) -> MicroBatches:
+        samples = list(samples)
+        plan = self.plan(samples)
+        mine = plan.replicas[self.dp_rank]
+        batches = [self.collate([samples[i] for i in mb.samples], mb.seq_len, mb.target_len) for mb in mine.microbatches]
+        out = MicroBatches(batches, orders=mine.orders)
+        out.plan = plan  # for logging and tests; the runtime reads only the list and ``orders``
+        return out

@@ -1,0 +1,87 @@
+"""Per-stage cost of a micro-batch shape: the cost model's per-layer answers summed over the layers of each pipeline
+stage, for many shapes at once (NumPy arrays), as the partitioner and the schedule search need them.
+
+A stage holds a contiguous run of the model's blocks (the same even split as the strategy's ``split_layers``, or a
+given ``layer_split``); stage 0 also holds the embedding, the last stage the head. Its forward/backward time and its
+stored activation bytes are sums over its layers; its transient bytes are the largest of its layers' peaks (layers
+run one after the other, so their working sets do not add up). See docs/dynamic.md.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_3d.costs.model import CostModel, LayerKind, ModelShape
+
+
+def stage_layers(shape: ModelShape, num_stages: int, layer_split: Sequence[int] | None = None) -> list[list[LayerKind]]:
+    """The layer kinds of every pipeline stage, in order."""
+    kinds = shape.layer_kinds()
+    blocks = kinds[1:-1]
+    if layer_split is None:
+        if len(blocks) < num_stages:
+            raise ValueError(
+                f"The model has {len(blocks)} blocks, fewer than the {num_stages} pipeline stages (pp x virtual_stages);"
+                " lower pipeline_parallel_size or virtual_stages."
+            )
+        base, extra = divmod(len(blocks), num_stages)
+        counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    else:
+        counts = list(layer_split)
+        if len(counts) != num_stages or sum(counts) != len(blocks) or min(counts) < 1:
+            raise ValueError(
+                f"layer_split={counts} must list {num_stages} positive block counts summing to {len(blocks)}."
+            )
+    stages, start = [], 0
+    for s, count in enumerate(counts):
+        layers = list(blocks[start : start + count])
+        start += count
+        if s == 0:
+            layers.insert(0, kinds[0])
+        if s == num_stages - 1:
+            layers.append(kinds[-1])
+        stages.append(layers)
+    return stages
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Arrays of shape (num_stages, *shape of the query): seconds and bytes of each stage for each micro-batch."""
+
+    forward: np.ndarray
+    backward: np.ndarray
+    stored: np.ndarray
+    transient: np.ndarray
+
+    def take(self, index) -> StageCosts:
+        """The costs of a subset of the queried shapes (``index`` into the query's dimensions)."""
+        return StageCosts(*(a[:, index] for a in (self.forward, self.backward, self.stored, self.transient)))
+
+
+def evaluate(
+    cost_model: CostModel, stages: list[list[LayerKind]], microbatch_size: np.ndarray, seq_len: np.ndarray,
+    target_len: np.ndarray | None, *, recompute: bool, tp: int,
+) -> StageCosts:
+    """Every stage's cost for every queried (size, length[, target length]); one cost-model call per layer kind."""
+    shape = np.broadcast_shapes(np.shape(microbatch_size), np.shape(seq_len),
+                                np.shape(target_len) if target_len is not None else ())
+    per_kind: dict[str, tuple[np.ndarray, ...]] = {}
+    for kind in sorted({k for layers in stages for k in layers}):
+        kw = dict(target_len=target_len, recompute=recompute, tp=tp)
+        fwd, bwd = cost_model.layer_time(kind, microbatch_size, seq_len, **kw)
+        stored, peak = cost_model.layer_memory(kind, microbatch_size, seq_len, **kw)
+        per_kind[kind] = tuple(np.broadcast_to(np.asarray(a, dtype=np.float64), shape) for a in (fwd, bwd, stored, peak))
+    out = [np.zeros((len(stages), *shape)) for _ in range(4)]
+    for s, layers in enumerate(stages):
+        counts = Counter(layers)
+        for kind, n in counts.items():
+            fwd, bwd, stored, peak = per_kind[kind]
+            out[0][s] += n * fwd
+            out[1][s] += n * bwd
+            out[2][s] += n * stored
+            out[3][s] = np.maximum(out[3][s], peak)
+    return StageCosts(*out)

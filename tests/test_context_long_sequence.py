@@ -1,0 +1,60 @@
+"""benchmarks/long_sequence.py on CPU with a tiny GPT: the search for the longest length, and both systems (ours:
+checkpointing, linear-memory attention, chunked loss; plain PyTorch) computing the same loss. The GPU measurement
+itself is a benchmark (the command is in docs/context_parallel.md), never a test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tolerance import chain_tolerance
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "long_sequence.py"
+TINY = ["--device", "cpu", "--preset", "tiny", "--vocab-size", "512", "--steps", "1", "--warmup", "0"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("long_sequence", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_longest_fitting_doubles_then_bisects_to_the_boundary(bench) -> None:
+    longest_fitting = bench.longest_fitting
+    tried = []
+
+    def fits(seq: int) -> bool:
+        tried.append(seq)
+        return seq <= 45_000
+
+    assert longest_fitting(fits, 8192, 1 << 20, 4096) == 40960  # the largest multiple of 4096 that fits
+    assert tried == [16384, 32768, 65536, 49152, 40960, 45056]
+    tried.clear()
+    assert longest_fitting(fits, 32768, 1 << 20, 4096, failed=65536) == 40960 and 65536 not in tried
+    assert longest_fitting(lambda seq: True, 8192, 20000, 4096) == 20000  # capped by the limit
+
+
+def test_ours_and_plain_train_the_same_loss(bench, tmp_path, monkeypatch) -> None:
+    """One step from the same weights and tokens: the systems differ in recomputation (same values), kernels (the same
+    CPU flash kernel for fp32 both ways) and the loss's summation order (chunks of 32 tokens against one sum), so the
+    losses (means of positive token terms) differ by at most 2·seq·u of the loss (tests/tolerance.py)."""
+    out = tmp_path / "long.json"
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *TINY, "--lengths", "64", "128", "--loss-chunk", "32", "--in-process",
+                                      "--find-longest", "--max-length", "128", "--out", str(out)])
+    bench.main()
+    report = json.loads(out.read_text())
+    assert report["longest"] == {"ours": 128, "plain": 128}  # nothing fails below --max-length on CPU
+    runs = {(r["system"], r["seq"]): r for r in report["runs"]}
+    assert sorted(runs) == [("ours", 64), ("ours", 128), ("plain", 64), ("plain", 128)]
+    for seq in (64, 128):
+        ours, plain = runs["ours", seq], runs["plain", seq]
+        assert ours["fits"] and plain["fits"] and ours["tokens_per_s"] > 0 and ours["tflops"] > 0
+        assert abs(ours["loss"] - plain["loss"]) <= chain_tolerance(1, seq) * plain["loss"]
+
