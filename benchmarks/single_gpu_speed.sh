@@ -16,7 +16,7 @@
 #   bash benchmarks/single_gpu_speed.sh "$OUT" gpt4 gpt16     and     bash benchmarks/single_gpu_speed.sh "$OUT" t5
 # Time: a call ends within SPEED_BUDGET_S seconds (default 525, for a 10-minute device call): the budget is shared by
 # the parts asked for in the weights gpt4 4, gpt16 3, t5 4 as cumulative deadlines (time a part leaves unused goes to
-# the next), each system gets the time left before its part's deadline (at most SYSTEM_TIMEOUT_S, default 240), and a
+# the next), each system gets the time left before its part's deadline (at most SYSTEM_TIMEOUT_S, default 300), and a
 # system with under 45 s left is skipped and listed as such. Within a part the systems run most decisive first.
 # Results: OUT_DIR/speed_<part>.json and .txt, worker logs in OUT_DIR/speed_<part>_logs/.
 # SPEED_CPU=1: the same lists on CPU with tiny presets (tests/test_benchmarks.py), compile backend aot_eager.
@@ -53,7 +53,7 @@ run_part() {
   done_weight=$(( done_weight + weight[$part] ))
   local deadline=$(( start + budget * done_weight / total ))
   echo "== $part: until $(date -u -d "@$deadline" +%H:%M:%S) UTC ($(( deadline - $(date +%s) )) s)"
-  python "$here/benchmarks/peers.py" "$@" --timeout "${SYSTEM_TIMEOUT_S:-240}" --deadline "$deadline" \
+  python "$here/benchmarks/peers.py" "$@" --timeout "${SYSTEM_TIMEOUT_S:-300}" --deadline "$deadline" \
       --out "$out/speed_$part.json" | tee "$out/speed_$part.txt"
 }
 
