@@ -79,7 +79,7 @@ class ProfiledCostModel:
             where, digest = str(profile), hashlib.sha256(raw).hexdigest()[:12]
             try:
                 data = json.loads(raw)
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ValueError(f"{where} is not a profile (JSON expected): {err}") from None
         check_profile(data, where)
         self.source = f"profile:{where}#{digest}"
