@@ -182,8 +182,14 @@ def pipeline_time(schedule: str, pp: int, v: int, m: int, fwd: list[float], bwd:
     if v == 1 and schedule == "gpipe":
         return sum(fwd) + (m - 1) * max(fwd) + sum(bwd) + (m - 1) * max(bwd) + hops
     if v == 1:
+        # Steady state: a stage alternates one forward and one backward, and stage j can hold only pp - j
+        # micro-batches, so its cycle is also bounded by the round trip through the stages after it over pp - j.
         both = [f + b for f, b in zip(fwd, bwd)]
-        return sum(both) + (m - 1) * max(both) + hops
+        cycle = max(both)
+        for j in range(pp):
+            trip = sum(both[j:]) + sum(fsend[j:]) + sum(bsend[j:])
+            cycle = max(cycle, trip / min(pp - j, m))
+        return sum(both) + (m - 1) * cycle + hops
     per_rank = [sum(fwd[s] + bwd[s] for s in range(r, pp * v, pp)) for r in range(pp)]
     chunk = max(f + b for f, b in zip(fwd, bwd))
     return m * max(per_rank) + (pp - 1) * chunk + hops / v

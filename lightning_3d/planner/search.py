@@ -269,18 +269,16 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
         evaluated += n
         relieved.append(q)
     pool = sorted(relieved + found[opts.relief_skeletons:], key=lambda p: p.step_time)
-    top = []
-    for p in pool:
-        if len(top) >= opts.top_k:
-            break
+    # The closed forms are exact for uniform stages; unequal ones are re-timed with the simulator before ranking.
+    timed = []
+    for p in pool[: max(4 * opts.top_k, opts.relief_skeletons)]:
         c = p.candidate
-        if c.pp > 1 and c.pp * c.num_stages * c.num_microbatches * 2 <= opts.simulate_max_actions:
-            q = simulate_candidate(c, w)
-            if not q.fits:
-                continue
-            p = q
-        top.append(p)
-    top.sort(key=lambda p: p.step_time)
+        if c.pp > 1 and 2 * c.num_stages * c.num_microbatches <= opts.simulate_max_actions:
+            p = simulate_candidate(c, w)
+        if p.fits:
+            timed.append(p)
+    timed.sort(key=lambda p: p.step_time)
+    top = timed[: opts.top_k]
     shortfall = [] if top else explain_shortfall(w, num_gpus, opts, count)
     return SearchResult(top, count, evaluated, time.perf_counter() - start, truncated, shortfall)
 
