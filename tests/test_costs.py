@@ -164,3 +164,21 @@ def test_model_shape_of_the_recipe_configs() -> None:
     assert len(t.layer_kinds()) == 24 + 24 + 2
     with pytest.raises(TypeError, match="has no 'num_layers'"):
         model_shape(replace)
+
+
+def test_profile_command_writes_a_profile_the_cost_model_reads_and_refuses_without_a_gpu(tmp_path, monkeypatch, capsys) -> None:
+    from lightning_3d.cli import main
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main(["profile", "--config", "t5_tiny", "--out", str(tmp_path / "x.json")])
+    assert "measures a GPU and none is visible" in capsys.readouterr().err
+    out = tmp_path / "t5.json"
+    main(["profile", "--config", "t5_tiny", "--device", "cpu", "--out", str(out), "--microbatch-sizes", "1,2",
+          "--seq-lens", "16", "--target-lens", "8,16", "--warmup", "0", "--repeats", "1"])
+    m = ProfiledCostModel(out)
+    assert m.shape.family == "t5" and m.kinds() == {"embedding", "encoder_block", "decoder_block", "head"}
+    f, b = m.layer_time("decoder_block", np.array([1, 2]), 16, target_len=np.array([8, 16]), recompute=True)
+    assert np.all(np.isfinite(f)) and np.all(b > 0)
+    assert np.isinf(m.layer_time("encoder_block", 1, 32)[0])  # outside the profiled lengths
+    assert m.optimizer_seconds_per_parameter > 0

@@ -86,6 +86,8 @@ class ProfiledCostModel:
         self.shape = ModelShape(**data["model"])
         self.device = DeviceSpec(**data["device"])
         self.collectives = data.get("collectives", {})
+        #: measured AdamW step seconds per parameter (None when the profile lacks it; the planner then estimates)
+        self.optimizer_seconds_per_parameter = (data.get("optimizer") or {}).get("seconds_per_parameter")
         self.derive_tp = derive_tp
         self.tp_link_bandwidth = tp_link_bandwidth
         self.tp_latency = tp_latency

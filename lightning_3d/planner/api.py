@@ -105,9 +105,11 @@ def workload_from_config(cfg: dict, cluster: ClusterSpec, cost_model: CostModel 
 
         keys = ("num_layers", "num_decoder_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size", "feed_forward")
         config = preset(args.get("preset_name", "tiny"), **{k: args.get(k) for k in keys if args.get(k) is not None})
-        if data.get("tokenizer_vocab_size"):
-            from dataclasses import replace
+        from dataclasses import replace
 
+        if args.get("vocab_size"):
+            config = replace(config, vocab_size=int(args["vocab_size"]))
+        elif data.get("tokenizer_vocab_size"):
             config = replace(config, vocab_size=int(data["tokenizer_vocab_size"]) + 101)  # <pad> and 100 sentinels
         seq = int(data.get("input_length", 512))
         target = data.get("target_length")

@@ -273,7 +273,11 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
     finish = max(e + a for e, a in zip(ends, ar))
     exposed = max(0.0, finish - total)
     d = w.cluster.device
-    optimizer = 2 * max(params_rank) * w.state_bytes_per_param / d.memory_bandwidth  # Adam reads and writes its state
+    per_param = getattr(w.cost_model, "optimizer_seconds_per_parameter", None)
+    if per_param:
+        optimizer = max(params_rank) * per_param  # measured by the profiler
+    else:
+        optimizer = 2 * max(params_rank) * w.state_bytes_per_param / d.memory_bandwidth  # Adam reads and writes its state
     memory = []
     for r, stages in enumerate(rank_stages):
         held = in_flight(c.schedule, pp, v, m, r) * max(stored[s] for s in stages)

@@ -141,6 +141,28 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
     return med(fwd_t), med(bwd_t), float(med(stored)) if stored else 0.0, float(med(peak)) if peak else 0.0
 
 
+def measure_optimizer(module: nn.Module, device: torch.device, warmup: int, repeats: int) -> dict:
+    """Seconds per parameter of an AdamW step as the recipes run it (fp32 state, torch's default implementation)."""
+    module.to(device)
+    params = [p for p in module.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    timer = _Timer(device)
+    times = []
+    for i in range(warmup + repeats):
+        _, mark = timer.span(optimizer.step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(timer.seconds(mark))
+    count = sum(p.numel() for p in params)
+    module.to("cpu")
+    for p in params:
+        p.grad = None
+    return {"seconds_per_parameter": statistics.median(times) / count, "optimizer": "torch.optim.AdamW"}
+
+
 def profile_model(config: str | Path | dict, *, device: str | torch.device | None = None, microbatch_sizes=(1, 2, 4, 8),
                   seq_lens=None, target_lens=None, recompute=(False, True), warmup: int = 2, repeats: int = 5,
                   collectives: bool = True, log=print) -> dict:
@@ -175,11 +197,13 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
         module.to(device)
         doc["layers"][kind] = []
         for rc in (recompute if kind not in ("embedding", "head") else (False,)):
-            axes = [list(microbatch_sizes), seq_lens] + ([targets] if targets else [])
+            # The encoder never sees the target: its grid has no target axis.
+            with_target = targets if kind != "encoder_block" else None
+            axes = [list(microbatch_sizes), seq_lens] + ([with_target] if with_target else [])
             grid = {q: _nested(axes) for q in ("forward", "backward", "stored", "peak")}
             for idx in _indices(axes):
                 b, s = axes[0][idx[0]], axes[1][idx[1]]
-                t = axes[2][idx[2]] if targets else s
+                t = axes[2][idx[2]] if with_target else (targets[-1] if targets else s)
                 smaller_failed = idx[0] > 0 and _get(grid["forward"], (idx[0] - 1, *idx[1:])) is None
                 result = None if smaller_failed else measure(
                     module, make(b, s, t, dtype or torch.float32), run, recompute=rc, device=device, dtype=dtype,
@@ -187,10 +211,12 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
                 for q, value in zip(("forward", "backward", "stored", "peak"), result or (None,) * 4):
                     _set(grid[q], idx, value)
             entry = {"tp": 1, "recompute": rc, "microbatch_size": axes[0], "seq_len": axes[1],
-                     "target_len": axes[2] if targets else None, **grid}
+                     "target_len": axes[2] if with_target else None, **grid}
             doc["layers"][kind].append(entry)
             log(f"profiled {kind} recompute={rc} ({time.perf_counter() - started:.1f} s)")
         module.to("cpu")
+    block = layers.get("block", layers.get("encoder_block"))[0]
+    doc["optimizer"] = measure_optimizer(block, device, warmup, repeats)
     if collectives and device.type == "cuda" and torch.cuda.device_count() > 1:
         doc["collectives"] = measure_collectives(torch.cuda.device_count())
     doc["seconds"] = round(time.perf_counter() - started, 2)
