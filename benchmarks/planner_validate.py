@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import lightning_3d.recipes  # noqa: E402,F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import ClusterSpec, ProfiledCostModel  # noqa: E402
 from lightning_3d.planner.model import Candidate, Workload, predict  # noqa: E402
 from lightning_3d.planner.profile import profile_model  # noqa: E402

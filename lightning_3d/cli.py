@@ -102,6 +102,7 @@ def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning-3d`` console script (returns nothing: its result becomes the exit code)."""
     argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else None
     if argv and argv[0] in ("profile", "plan"):  # `lightning-3d profile|plan ...` (docs/planner.md)
+        import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
         from lightning_3d.planner.api import plan_main
         from lightning_3d.planner.profile import profile_main
 

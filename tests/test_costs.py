@@ -182,3 +182,14 @@ def test_profile_command_writes_a_profile_the_cost_model_reads_and_refuses_witho
     assert np.all(np.isfinite(f)) and np.all(b > 0)
     assert np.isinf(m.layer_time("encoder_block", 1, 32)[0])  # outside the profiled lengths
     assert m.optimizer_seconds_per_parameter > 0
+
+
+def test_the_planner_reads_only_registered_recipes() -> None:
+    from lightning_3d.costs import recipe_costs
+
+    with pytest.raises(ValueError, match="cannot read model.class_path 'my.Model': no recipe registered it"):
+        recipe_costs("my.Model")
+    import lightning_3d.recipes  # noqa: F401
+
+    shape, seq, target = recipe_costs("lightning_3d.recipes.T5").workload({"preset_name": "770m"}, {"input_length": 512}, 2)
+    assert (shape.num_layers, seq, target) == (24, 512, 114)  # span corruption's target length for 512 inputs

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, DeviceSpec, ModelShape, ProfiledCostModel, device_spec
 from lightning_3d.planner import SearchOptions, Workload, load_config, plan, predict, search
 from lightning_3d.planner.model import Candidate

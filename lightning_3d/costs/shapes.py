@@ -7,6 +7,9 @@ T5 config is recognised by ``decoder_layers`` / ``feed_forward``, anything else 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 from lightning_3d.costs.model import ModelShape
 
 
@@ -24,3 +27,36 @@ def model_shape(config: object, *, bytes_per_element: int = 2, tensor_parallel_s
     ffn = getattr(config, "ffn_size", None) or getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size
     return ModelShape("gpt", config.num_layers, config.hidden_size, config.num_heads, ffn, vocab,
                       bytes_per_element=bytes_per_element)
+
+
+# ----- recipes register how the planner and the profiler read them -------------------------------------------------
+# The planner and the profiler sit beside the recipes (they may not import them); a recipe registers, under its class
+# paths, how a training config's model and data sections become a workload (shape and lengths) and, for the profiler,
+# its layers as modules. ``import lightning_3d.recipes`` registers the GPT and T5 recipes (the CLI does it).
+
+@dataclass(frozen=True)
+class RecipeCosts:
+    """``workload(model_args, data_args, bytes_per_element) -> (ModelShape, seq_len, target_len or None)``;
+    ``layers(model_args, data_args, shape, device) -> {kind: (module, make_inputs(b, s, t, dtype), run(module, *inputs))}``
+    (``run`` returns the layer's output, or the loss for the head)."""
+
+    workload: Callable[[dict, dict, int], tuple[ModelShape, int, int | None]]
+    layers: Callable[..., dict] | None = None
+
+
+RECIPES: dict[str, RecipeCosts] = {}
+
+
+def register_recipe(class_paths: Sequence[str], costs: RecipeCosts) -> None:
+    for path in class_paths:
+        RECIPES[path] = costs
+
+
+def recipe_costs(class_path: str) -> RecipeCosts:
+    """The registered ``RecipeCosts`` of a model class path (a clear error naming the known ones otherwise)."""
+    found = RECIPES.get(class_path)
+    if found is None:
+        known = ", ".join(sorted(RECIPES)) or "none (import lightning_3d.recipes first)"
+        raise ValueError(f"The planner cannot read model.class_path {class_path!r}: no recipe registered it"
+                         f" (lightning_3d.costs.register_recipe). Registered: {known}.")
+    return found

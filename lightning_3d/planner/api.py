@@ -3,8 +3,9 @@ that ``lightning-3d fit --config PLAN.yaml`` runs unchanged (the input with its 
 and checkpointing replaced), with the prediction in a comment. Every emitted strategy section is checked by
 constructing ``Compressed3DStrategy(**init_args)`` (the strategy's own validation) before it is written.
 
-Configs are read with ``yaml.safe_load`` and the model is recognised by class path (the GPT and T5 recipes); no
-class from the file is imported or instantiated.
+Configs are read with ``yaml.safe_load``; the model is recognised by its class path among the recipes registered
+with ``lightning_3d.costs.register_recipe`` (``import lightning_3d.recipes`` registers GPT and T5; the CLI does it).
+No class from the file is imported or instantiated.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from pathlib import Path
 
 import yaml
 
-from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, ProfiledCostModel, model_shape
+from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, ProfiledCostModel, recipe_costs
 from lightning_3d.planner.model import GIB, Prediction, Workload
 from lightning_3d.planner.search import SearchOptions, SearchResult, search
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 
-GPT_PATHS = ("lightning_3d.recipes.GPT", "lightning_3d.recipes.gpt.GPT", "lightning_3d.recipes.gpt.module.GPT")
-T5_PATHS = ("lightning_3d.recipes.T5", "lightning_3d.recipes.t5.T5", "lightning_3d.recipes.t5.module.T5")
 BYTES = {"bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2, "32-true": 4, "32": 4, "bf16": 2}
 
 
@@ -90,40 +89,7 @@ def workload_from_config(cfg: dict, cluster: ClusterSpec, cost_model: CostModel 
     args = dict(model.get("init_args") or {})
     data = dict((cfg.get("data") or {}).get("init_args") or {})
     precision = str((cfg.get("trainer") or {}).get("precision", "32-true"))
-    e = BYTES.get(precision, 2)
-    target = None
-    if path in GPT_PATHS:
-        from lightning_3d.recipes.gpt.config import preset
-
-        overrides = {k: args.get(k) for k in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size")}
-        overrides["vocab_size"] = overrides["vocab_size"] or data.get("tokenizer_vocab_size")
-        overrides["seq_length"] = data.get("seq_length") or args.get("seq_length")
-        config = preset(args.get("preset_name", "tiny"), **overrides)
-        seq = config.seq_length
-    elif path in T5_PATHS:
-        from lightning_3d.recipes.t5.config import preset
-
-        keys = ("num_layers", "num_decoder_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size", "feed_forward")
-        config = preset(args.get("preset_name", "tiny"), **{k: args.get(k) for k in keys if args.get(k) is not None})
-        from dataclasses import replace
-
-        if args.get("vocab_size"):
-            config = replace(config, vocab_size=int(args["vocab_size"]))
-        elif data.get("tokenizer_vocab_size"):
-            config = replace(config, vocab_size=int(data["tokenizer_vocab_size"]) + 101)  # <pad> and 100 sentinels
-        seq = int(data.get("input_length", 512))
-        target = data.get("target_length")
-        if target is None:
-            if data.get("objective", "span_corruption") == "span_corruption":
-                from lightning_3d.recipes.data.seq2seq import span_lengths
-
-                target = span_lengths(seq, float(data.get("noise_density", 0.15)), float(data.get("mean_noise_span_length", 3.0)))[1]
-            else:
-                target = seq
-    else:
-        raise ValueError(f"The planner knows the GPT and T5 recipes (model.class_path {GPT_PATHS[0]} or {T5_PATHS[0]});"
-                         f" got {path!r}.")
-    shape = model_shape(config, bytes_per_element=e)
+    shape, seq, target = recipe_costs(path).workload(args, data, BYTES.get(precision, 2))
     if global_batch_size is None:
         strategy = ((cfg.get("trainer") or {}).get("strategy") or {})
         init = strategy.get("init_args") or {} if isinstance(strategy, dict) else {}

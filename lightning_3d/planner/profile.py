@@ -4,8 +4,8 @@ and backward time (CUDA events after warm-up, median of repeats) and its stored 
 with and without activation checkpointing; plus all-reduce, all-gather, reduce-scatter and point-to-point bandwidth
 between the visible GPUs when there are several. Writes the versioned JSON profile ``ProfiledCostModel`` reads.
 
-The layers are the recipes' own modules (``Block``; ``EncoderBlock``/``DecoderBlock``; the embedding; final norm,
-output projection and loss), built one at a time at full size on one GPU (tensor-parallel shards are derived from
+The layers are the recipe's own modules (``Block``; ``EncoderBlock``/``DecoderBlock``; the embedding; final norm,
+output projection and loss, as the recipe registers them: ``lightning_3d.costs.RecipeCosts``), built one at a time at full size on one GPU (tensor-parallel shards are derived from
 the tp = 1 grid: ``ProfiledCostModel(derive_tp=True)``). On a machine without a GPU the command refuses;
 ``--device cpu`` profiles the CPU for tests (times of the CPU, memory not measured: 0).
 """
@@ -22,13 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_3d.costs import DeviceSpec, ModelShape, device_spec, new_profile
+from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
-from lightning_3d.costs.devices import ClusterSpec
 
 
 class _Timer:
@@ -50,45 +48,6 @@ class _Timer:
         if self.cuda:
             return mark[0].elapsed_time(mark[1]) / 1e3
         return mark
-
-
-def _layers(family: str, config, padded: int, device: torch.device):
-    """{kind: (module, make_inputs(b, s, t) -> tuple, run(module, *inputs) -> output)} of the recipe's layers."""
-    if family == "gpt":
-        from lightning_3d.recipes.gpt.model import Block, Embedding, LMHead
-
-        head = nn.ModuleDict({"norm": nn.LayerNorm(config.hidden_size), "head": LMHead(config.hidden_size, config.vocab_size, padded)})
-        h = config.hidden_size
-        return {
-            "embedding": (Embedding(config, padded), lambda b, s, t, dt: (torch.randint(0, config.vocab_size, (b, s), device=device),),
-                          lambda m, ids: m(ids)),
-            "block": (Block(config), lambda b, s, t, dt: (torch.randn(b, s, h, device=device, dtype=dt, requires_grad=True),),
-                      lambda m, x: m(x)),
-            "head": (head, lambda b, s, t, dt: (torch.randn(b, s, h, device=device, dtype=dt, requires_grad=True),
-                                                torch.randint(0, config.vocab_size, (b, s), device=device)),
-                     lambda m, x, y: F.cross_entropy(m["head"](m["norm"](x)).float().flatten(0, 1), y.flatten())),
-        }
-    from lightning_3d.recipes.gpt.model import LMHead
-    from lightning_3d.recipes.t5.model import DecoderBlock, EncoderBlock, RMSNorm, position_bias
-
-    h, heads = config.hidden_size, config.num_heads
-    table = torch.randn(config.relative_attention_num_buckets, heads, device=device)
-    head = nn.ModuleDict({"norm": RMSNorm(h, config.layer_norm_eps), "head": LMHead(h, config.vocab_size, padded)})
-
-    def x_(b, n, dt):
-        return torch.randn(b, n, h, device=device, dtype=dt, requires_grad=True)
-
-    return {
-        "embedding": (nn.Embedding(padded, h), lambda b, s, t, dt: (torch.randint(0, config.vocab_size, (b, s + t), device=device),),
-                      lambda m, ids: m(ids)),
-        "encoder_block": (EncoderBlock(config), lambda b, s, t, dt: (x_(b, s, dt), position_bias(table, s, s, True, config)),
-                          lambda m, x, bias: m(x, bias)),
-        "decoder_block": (DecoderBlock(config), lambda b, s, t, dt: (x_(b, t, dt), x_(b, s, dt),
-                                                                     position_bias(table, t, t, False, config), None),
-                          lambda m, y, mem, bias, cross: m(y, mem, bias, cross)),
-        "head": (head, lambda b, s, t, dt: (x_(b, t, dt), torch.randint(0, config.vocab_size, (b, t), device=device)),
-                 lambda m, x, y: F.cross_entropy(m["head"](m["norm"](x)).float().flatten(0, 1), y.flatten())),
-    }
 
 
 def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: torch.device, dtype: torch.dtype | None,
@@ -179,7 +138,6 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     shape: ModelShape = w.shape
     precision = str((cfg.get("trainer") or {}).get("precision", "32-true"))
     dtype = torch.bfloat16 if BYTES.get(precision, 4) == 2 and device.type == "cuda" else None
-    model_cfg = _recipe_config(cfg, w)
     seq_lens = sorted(set(seq_lens or _default_lengths(w.seq_len)))
     targets = None
     if shape.family == "t5":
@@ -192,7 +150,11 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     doc = new_profile(shape, dev, precision=precision, torch_version=torch.__version__,
                       created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     started = time.perf_counter()
-    layers = _layers(shape.family, model_cfg, shape.vocab_size, device)
+    model = cfg.get("model") or {}
+    recipe = recipe_costs(model.get("class_path", "lightning_3d.recipes.GPT"))
+    if recipe.layers is None:
+        raise ValueError(f"the recipe {model.get('class_path')!r} registers no layers to profile.")
+    layers = recipe.layers(dict(model.get("init_args") or {}), dict((cfg.get("data") or {}).get("init_args") or {}), shape, device)
     for kind, (module, make, run) in layers.items():
         module.to(device)
         doc["layers"][kind] = []
@@ -233,26 +195,6 @@ def _known(name: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def _recipe_config(cfg: dict, w):
-    """The recipe's config object for the layer modules (vocabulary and lengths as the workload read them)."""
-    from dataclasses import replace
-
-    path = (cfg.get("model") or {}).get("class_path", "")
-    args = (cfg.get("model") or {}).get("init_args") or {}
-    if w.shape.family == "gpt":
-        from lightning_3d.recipes.gpt.config import preset
-
-        c = preset(args.get("preset_name", "tiny"), num_layers=args.get("num_layers"), hidden_size=args.get("hidden_size"),
-                   num_heads=args.get("num_heads"), ffn_hidden_size=args.get("ffn_hidden_size"))
-        return replace(c, vocab_size=w.shape.vocab_size, seq_length=max(c.seq_length, w.seq_len, 4096))
-    from lightning_3d.recipes.t5.config import preset
-
-    keys = ("num_layers", "num_decoder_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size", "feed_forward")
-    c = preset(args.get("preset_name", "tiny"), **{k: args.get(k) for k in keys if args.get(k) is not None})
-    del path
-    return replace(c, vocab_size=w.shape.vocab_size)
 
 
 def _default_lengths(n: int) -> list[int]:
