@@ -122,7 +122,7 @@ def test_a_model_that_fits_nothing_says_what_is_short() -> None:
 def _tiny_cpu_config(root: Path) -> dict:
     cfg = load_config("gpt_tiny")
     trainer = cfg["trainer"]
-    trainer.update(max_steps=2, limit_val_batches=0, val_check_interval=None, enable_checkpointing=False,
+    trainer.update(max_steps=1, limit_val_batches=0, val_check_interval=None, enable_checkpointing=False,
                    logger=False, default_root_dir=str(root), enable_progress_bar=False, accelerator="cpu")
     trainer.pop("callbacks")
     trainer.pop("check_val_every_n_epoch")
@@ -163,4 +163,4 @@ def test_emitted_pipeline_config_trains_on_cpu_with_four_processes(tmp_path) -> 
     run = subprocess.run([sys.executable, "-m", "lightning_3d.cli", "fit", "--config", str(path)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "`max_steps=2` reached" in run.stdout + run.stderr
+    assert "`max_steps=1` reached" in run.stdout + run.stderr

@@ -78,7 +78,6 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
             if cuda:
                 after = torch.cuda.memory_allocated(device)
             grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
-            out_bytes = out.numel() * out.element_size() if out.dim() else 0
             _, b_mark = timer.span(lambda: out.backward(grad))
             if cuda:
                 torch.cuda.synchronize(device)
@@ -87,9 +86,10 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
                 fwd_t.append(timer.seconds(f_mark))
                 bwd_t.append(timer.seconds(b_mark))
                 if cuda:
-                    # Kept for the backward: what the forward left allocated beyond its output (the next layer's input,
-                    # counted there), and the transient on top of that while forward and backward ran.
-                    stored.append(max(0, after - base - out_bytes))
+                    # Kept for the backward: what the forward left allocated, its output included (the next layer
+                    # keeps it as its input, which was allocated before this layer's baseline: each tensor between
+                    # layers is counted once, by its producer); and the transient on top while forward and backward ran.
+                    stored.append(max(0, after - base))
                     peak.append(max(0, top - after))
             del out, grad
     except torch.OutOfMemoryError:
