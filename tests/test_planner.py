@@ -164,3 +164,23 @@ def test_emitted_pipeline_config_trains_on_cpu_with_four_processes(tmp_path) -> 
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "`max_steps=1` reached" in run.stdout + run.stderr
+
+
+def test_time_budget_and_profile_device(tmp_path) -> None:
+    shape = ModelShape("gpt", 8, 256, 4, 1024, 1000)
+    w = Workload(shape, 128, 8, AnalyticCostModel(shape), ClusterSpec.single_node(4))
+    result = search(w, 4, SearchOptions(time_budget_s=0.0))
+    assert result.truncated and not result.top and "time budget (0.0 s) ran out after 0 layouts" in result.shortfall[0]
+    cfg = _tiny_cpu_config(tmp_path)
+    with pytest.raises(ValueError, match="was measured for ModelShape.*num_layers=8.*but the config describes"):
+        plan(cfg, 2, profile=PROFILE)
+    cfg["trainer"]["precision"] = "bf16-mixed"
+    cfg["model"]["init_args"].update(num_layers=8, hidden_size=1024, num_heads=16, vocab_size=32768)
+    cfg["data"]["init_args"]["seq_length"] = 4096
+    with pytest.raises(ValueError, match="no finite cost for sequence length 4096 at micro-batch size 1"):
+        plan(cfg, 2, profile=PROFILE)
+    cfg["data"]["init_args"]["seq_length"] = 1024
+    # Without a cluster file, a plan on a profile targets one node of the profiled GPU (here: an H100 with 80 GiB).
+    p = plan(cfg, 2, profile=PROFILE, options=SearchOptions(top_k=1))
+    assert p.cluster.device.name == "h100" and p.cluster.gpus_per_node == 2
+    assert p.predictions[0].source.startswith("profile:")

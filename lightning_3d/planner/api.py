@@ -153,17 +153,28 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus={gpus!r} must be a positive integer.")
     cfg = load_config(config)
+    if profile is not None and cost_model is None:
+        cost_model = ProfiledCostModel(profile, derive_tp=True)
     if cluster is None:
-        cluster = ClusterSpec.single_node(gpus)
+        # One node of the profiled GPU (its bus bandwidth where the profile measured one), else of H100s.
+        device = getattr(cost_model, "device", None)
+        cluster = ClusterSpec.single_node(gpus, device if device is not None and device.memory_bytes > 0 else "h100")
+        measured = (getattr(cost_model, "collectives", None) or {}).get("intra_node_bandwidth")
+        if measured:
+            from dataclasses import replace as _replace
+
+            cluster = _replace(cluster, intra_node_bandwidth=float(measured))
     elif not isinstance(cluster, ClusterSpec):
         cluster = ClusterSpec.load(cluster)
     if gpus > cluster.num_gpus:
         raise ValueError(f"gpus={gpus} but the cluster has {cluster.num_gpus} ({cluster.nodes} x {cluster.gpus_per_node}).")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
         raise ValueError(f"gpus={gpus} must fill whole nodes of {cluster.gpus_per_node} GPUs.")
-    if profile is not None and cost_model is None:
-        cost_model = ProfiledCostModel(profile, derive_tp=True)
     w = workload_from_config(cfg, cluster, cost_model, global_batch_size)
+    measured = getattr(cost_model, "shape", None)
+    if measured is not None and measured != w.shape:
+        raise ValueError(f"The profile ({getattr(cost_model, 'source', '?')}) was measured for {measured}, but the config"
+                         f" describes {w.shape}. Profile this config's model (`lightning-3d profile --config ...`).")
     opts = options or SearchOptions()
     if opts.per_stage_checkpointing and not strategy_supports_stage_checkpointing():
         from dataclasses import replace

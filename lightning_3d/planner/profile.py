@@ -19,6 +19,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -143,8 +144,9 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     if shape.family == "t5":
         targets = sorted(set(target_lens or _default_lengths(w.target_len or w.seq_len)))
     if device.type == "cuda":
-        dev = device_spec(torch.cuda.get_device_name(device)) if _known(torch.cuda.get_device_name(device)) else DeviceSpec(
-            torch.cuda.get_device_name(device), 0.0, 0.0, float(torch.cuda.get_device_properties(device).total_memory))
+        name, total = torch.cuda.get_device_name(device), float(torch.cuda.get_device_properties(device).total_memory)
+        # Peak and bandwidth from the table (the profile measures layers, not the chip); the memory as the card says.
+        dev = replace(device_spec(name), memory_bytes=total) if _known(name) else DeviceSpec(name, 0.0, 0.0, total)
     else:
         dev = DeviceSpec("cpu", 1e11, 2e10, 8 * 2**30)
     doc = new_profile(shape, dev, precision=precision, torch_version=torch.__version__,

@@ -279,7 +279,13 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
             timed.append(p)
     timed.sort(key=lambda p: p.step_time)
     top = timed[: opts.top_k]
-    shortfall = [] if top else explain_shortfall(w, num_gpus, opts, count)
+    if top:
+        shortfall = []
+    elif truncated and not found:
+        shortfall = [f"the search's time budget ({opts.time_budget_s} s) ran out after {count} layouts, before any"
+                     f" configuration that fits was found; raise time_budget_s (--time-budget)."]
+    else:
+        shortfall = explain_shortfall(w, num_gpus, opts, count)
     return SearchResult(top, count, evaluated, time.perf_counter() - start, truncated, shortfall)
 
 
@@ -308,6 +314,10 @@ def explain_shortfall(w: Workload, num_gpus: int, opts: SearchOptions, skeleton_
     if best is None:
         return [f"the model's {L} layers cannot be split over any pipeline size of {num_gpus} GPUs."]
     c = best.candidate
+    if not math.isfinite(best.peak_memory) or not math.isfinite(best.step_time):
+        return [f"the cost model ({best.source}) has no finite cost for sequence length {w.seq_len}"
+                + (f" / target length {w.target_len}" if w.target_len else "") + " at micro-batch size 1: a profile"
+                " covers only the shapes it measured (profile the lengths and micro-batch sizes you train)."]
     return [f"memory per GPU is short: the leanest layout (dp={c.dp}, pp={c.pp}, tp={c.tp}, micro-batch 1, activation"
             f" checkpointing {'on' if c.stage_checkpointing[0] else 'off'}) needs {best.peak_memory / GIB:.2f} GiB per GPU"
             f" but {budget / GIB:.2f} GiB are usable ({w.cluster.memory_per_gpu / GIB:.2f} GiB minus"
