@@ -184,3 +184,39 @@ def test_time_budget_and_profile_device(tmp_path) -> None:
     p = plan(cfg, 2, profile=PROFILE, options=SearchOptions(top_k=1))
     assert p.cluster.device.name == "h100" and p.cluster.gpus_per_node == 2
     assert p.predictions[0].source.startswith("profile:")
+
+
+def test_search_options_restrict_what_is_chosen() -> None:
+    cm = ProfiledCostModel(PROFILE, derive_tp=True)
+    cluster = ClusterSpec(1, 4, device_spec("h100"), 300e9, 25e9, memory_per_gpu=1.6 * 2**30)
+    w = Workload(cm.shape, 1024, 8, cm, cluster, memory_reserve=0.0)
+    free = search(w, 4, SearchOptions(top_k=20, microbatch_sizes=(1, 2)))
+    assert any(0 < sum(p.candidate.stage_checkpointing) < p.candidate.num_stages for p in free.top)  # mixed exists
+    uniform = search(w, 4, SearchOptions(top_k=20, microbatch_sizes=(1, 2), per_stage_checkpointing=False))
+    assert uniform.top and all(len(set(p.candidate.stage_checkpointing)) == 1 for p in uniform.top)
+    none = search(w, 4, SearchOptions(top_k=20, microbatch_sizes=(1, 2), allow_checkpointing=False, compression=(False,),
+                                      schedules=("1f1b",), tensor_parallel_sizes=(1,)))
+    assert none.top and all(not any(p.candidate.stage_checkpointing) and not p.candidate.compression
+                            and p.candidate.schedule == "1f1b" and p.candidate.tp == 1 for p in none.top)
+    assert all(p.step_time >= free.top[0].step_time for p in uniform.top + none.top)
+
+
+def test_cli_plan_options(tmp_path, capsys) -> None:
+    from lightning_3d.cli import main
+
+    cfg = _tiny_cpu_config(tmp_path)
+    cfg["trainer"]["precision"] = "bf16-mixed"
+    cfg["model"]["init_args"].update(num_layers=8, hidden_size=1024, num_heads=16, vocab_size=32768)
+    cfg["data"]["init_args"]["seq_length"] = 1024
+    source = tmp_path / "model.yaml"
+    source.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "plan.yaml"
+    main(["plan", "--config", str(source), "--gpus", "2", "--profile", str(PROFILE), "--global-batch-size", "12",
+          "--time-budget", "30", "--top-k", "1", "--out", str(out)])
+    emitted = yaml.safe_load(out.read_text())
+    init = emitted["trainer"]["strategy"]["init_args"]
+    assert emitted["data"]["init_args"]["batch_size"] * init["data_parallel_size"] == 12
+    assert "# Prediction (profile:" in out.read_text() and not (tmp_path / "plan.1.yaml").exists()
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", str(source), "--gpus", "0", "--out", str(out)])
+    assert "gpus=0 must be a positive integer" in capsys.readouterr().err
