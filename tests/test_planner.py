@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,9 +57,12 @@ def test_search_finds_the_brute_force_optimum_on_a_small_space(memory_gib) -> No
     opts = SearchOptions(microbatch_sizes=(1, 2), schedules=("1f1b", "interleaved_1f1b"), max_virtual_stages=2,
                          simulate_max_actions=0, top_k=1)
     best = _brute_force(w, 4, opts)
-    found = search(w, 4, opts).top[0]
+    found = search(w, 4, opts).top[0]  # exhaustive within each layout (the space is small)
     assert found.step_time == pytest.approx(best.step_time, rel=1e-12)
     assert found.fits
+    # The heuristic path alone (balanced split, checkpointing where memory runs out, bottleneck relief) as well.
+    greedy = search(w, 4, replace(opts, exhaustive_limit=0)).top[0]
+    assert greedy.step_time == pytest.approx(best.step_time, rel=1e-12)
 
 
 def _random_case(rng: random.Random):

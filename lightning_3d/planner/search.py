@@ -209,25 +209,28 @@ def relieve_bottleneck(w: Workload, p: Prediction, opts: SearchOptions, max_roun
     for _ in range(max_rounds):
         c = p.candidate
         times = [f + b for f, b in zip(p.stage_forward, p.stage_backward)]
-        s = int(np.argmax(times))
+        # Few stages: every single-layer move and checkpointing flip (interleaved ranks balance their chunks' sum,
+        # which the slowest stage alone does not show); many stages: Aceso's moves around the slowest stage only.
+        sources = range(c.num_stages) if c.num_stages <= 16 else [int(np.argmax(times))]
         moves = []
         split = list(c.layer_split)
-        for t in (s - 1, s + 1):
-            if 0 <= t < c.num_stages and split[s] > 1:
-                new = split.copy()
-                new[s] -= 1
-                new[t] += 1
-                moves.append(replace(c, layer_split=tuple(new)))
-        if opts.allow_checkpointing and opts.per_stage_checkpointing:
-            flip = list(c.stage_checkpointing)
-            flip[s] = not flip[s]
-            moves.append(replace(c, stage_checkpointing=tuple(flip)))
-            # A checkpointed neighbour that could stop checkpointing absorbs a layer better.
+        for s in sources:
             for t in (s - 1, s + 1):
-                if 0 <= t < c.num_stages and c.stage_checkpointing[t]:
-                    g = list(c.stage_checkpointing)
-                    g[t] = False
-                    moves.append(replace(c, stage_checkpointing=tuple(g)))
+                if 0 <= t < c.num_stages and split[s] > 1:
+                    new = split.copy()
+                    new[s] -= 1
+                    new[t] += 1
+                    moves.append(replace(c, layer_split=tuple(new)))
+            if opts.allow_checkpointing and opts.per_stage_checkpointing:
+                flip = list(c.stage_checkpointing)
+                flip[s] = not flip[s]
+                moves.append(replace(c, stage_checkpointing=tuple(flip)))
+                # A checkpointed neighbour that could stop checkpointing absorbs a layer better.
+                for t in (s - 1, s + 1):
+                    if 0 <= t < c.num_stages and c.stage_checkpointing[t]:
+                        g = list(c.stage_checkpointing)
+                        g[t] = False
+                        moves.append(replace(c, stage_checkpointing=tuple(g)))
         preds = [predict(m, w) for m in moves]
         n += len(preds)
         better = [q for q in preds if q.fits and q.step_time < p.step_time * (1 - 1e-9)]
