@@ -87,7 +87,13 @@ class Workload:
             kinds = self.block_kinds()
             blocks = tuple(np.array([out[k][i] for k in kinds]) for i in range(5))
             self._cache[key] = (blocks, out["embedding"], out["head"])
+            # Prefix sums (Python floats) of forward, backward, stored and parameters: O(1) stage sums.
+            self._cache[("prefix", *key)] = tuple(np.concatenate([[0.0], np.cumsum(blocks[i])]).tolist() for i in (0, 1, 2, 4))
         return self._cache[key]
+
+    def prefix_sums(self, mbs: int, tp: int, recompute: bool) -> tuple[list[float], ...]:
+        self.layer_costs(mbs, tp, recompute)
+        return self._cache[("prefix", mbs, tp, recompute)]
 
     def tokens(self, mbs: int, kind: str = "block") -> float:
         t = self.target_len if self.target_len is not None else self.seq_len
@@ -154,11 +160,11 @@ def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], li
     start = 0
     for s, (n, ckpt) in enumerate(zip(c.layer_split, c.stage_checkpointing)):
         blocks, emb, head = w.layer_costs(c.microbatch_size, c.tp, ckpt)
-        sl = slice(start, start + n)
-        start += n
-        f, b, st = blocks[0][sl].sum(), blocks[1][sl].sum(), blocks[2][sl].sum()
-        pk = float(blocks[3][sl].max()) if n else 0.0
-        p = blocks[4][sl].sum()
+        pf, pb, pst, pp_ = w.prefix_sums(c.microbatch_size, c.tp, ckpt)
+        lo, hi = start, start + n
+        start = hi
+        f, b, st, p = pf[hi] - pf[lo], pb[hi] - pb[lo], pst[hi] - pst[lo], pp_[hi] - pp_[lo]
+        pk = float(blocks[3][lo:hi].max()) if n else 0.0
         for is_end, extra in ((s == 0, emb), (s == c.num_stages - 1, head)):
             if is_end:
                 f, b, st, pk, p = f + extra[0], b + extra[1], st + extra[2], max(pk, extra[3]), p + extra[4]
