@@ -297,6 +297,9 @@ def measure_collectives(world: int, sizes=(2**20, 2**23, 2**26, 2**28)) -> dict:
     import torch.multiprocessing as mp
 
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    # NVLink multicast (NVLS) off, as the benchmarks run NCCL: it is unavailable or unstable on shared machines.
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "collectives.json")
         mp.spawn(_collective_worker, args=(world, path, list(sizes)), nprocs=world, join=True)
