@@ -27,7 +27,11 @@ _WARNED = False
 DEFAULT_DEVICE = DeviceSpec("h100", 989e12, 3.35e12, 80 * 2**30, 0.7)
 ATTENTION_EFFICIENCY = 0.75  # of the GEMM efficiency: fused attention reaches less of the peak
 BACKWARD_ATTENTION = 2.5  # a fused attention backward recomputes the scores: 2.5x its forward, not 2x
-KERNEL_OVERHEAD_S = 4e-6  # launch cost per kernel, a floor that dominates tiny shapes
+# Eager PyTorch launches each kernel from Python: a layer cannot run faster than its launches. Per kernel, and the
+# kernels of one layer's forward and backward (norms, projections, attention, activation, residuals, autocast's
+# weight casts, their gradients); the GPU time is floored by this host time (docs/planner.md).
+LAUNCH_S = 10e-6
+KERNELS = {"block": (40, 80), "encoder_block": (40, 80), "decoder_block": (60, 120), "embedding": (4, 6), "head": (8, 12)}
 
 
 def _warn_once() -> None:
@@ -59,9 +63,10 @@ class AnalyticCostModel:
         gemm, attn, moved, comm_bytes, n_comm = self._work(kind, microbatch_size, seq_len, target_len, tp)
         d = self.device
         gemm_rate = d.peak_flops * d.gemm_efficiency
-        fwd = gemm / gemm_rate + attn / (gemm_rate * ATTENTION_EFFICIENCY) + moved / d.memory_bandwidth + KERNEL_OVERHEAD_S * 12
-        bwd = (2 * gemm / gemm_rate + BACKWARD_ATTENTION * attn / (gemm_rate * ATTENTION_EFFICIENCY)
-               + 2 * moved / d.memory_bandwidth + KERNEL_OVERHEAD_S * 20)
+        fwd = gemm / gemm_rate + attn / (gemm_rate * ATTENTION_EFFICIENCY) + moved / d.memory_bandwidth
+        bwd = 2 * gemm / gemm_rate + BACKWARD_ATTENTION * attn / (gemm_rate * ATTENTION_EFFICIENCY) + 2 * moved / d.memory_bandwidth
+        launches = KERNELS.get(kind, (0, 0))
+        fwd, bwd = np.maximum(fwd, launches[0] * LAUNCH_S), np.maximum(bwd, launches[1] * LAUNCH_S)
         if tp > 1 and self.tp_link_bandwidth:
             comm = n_comm * (2 * (tp - 1) / tp * comm_bytes / self.tp_link_bandwidth + self.tp_latency)
             fwd, bwd = fwd + comm, bwd + comm

@@ -47,22 +47,26 @@ class _Grid:
             if values.shape != shape:
                 raise ValueError(f"{where}: {q} has shape {values.shape}, the axes say {shape}.")
             grid = np.array([math.inf if v is None else float(v) for v in values.ravel()], dtype=float).reshape(shape)
-            if np.any(grid < 0):
-                raise ValueError(f"{where}: {q} holds negative values.")
+            if np.any(grid < 0) or np.any(np.isnan(grid)):
+                raise ValueError(f"{where}: {q} holds negative or NaN values.")
             # Singleton axes cannot be interpolated: padded to two equal points so that only that value is inside.
             axes = [a if len(a) > 1 else np.array([a[0], a[0] * (1 + 1e-9)]) for a in self.axes]
             padded = grid
             for dim, a in enumerate(self.axes):
                 if len(a) == 1:
                     padded = np.concatenate([padded, padded], axis=dim)
-            self.interp[q] = RegularGridInterpolator(axes, padded, bounds_error=False, fill_value=math.inf)
+            # Unprofiled points (inf) are interpolated as a mask: a point is inf when an unprofiled neighbour has a
+            # positive weight (a zero-weight one, e.g. across the cell from a grid point, does not count).
+            missing = np.isinf(padded)
+            self.interp[q] = (RegularGridInterpolator(axes, np.where(missing, 0.0, padded), bounds_error=False,
+                                                      fill_value=math.inf),
+                              RegularGridInterpolator(axes, missing.astype(float), bounds_error=False, fill_value=1.0))
 
     def __call__(self, q: str, points: list[np.ndarray]) -> np.ndarray:
         b = np.broadcast_arrays(*points)
         flat = np.stack([p.ravel().astype(float) for p in b], axis=-1)
-        with np.errstate(invalid="ignore"):
-            out = self.interp[q](flat)
-        out = np.where(np.isnan(out), math.inf, out)  # inf neighbours give nan weights: still unprofiled
+        values, missing = self.interp[q]
+        out = np.where(missing(flat) > 0, math.inf, values(flat))
         return out.reshape(b[0].shape)
 
 

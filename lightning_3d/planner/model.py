@@ -87,8 +87,11 @@ class Workload:
             kinds = self.block_kinds()
             blocks = tuple(np.array([out[k][i] for k in kinds]) for i in range(5))
             self._cache[key] = (blocks, out["embedding"], out["head"])
-            # Prefix sums (Python floats) of forward, backward, stored and parameters: O(1) stage sums.
-            self._cache[("prefix", *key)] = tuple(np.concatenate([[0.0], np.cumsum(blocks[i])]).tolist() for i in (0, 1, 2, 4))
+            # Prefix sums (Python floats) of forward, backward, stored and parameters: O(1) stage sums; infinite
+            # (unprofiled) layers are counted apart, so that a stage holding one is inf (not inf - inf = nan).
+            self._cache[("prefix", *key)] = tuple(
+                (np.concatenate([[0.0], np.cumsum(np.where(np.isinf(blocks[i]), 0.0, blocks[i]))]).tolist(),
+                 np.concatenate([[0], np.cumsum(np.isinf(blocks[i]))]).tolist()) for i in (0, 1, 2, 4))
         return self._cache[key]
 
     def prefix_sums(self, mbs: int, tp: int, recompute: bool) -> tuple[list[float], ...]:
@@ -118,7 +121,7 @@ class Workload:
 
 @dataclass
 class Prediction:
-    """The model's answer for one candidate (seconds, bytes); ``fits`` compares ``peak_memory`` with the budget."""
+    """The model's answer for one candidate (seconds, bytes)."""
 
     candidate: Candidate
     step_time: float
@@ -135,7 +138,8 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.peak_memory <= self.memory_budget
+        """Runs: every cost finite (profiled) and the peak memory within the budget."""
+        return math.isfinite(self.step_time) and self.peak_memory <= self.memory_budget
 
     @property
     def tokens_per_second(self) -> float:
@@ -163,7 +167,7 @@ def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], li
         pf, pb, pst, pp_ = w.prefix_sums(c.microbatch_size, c.tp, ckpt)
         lo, hi = start, start + n
         start = hi
-        f, b, st, p = pf[hi] - pf[lo], pb[hi] - pb[lo], pst[hi] - pst[lo], pp_[hi] - pp_[lo]
+        f, b, st, p = (math.inf if count[hi] > count[lo] else total[hi] - total[lo] for total, count in (pf, pb, pst, pp_))
         pk = float(blocks[3][lo:hi].max()) if n else 0.0
         for is_end, extra in ((s == 0, emb), (s == c.num_stages - 1, head)):
             if is_end:

@@ -4,8 +4,8 @@
 Within a skeleton: exhaustively over every split × checkpointing vector where that space is small
 (``exhaustive_limit``); otherwise a balanced split (binary search on the slowest stage's time with a greedy fill,
 memory caps included, embedding and head costs on the end stages), checkpointing switched on where a stage's memory
-does not fit, and then Aceso's bottleneck relief on the few best skeletons: move a layer off the slowest stage to a
-neighbour, or flip the slowest stage's checkpointing, while the predicted step time falls. The best candidates are
+does not fit, and then Aceso's bottleneck relief on the few best skeletons: move a layer off the slowest stage to
+another stage, or flip the slowest stage's checkpointing, while the predicted step time falls. The best candidates are
 re-timed with the schedule simulator (``pipeline/timing.py``) and the top-k returned. A wall-clock budget bounds
 the whole search (the best found so far is returned, marked ``truncated``).
 """
@@ -107,8 +107,9 @@ class _Skeleton:
         self.pref, self.ends = {}, {}
         for ckpt in (False, True):
             blocks, emb, head = w.layer_costs(base.microbatch_size, base.tp, ckpt)
-            self.pref[ckpt] = np.concatenate([[0.0], np.cumsum(blocks[0] + blocks[1])])
-            self.ends[ckpt] = (emb[0] + emb[1], head[0] + head[1])
+            # Unprofiled layers (inf) as a huge finite time: the bisection stays well defined and avoids them.
+            self.pref[ckpt] = np.concatenate([[0.0], np.cumsum(np.minimum(blocks[0] + blocks[1], 1e30))])
+            self.ends[ckpt] = (min(emb[0] + emb[1], 1e30), min(head[0] + head[1], 1e30))
 
     def stage_time(self, s: int, lo: int, hi: int, ckpt: bool) -> float:
         t = self.pref[ckpt][hi] - self.pref[ckpt][lo]
@@ -215,8 +216,10 @@ def relieve_bottleneck(w: Workload, p: Prediction, opts: SearchOptions, max_roun
         moves = []
         split = list(c.layer_split)
         for s in sources:
-            for t in (s - 1, s + 1):
-                if 0 <= t < c.num_stages and split[s] > 1:
+            # One layer from s to any stage t (the boundaries between them shift by one): reaches splits that single
+            # moves to a neighbour only reach through a worse intermediate.
+            for t in range(c.num_stages):
+                if t != s and split[s] > 1:
                     new = split.copy()
                     new[s] -= 1
                     new[t] += 1
