@@ -224,3 +224,20 @@ def test_cli_plan_options(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--config", str(source), "--gpus", "0", "--out", str(out)])
     assert "gpus=0 must be a positive integer" in capsys.readouterr().err
+
+
+def test_mixed_stage_checkpointing_is_emitted_as_the_strategy_option(tmp_path) -> None:
+    from lightning_3d.planner.api import emit, strategy_supports_stage_checkpointing
+    from lightning_3d.planner.model import Prediction
+
+    cfg = _tiny_cpu_config(tmp_path)
+    c = Candidate(2, 2, 1, 2, 4, "1f1b", 1, (1, 3), (True, False), False)
+    p = Prediction(c, 1.0, 1.0, 0.0, 0.0, [0.5, 0.5], [0.5, 0.5], [1.0, 1.0], 1.0, 2.0, 1.0)
+    if not strategy_supports_stage_checkpointing():
+        with pytest.raises(ValueError, match="plan with per_stage_checkpointing=False"):
+            emit(cfg, p, ClusterSpec.single_node(4), 4, 16)
+        return
+    out = emit(cfg, p, ClusterSpec.single_node(4), 4, 16)
+    init = out["trainer"]["strategy"]["init_args"]
+    assert init["stage_activation_checkpointing"] == [True, False] and init["pipeline_layer_split"] == [1, 3]
+    assert out["model"]["init_args"]["activation_checkpointing"] is False
