@@ -1,0 +1,187 @@
+"""A cost model read from a profile file (``lightning-3d profile`` writes it): measured per-layer times and memory
+on grids of micro-batch size × sequence length (× target length for T5's decoder), one grid per (kind, recompute,
+tp), interpolated linearly and vectorised (SciPy's ``RegularGridInterpolator``). Outside a grid, or where the
+profiler ran out of memory (``null`` in the file), the cost is ``inf``.
+
+The file is JSON (no pickle: a profile someone sends runs no code), versioned (``PROFILE_FORMAT``,
+``PROFILE_VERSION``); docs/planner.md documents its fields. ``derive_tp=True`` prices a tensor-parallel degree the
+profile lacks from its tp = 1 grid, scaled by the analytic model's tp ratio (the shard's compute), which is what a
+one-GPU profile can offer for multi-GPU plans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import ArrayLike
+from scipy.interpolate import RegularGridInterpolator
+
+from lightning_3d.costs.analytic import AnalyticCostModel
+from lightning_3d.costs.model import DeviceSpec, LayerKind, ModelShape
+
+PROFILE_FORMAT = "lightning_3d.profile"
+PROFILE_VERSION = 1
+QUANTITIES = ("forward", "backward", "stored", "peak")
+
+
+class _Grid:
+    """One (kind, recompute, tp) grid: axes and the four measured quantities, interpolated with inf outside."""
+
+    def __init__(self, entry: dict, where: str) -> None:
+        axes = [entry["microbatch_size"], entry["seq_len"]]
+        if entry.get("target_len") is not None:
+            axes.append(entry["target_len"])
+        self.axes = [np.asarray(a, dtype=float) for a in axes]
+        for name, axis in zip(("microbatch_size", "seq_len", "target_len"), self.axes):
+            if axis.ndim != 1 or len(axis) < 1 or np.any(np.diff(axis) <= 0) or np.any(axis <= 0):
+                raise ValueError(f"{where}: {name} axis {axis.tolist()} must be positive and strictly increasing.")
+        shape = tuple(len(a) for a in self.axes)
+        self.interp = {}
+        for q in QUANTITIES:
+            values = np.array(entry[q], dtype=object)
+            if values.shape != shape:
+                raise ValueError(f"{where}: {q} has shape {values.shape}, the axes say {shape}.")
+            grid = np.array([math.inf if v is None else float(v) for v in values.ravel()], dtype=float).reshape(shape)
+            if np.any(grid < 0) or np.any(np.isnan(grid)):
+                raise ValueError(f"{where}: {q} holds negative or NaN values.")
+            # Singleton axes cannot be interpolated: padded to two equal points so that only that value is inside.
+            axes = [a if len(a) > 1 else np.array([a[0], a[0] * (1 + 1e-9)]) for a in self.axes]
+            padded = grid
+            for dim, a in enumerate(self.axes):
+                if len(a) == 1:
+                    padded = np.concatenate([padded, padded], axis=dim)
+            # Unprofiled points (inf) are interpolated as a mask: a point is inf when an unprofiled neighbour has a
+            # positive weight (a zero-weight one, e.g. across the cell from a grid point, does not count).
+            missing = np.isinf(padded)
+            self.interp[q] = (RegularGridInterpolator(axes, np.where(missing, 0.0, padded), bounds_error=False,
+                                                      fill_value=math.inf),
+                              RegularGridInterpolator(axes, missing.astype(float), bounds_error=False, fill_value=1.0))
+
+    def __call__(self, q: str, points: list[np.ndarray]) -> np.ndarray:
+        b = np.broadcast_arrays(*points)
+        flat = np.stack([p.ravel().astype(float) for p in b], axis=-1)
+        values, missing = self.interp[q]
+        out = np.where(missing(flat) > 0, math.inf, values(flat))
+        return out.reshape(b[0].shape)
+
+
+class ProfiledCostModel:
+    """``CostModel`` from a profile file (see the module docstring)."""
+
+    def __init__(self, profile: str | Path | dict, *, derive_tp: bool = False, tp_link_bandwidth: float | None = None,
+                 tp_latency: float = 10e-6) -> None:
+        if isinstance(profile, dict):
+            data, where = profile, "profile"
+            digest = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()[:12]
+        else:
+            raw = Path(profile).read_bytes()
+            where, digest = str(profile), hashlib.sha256(raw).hexdigest()[:12]
+            try:
+                data = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{where} is not a profile (JSON expected): {err}") from None
+        check_profile(data, where)
+        self.source = f"profile:{where}#{digest}"
+        self.shape = ModelShape(**data["model"])
+        self.device = DeviceSpec(**data["device"])
+        self.collectives = data.get("collectives", {})
+        #: measured AdamW step seconds per parameter (None when the profile lacks it; the planner then estimates)
+        self.optimizer_seconds_per_parameter = (data.get("optimizer") or {}).get("seconds_per_parameter")
+        self.derive_tp = derive_tp
+        self.tp_link_bandwidth = tp_link_bandwidth
+        self.tp_latency = tp_latency
+        self._grids: dict[tuple[str, bool, int], _Grid] = {}
+        for kind, entries in data["layers"].items():
+            for i, entry in enumerate(entries):
+                key = (kind, bool(entry["recompute"]), int(entry["tp"]))
+                self._grids[key] = _Grid(entry, f"{where}: layers.{kind}[{i}]")
+        self._analytic = AnalyticCostModel(self.shape, self.device) if derive_tp else None
+
+    def kinds(self) -> set[str]:
+        return {k for k, _, _ in self._grids}
+
+    def _lookup(self, kind: str, recompute: bool, tp: int, q: str, points: list[np.ndarray]) -> np.ndarray:
+        grid = self._grids.get((kind, recompute, tp))
+        if grid is not None:
+            return grid(q, points)
+        if recompute and (kind, False, tp) in self._grids and kind in ("embedding", "head"):
+            return self._lookup(kind, False, tp, q, points)  # these layers are never recomputed
+        base = self._grids.get((kind, recompute, 1))
+        if tp > 1 and self.derive_tp and base is not None:
+            b, s, t = points[0], points[1], points[2] if len(points) > 2 else None
+            if q in ("forward", "backward"):
+                one = self._analytic.layer_time(kind, b, s, target_len=t, recompute=recompute, tp=1)
+                many = self._analytic.layer_time(kind, b, s, target_len=t, recompute=recompute, tp=tp)
+                i = 0 if q == "forward" else 1
+            else:
+                one = self._analytic.layer_memory(kind, b, s, target_len=t, recompute=recompute, tp=1)
+                many = self._analytic.layer_memory(kind, b, s, target_len=t, recompute=recompute, tp=tp)
+                i = 0 if q == "stored" else 1
+            ratio = np.divide(many[i], one[i], out=np.ones_like(np.asarray(one[i], dtype=float)), where=one[i] > 0)
+            return base(q, points[: len(base.axes)]) * ratio
+        shape = np.broadcast_shapes(*(np.shape(p) for p in points))
+        return np.full(shape, math.inf)
+
+    def _points(self, kind, microbatch_size, seq_len, target_len, recompute, tp):
+        grid = self._grids.get((kind, recompute, tp)) or self._grids.get((kind, False, tp)) or self._grids.get((kind, recompute, 1))
+        points = [np.asarray(microbatch_size, dtype=float), np.asarray(seq_len, dtype=float)]
+        if grid is not None and len(grid.axes) == 3:
+            if target_len is None:
+                raise ValueError(f"the profile's {kind!r} grid has a target length axis: pass target_len.")
+            points.append(np.asarray(target_len, dtype=float))
+        return points
+
+    def layer_time(self, kind: LayerKind, microbatch_size: ArrayLike, seq_len: ArrayLike, *,
+                   target_len: ArrayLike | None = None, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
+        fwd = self._lookup(kind, recompute, tp, "forward", p)
+        bwd = self._lookup(kind, recompute, tp, "backward", p)
+        if tp > 1 and self.tp_link_bandwidth:
+            h, e = self.shape.hidden_size, self.shape.bytes_per_element
+            b, s = np.asarray(microbatch_size, dtype=float), np.asarray(seq_len, dtype=float)
+            tokens = b * (np.asarray(target_len, dtype=float) if kind == "decoder_block" and target_len is not None else s)
+            count = {"embedding": 1, "head": 1, "decoder_block": 3}.get(kind, 2)
+            comm = count * (2 * (tp - 1) / tp * tokens * h * e / self.tp_link_bandwidth + self.tp_latency)
+            fwd, bwd = fwd + comm, bwd + comm
+        return fwd, bwd
+
+    def layer_memory(self, kind: LayerKind, microbatch_size: ArrayLike, seq_len: ArrayLike, *,
+                     target_len: ArrayLike | None = None, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
+        return self._lookup(kind, recompute, tp, "stored", p), self._lookup(kind, recompute, tp, "peak", p)
+
+
+def check_profile(data: object, where: str = "profile") -> None:
+    """Raise a ValueError naming what is wrong with a profile's structure (format, version, fields)."""
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{where} is not a lightning_3d profile (its 'format' must be {PROFILE_FORMAT!r}).")
+    if data.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{where} has profile version {data.get('version')!r}; this lightning_3d reads version"
+                         f" {PROFILE_VERSION}. Re-run `lightning-3d profile`.")
+    for key, cls in (("model", ModelShape), ("device", DeviceSpec)):
+        section = data.get(key)
+        allowed = {f.name for f in fields(cls)}
+        if not isinstance(section, dict) or set(section) - allowed:
+            raise ValueError(f"{where}: '{key}' must be a mapping of {sorted(allowed)}.")
+    layers = data.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{where}: 'layers' must map layer kinds to lists of grids.")
+    needed = {"tp", "recompute", "microbatch_size", "seq_len", *QUANTITIES}
+    for kind, entries in layers.items():
+        if kind not in ("embedding", "block", "encoder_block", "decoder_block", "head"):
+            raise ValueError(f"{where}: unknown layer kind {kind!r}.")
+        for i, entry in enumerate(entries):
+            missing = needed - set(entry)
+            if missing:
+                raise ValueError(f"{where}: layers.{kind}[{i}] lacks {sorted(missing)}.")
+
+
+def new_profile(shape: ModelShape, device: DeviceSpec, **extra) -> dict:
+    """An empty profile document (the profiler and tests fill ``layers``)."""
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": asdict(shape), "device": asdict(device),
+            "layers": {}, **extra}

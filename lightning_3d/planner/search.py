@@ -1,0 +1,330 @@
+"""The configuration search: every uniform (dp, pp, tp, micro-batch, schedule, virtual stages, compression)
+"skeleton", and within each the stage split and per-stage activation checkpointing.
+
+Within a skeleton: exhaustively over every split × checkpointing vector where that space is small
+(``exhaustive_limit``); otherwise a balanced split (binary search on the slowest stage's time with a greedy fill,
+memory caps included, embedding and head costs on the end stages), checkpointing switched on where a stage's memory
+does not fit, and then Aceso's bottleneck relief on the few best skeletons: move a layer off the slowest stage to
+another stage, or flip the slowest stage's checkpointing, while the predicted step time falls. The best candidates are
+re-timed with the schedule simulator (``pipeline/timing.py``) and the top-k returned. A wall-clock budget bounds
+the whole search (the best found so far is returned, marked ``truncated``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from lightning_3d.planner.model import GIB, Candidate, Prediction, Workload, lower_bound_memory, predict, simulate_candidate
+
+
+@dataclass
+class SearchOptions:
+    """What the search may choose. ``per_stage_checkpointing=False`` keeps checkpointing uniform (all stages or
+    none), for strategies without ``stage_activation_checkpointing``."""
+
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+    max_virtual_stages: int = 4
+    microbatch_sizes: tuple[int, ...] | None = None  # default: powers of two up to 64 that divide the replica batch
+    compression: tuple[bool, ...] = (False, True)
+    tensor_parallel_sizes: tuple[int, ...] | None = None
+    pipeline_parallel_sizes: tuple[int, ...] | None = None
+    per_stage_checkpointing: bool = True
+    allow_checkpointing: bool = True
+    exhaustive_limit: int = 2048
+    relief_skeletons: int = 16
+    time_budget_s: float = 60.0
+    top_k: int = 5
+    simulate_max_actions: int = 8_000  # larger pipelines keep their closed-form time (the simulator is Python)
+
+
+@dataclass
+class SearchResult:
+    top: list[Prediction]
+    skeletons: int
+    evaluated: int
+    seconds: float
+    truncated: bool
+    shortfall: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def skeletons(w: Workload, num_gpus: int, opts: SearchOptions):
+    """Every uniform configuration that the strategy accepts, as (dp, pp, tp, mbs, m, schedule, v, compression)."""
+    shape, cl = w.shape, w.cluster
+    blocks = len(w.block_kinds())
+    tps = opts.tensor_parallel_sizes or [t for t in _divisors(num_gpus) if t <= cl.gpus_per_node]
+    for tp in tps:
+        if num_gpus % tp or shape.num_heads % tp or shape.hidden_size % tp or shape.ffn_hidden_size % tp:
+            continue
+        for pp in opts.pipeline_parallel_sizes or _divisors(num_gpus // tp):
+            if (num_gpus // tp) % pp or pp > blocks:
+                continue
+            dp = num_gpus // (tp * pp)
+            if w.global_batch_size % dp:
+                continue
+            replica = w.global_batch_size // dp
+            sizes = opts.microbatch_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= replica]
+            for mbs in sizes:
+                if replica % mbs:
+                    continue
+                m = replica // mbs
+                for schedule in opts.schedules:
+                    if pp == 1 and schedule != "1f1b":
+                        continue  # one stage: every schedule runs the same order
+                    if schedule == "1f1b" and m < pp:
+                        continue
+                    vs = [1]
+                    if schedule == "interleaved_1f1b":
+                        if pp < 2 or m % pp:
+                            continue
+                        vs = [v for v in range(2, opts.max_virtual_stages + 1) if pp * v <= blocks]
+                    for v in vs:
+                        for comp in opts.compression if (pp > 1 or dp > 1) else (False,):
+                            yield dp, pp, tp, mbs, m, schedule, v, comp
+
+
+def even_split(layers: int, stages: int) -> tuple[int, ...]:
+    base, extra = divmod(layers, stages)
+    return tuple(base + (1 if i < extra else 0) for i in range(stages))
+
+
+class _Skeleton:
+    """Prefix sums of per-block costs for one skeleton: O(1) stage sums for the balanced split."""
+
+    def __init__(self, w: Workload, base: Candidate) -> None:
+        self.w, self.base = w, base
+        self.S = base.num_stages
+        self.L = len(w.block_kinds())
+        self.pref, self.ends = {}, {}
+        for ckpt in (False, True):
+            blocks, emb, head = w.layer_costs(base.microbatch_size, base.tp, ckpt)
+            # Unprofiled layers (inf) as a huge finite time: the bisection stays well defined and avoids them.
+            self.pref[ckpt] = np.concatenate([[0.0], np.cumsum(np.minimum(blocks[0] + blocks[1], 1e30))])
+            self.ends[ckpt] = (min(emb[0] + emb[1], 1e30), min(head[0] + head[1], 1e30))
+
+    def stage_time(self, s: int, lo: int, hi: int, ckpt: bool) -> float:
+        t = self.pref[ckpt][hi] - self.pref[ckpt][lo]
+        if s == 0:
+            t += self.ends[ckpt][0]
+        if s == self.S - 1:
+            t += self.ends[ckpt][1]
+        return t
+
+    def balanced(self, ckpt: tuple[bool, ...], caps: list[int] | None = None) -> tuple[int, ...] | None:
+        """The split minimising the slowest stage's time (binary search over that time, greedy fill);
+        ``caps[s]``: most layers stage s may hold (memory)."""
+        S, L = self.S, self.L
+        if S > L:
+            return None
+
+        def fill(limit: float) -> tuple[int, ...] | None:
+            out, pos = [], 0
+            for s in range(S):
+                rest = S - s - 1
+                most = L - rest - pos
+                if caps is not None:
+                    most = min(most, caps[s])
+                if most < 1:
+                    return None
+                if s == S - 1:
+                    if L - pos > most or self.stage_time(s, pos, L, ckpt[s]) > limit:
+                        return None
+                    out.append(L - pos)
+                    return tuple(out)
+                # Largest k with stage_time(s, pos, pos + k) <= limit (costs are non-negative: bisect the prefix).
+                pref = self.pref[ckpt[s]]
+                extra = self.ends[ckpt[s]][0] if s == 0 else 0.0
+                k = bisect.bisect_right(pref, pref[pos] + limit - extra, pos + 1, pos + most + 1) - 1 - pos
+                if k < 1:
+                    return None
+                out.append(k)
+                pos += k
+            return None
+
+        hi = max(self.stage_time(s, 0, L, True) for s in (0, S - 1)) + self.pref[True][-1]
+        if fill(hi) is None:
+            return None
+        lo = 0.0
+        while hi - lo > 1e-4 * hi:  # 0.01 % of the slowest stage: finer changes no split
+            mid = (lo + hi) / 2
+            if fill(mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        return fill(hi)
+
+
+def optimise_skeleton(w: Workload, base: Candidate, opts: SearchOptions) -> tuple[Prediction | None, int]:
+    """The best split and checkpointing of one skeleton (exhaustive where small); (prediction, evaluations)."""
+    S, L = base.num_stages, len(w.block_kinds())
+    ckpt_choices = [(False,) * S] + ([(True,) * S] if opts.allow_checkpointing else [])
+    if opts.allow_checkpointing and opts.per_stage_checkpointing:
+        ckpt_space = 2**S
+    else:
+        ckpt_space = len(ckpt_choices)
+    if math.comb(L - 1, S - 1) * ckpt_space <= opts.exhaustive_limit:
+        vectors = itertools.product((False, True), repeat=S) if ckpt_space == 2**S else ckpt_choices
+        vectors = list(vectors)
+        best, n = None, 0
+        for cut in itertools.combinations(range(1, L), S - 1):
+            split = tuple(b - a for a, b in zip((0, *cut), (*cut, L)))
+            for ckpt in vectors:
+                p = predict(replace(base, layer_split=split, stage_checkpointing=ckpt), w)
+                n += 1
+                if p.fits and (best is None or p.step_time < best.step_time):
+                    best = p
+        return best, n
+    sk = _Skeleton(w, base)
+    best, n = None, 0
+    for ckpt in ckpt_choices:
+        split = sk.balanced(ckpt) or even_split(L, S)
+        cand = replace(base, layer_split=split, stage_checkpointing=ckpt)
+        p = predict(cand, w)
+        n += 1
+        # Stages over memory: checkpoint them (per stage), rebalance; a few rounds settle it.
+        for _ in range(3):
+            if p.fits or not (opts.allow_checkpointing and opts.per_stage_checkpointing) or all(ckpt):
+                break
+            over = {r for r, mem in enumerate(p.stage_memory) if mem > p.memory_budget}
+            ckpt = tuple(c or (s % base.pp in over) for s, c in enumerate(ckpt))
+            split = sk.balanced(ckpt) or split
+            p = predict(replace(cand, layer_split=split, stage_checkpointing=ckpt), w)
+            n += 1
+        if p.fits and (best is None or p.step_time < best.step_time):
+            best = p
+    return best, n
+
+
+def relieve_bottleneck(w: Workload, p: Prediction, opts: SearchOptions, max_rounds: int = 200) -> tuple[Prediction, int]:
+    """Aceso's bottleneck relief: move a layer off the slowest stage, or flip its checkpointing, while it helps."""
+    n = 0
+    for _ in range(max_rounds):
+        c = p.candidate
+        times = [f + b for f, b in zip(p.stage_forward, p.stage_backward)]
+        # Few stages: every single-layer move and checkpointing flip (interleaved ranks balance their chunks' sum,
+        # which the slowest stage alone does not show); many stages: Aceso's moves around the slowest stage only.
+        sources = range(c.num_stages) if c.num_stages <= 16 else [int(np.argmax(times))]
+        moves = []
+        split = list(c.layer_split)
+        for s in sources:
+            # One layer from s to any stage t (the boundaries between them shift by one): reaches splits that single
+            # moves to a neighbour only reach through a worse intermediate.
+            for t in range(c.num_stages):
+                if t != s and split[s] > 1:
+                    new = split.copy()
+                    new[s] -= 1
+                    new[t] += 1
+                    moves.append(replace(c, layer_split=tuple(new)))
+            if opts.allow_checkpointing and opts.per_stage_checkpointing:
+                flip = list(c.stage_checkpointing)
+                flip[s] = not flip[s]
+                moves.append(replace(c, stage_checkpointing=tuple(flip)))
+                # A checkpointed neighbour that could stop checkpointing absorbs a layer better.
+                for t in (s - 1, s + 1):
+                    if 0 <= t < c.num_stages and c.stage_checkpointing[t]:
+                        g = list(c.stage_checkpointing)
+                        g[t] = False
+                        moves.append(replace(c, stage_checkpointing=tuple(g)))
+        preds = [predict(m, w) for m in moves]
+        n += len(preds)
+        better = [q for q in preds if q.fits and q.step_time < p.step_time * (1 - 1e-9)]
+        if not better:
+            break
+        p = min(better, key=lambda q: q.step_time)
+    return p, n
+
+
+def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> SearchResult:
+    """The top-k candidates for ``num_gpus`` GPUs (see the module docstring)."""
+    opts = opts or SearchOptions()
+    start = time.perf_counter()
+    L = len(w.block_kinds())
+    found: list[Prediction] = []
+    count = evaluated = 0
+    truncated = False
+    for dp, pp, tp, mbs, m, schedule, v, comp in skeletons(w, num_gpus, opts):
+        if time.perf_counter() - start > opts.time_budget_s:
+            truncated = True
+            break
+        count += 1
+        if lower_bound_memory(w, tp, pp) > w.memory_budget:
+            continue
+        S = pp * v
+        base = Candidate(dp, pp, tp, mbs, m, schedule, v, even_split(L, S), (False,) * S, comp)
+        best, n = optimise_skeleton(w, base, opts)
+        evaluated += n
+        if best is not None:
+            found.append(best)
+    found.sort(key=lambda p: p.step_time)
+    relieved = []
+    for p in found[: opts.relief_skeletons]:
+        if time.perf_counter() - start > opts.time_budget_s:
+            truncated = True
+            relieved.append(p)
+            continue
+        q, n = relieve_bottleneck(w, p, opts)
+        evaluated += n
+        relieved.append(q)
+    pool = sorted(relieved + found[opts.relief_skeletons:], key=lambda p: p.step_time)
+    # The closed forms are exact for uniform stages; unequal ones are re-timed with the simulator before ranking.
+    timed = []
+    for p in pool[: 3 * opts.top_k]:
+        c = p.candidate
+        if c.pp > 1 and 2 * c.num_stages * c.num_microbatches <= opts.simulate_max_actions:
+            p = simulate_candidate(c, w)
+        if p.fits:
+            timed.append(p)
+    timed.sort(key=lambda p: p.step_time)
+    top = timed[: opts.top_k]
+    if top:
+        shortfall = []
+    elif truncated and not found:
+        shortfall = [f"the search's time budget ({opts.time_budget_s} s) ran out after {count} layouts, before any"
+                     f" configuration that fits was found; raise time_budget_s (--time-budget)."]
+    else:
+        shortfall = explain_shortfall(w, num_gpus, opts, count)
+    return SearchResult(top, count, evaluated, time.perf_counter() - start, truncated, shortfall)
+
+
+def explain_shortfall(w: Workload, num_gpus: int, opts: SearchOptions, skeleton_count: int) -> list[str]:
+    """Why nothing fits: what is short (configurations, layers for the stages, memory per GPU)."""
+    L = len(w.block_kinds())
+    if skeleton_count == 0:
+        return [f"no (dp, pp, tp) layout of {num_gpus} GPUs fits the model and batch: dp must divide the global batch"
+                f" of {w.global_batch_size} sequences, pp x virtual stages at most the model's {L} layers, tp divide"
+                f" the {w.shape.num_heads} heads and at most {w.cluster.gpus_per_node} GPUs per node."]
+    budget = w.memory_budget
+    best = None
+    for tp in [t for t in _divisors(num_gpus) if t <= w.cluster.gpus_per_node and w.shape.num_heads % t == 0]:
+        for pp in _divisors(num_gpus // tp):
+            if pp > L:
+                continue
+            replica = w.global_batch_size // max(1, num_gpus // (tp * pp))
+            if replica < 1:
+                continue
+            S = pp
+            c = Candidate(num_gpus // (tp * pp), pp, tp, 1, max(replica, pp), "1f1b", 1, even_split(L, S),
+                          (opts.allow_checkpointing,) * S, False)
+            p = predict(c, w)
+            if best is None or p.peak_memory < best.peak_memory:
+                best = p
+    if best is None:
+        return [f"the model's {L} layers cannot be split over any pipeline size of {num_gpus} GPUs."]
+    c = best.candidate
+    if not math.isfinite(best.peak_memory) or not math.isfinite(best.step_time):
+        return [f"the cost model ({best.source}) has no finite cost for sequence length {w.seq_len}"
+                + (f" / target length {w.target_len}" if w.target_len else "") + " at micro-batch size 1: a profile"
+                " covers only the shapes it measured (profile the lengths and micro-batch sizes you train)."]
+    return [f"memory per GPU is short: the leanest layout (dp={c.dp}, pp={c.pp}, tp={c.tp}, micro-batch 1, activation"
+            f" checkpointing {'on' if c.stage_checkpointing[0] else 'off'}) needs {best.peak_memory / GIB:.2f} GiB per GPU"
+            f" but {budget / GIB:.2f} GiB are usable ({w.cluster.memory_per_gpu / GIB:.2f} GiB minus"
+            f" {w.memory_reserve / GIB:.2f} GiB reserved). Use more GPUs, GPUs with more memory, or a smaller model."]

@@ -1,0 +1,53 @@
+"""How the planner and the profiler read the GPT recipe (registered with ``lightning_3d.costs.register_recipe``):
+a training config's model and data sections as a ``ModelShape`` and sequence length, and the recipe's own layers
+(embedding, ``Block``, final norm + head + loss) as modules the profiler times one at a time (docs/planner.md)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_3d.costs import ModelShape, RecipeCosts, model_shape, register_recipe
+from lightning_3d.recipes.gpt.config import GPTConfig, preset
+from lightning_3d.recipes.gpt.model import Block, Embedding, LMHead
+
+CLASS_PATHS = ("lightning_3d.recipes.GPT", "lightning_3d.recipes.gpt.GPT", "lightning_3d.recipes.gpt.module.GPT")
+SHAPE_ARGS = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size")
+
+
+def config_of(model_args: dict, data_args: dict) -> GPTConfig:
+    """The GPTConfig a ``lightning-3d fit`` config builds (vocabulary and length from the data, as the CLI links them)."""
+    overrides = {k: model_args.get(k) for k in SHAPE_ARGS}
+    overrides["vocab_size"] = model_args.get("vocab_size") or data_args.get("tokenizer_vocab_size")
+    overrides["seq_length"] = data_args.get("seq_length") or model_args.get("seq_length")
+    return preset(model_args.get("preset_name", "tiny"), **overrides)
+
+
+def workload(model_args: dict, data_args: dict, bytes_per_element: int) -> tuple[ModelShape, int, None]:
+    config = config_of(model_args, data_args)
+    return model_shape(config, bytes_per_element=bytes_per_element), config.seq_length, None
+
+
+def layers(model_args: dict, data_args: dict, shape: ModelShape, device: torch.device) -> dict:
+    # Positions for the longest profiled length; the vocabulary as the shape (padded) says.
+    config = replace(config_of(model_args, data_args), vocab_size=shape.vocab_size)
+    config = replace(config, seq_length=max(config.seq_length, 8192))
+    h, vocab = config.hidden_size, config.vocab_size
+    head = nn.ModuleDict({"norm": nn.LayerNorm(h), "head": LMHead(h, vocab, vocab)})
+
+    def hidden(b, s, t, dtype):
+        return (torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True),)
+
+    return {
+        "embedding": (Embedding(config, vocab), lambda b, s, t, dtype: (torch.randint(0, vocab, (b, s), device=device),),
+                      lambda m, ids: m(ids)),
+        "block": (Block(config), hidden, lambda m, x: m(x)),
+        "head": (head, lambda b, s, t, dtype: (*hidden(b, s, t, dtype), torch.randint(0, vocab, (b, s), device=device)),
+                 lambda m, x, y: F.cross_entropy(m["head"](m["norm"](x)).float().flatten(0, 1), y.flatten())),
+    }
+
+
+register_recipe(CLASS_PATHS, RecipeCosts(workload, layers))

@@ -1,0 +1,72 @@
+"""How the planner and the profiler read the T5 recipe (registered with ``lightning_3d.costs.register_recipe``):
+a training config's model and data sections as a ``ModelShape`` with input and target lengths (span corruption's
+target length by T5's rule), and the recipe's own layers (shared embedding, ``EncoderBlock``, ``DecoderBlock``,
+final norm + head + loss) as modules the profiler times one at a time (docs/planner.md)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_3d.costs import ModelShape, RecipeCosts, model_shape, register_recipe
+from lightning_3d.recipes.data.span_corruption import span_lengths
+from lightning_3d.recipes.gpt.model import LMHead
+from lightning_3d.recipes.t5.config import T5Config, preset
+from lightning_3d.recipes.t5.model import DecoderBlock, EncoderBlock, RMSNorm, position_bias
+
+CLASS_PATHS = ("lightning_3d.recipes.T5", "lightning_3d.recipes.t5.T5", "lightning_3d.recipes.t5.module.T5")
+SHAPE_ARGS = ("num_layers", "num_decoder_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size", "feed_forward")
+SPECIAL_TOKENS = 101  # <pad> and 100 sentinels on top of the text tokenizer (Seq2SeqDataModule)
+
+
+def config_of(model_args: dict, data_args: dict) -> T5Config:
+    config = preset(model_args.get("preset_name", "tiny"), **{k: model_args[k] for k in SHAPE_ARGS if model_args.get(k) is not None})
+    if model_args.get("vocab_size"):
+        return replace(config, vocab_size=int(model_args["vocab_size"]))
+    if data_args.get("tokenizer_vocab_size"):
+        return replace(config, vocab_size=int(data_args["tokenizer_vocab_size"]) + SPECIAL_TOKENS)
+    return config
+
+
+def lengths(data_args: dict) -> tuple[int, int]:
+    seq = int(data_args.get("input_length", 128))
+    target = data_args.get("target_length")
+    if target is None:
+        if data_args.get("objective", "span_corruption") == "span_corruption":
+            target = span_lengths(seq, float(data_args.get("noise_density", 0.15)),
+                                  float(data_args.get("mean_noise_span_length", 3.0)))[1]
+        else:
+            target = seq
+    return seq, int(target)
+
+
+def workload(model_args: dict, data_args: dict, bytes_per_element: int) -> tuple[ModelShape, int, int]:
+    return (model_shape(config_of(model_args, data_args), bytes_per_element=bytes_per_element), *lengths(data_args))
+
+
+def layers(model_args: dict, data_args: dict, shape: ModelShape, device: torch.device) -> dict:
+    config = replace(config_of(model_args, data_args), vocab_size=shape.vocab_size)
+    h, heads, vocab = config.hidden_size, config.num_heads, config.vocab_size
+    table = torch.randn(config.relative_attention_num_buckets, heads, device=device)
+    head = nn.ModuleDict({"norm": RMSNorm(h, config.layer_norm_eps), "head": LMHead(h, vocab, vocab)})
+
+    def x_(b, n, dtype):
+        return torch.randn(b, n, h, device=device, dtype=dtype, requires_grad=True)
+
+    return {
+        "embedding": (nn.Embedding(vocab, h), lambda b, s, t, dtype: (torch.randint(0, vocab, (b, s + t), device=device),),
+                      lambda m, ids: m(ids)),
+        "encoder_block": (EncoderBlock(config), lambda b, s, t, dtype: (x_(b, s, dtype), position_bias(table, s, s, True, config)),
+                          lambda m, x, bias: m(x, bias)),
+        "decoder_block": (DecoderBlock(config), lambda b, s, t, dtype: (x_(b, t, dtype), x_(b, s, dtype),
+                                                                        position_bias(table, t, t, False, config), None),
+                          lambda m, y, memory, bias, cross: m(y, memory, bias, cross)),
+        "head": (head, lambda b, s, t, dtype: (x_(b, t, dtype), torch.randint(0, vocab, (b, t), device=device)),
+                 lambda m, x, y: F.cross_entropy(m["head"](m["norm"](x)).float().flatten(0, 1), y.flatten())),
+    }
+
+
+register_recipe(CLASS_PATHS, RecipeCosts(workload, layers))
