@@ -58,7 +58,7 @@ def test_bad_inputs_raise_on_every_rank_before_any_collective(tmp_path: Path) ->
     report = run_scenario(2, "errors", ["--world", "2"], tmp_path / "report.json", timeout=600)
     failed = [c for c in report["cases"] if not c["ok"]]
     assert not failed, failed
-    assert len(report["cases"]) == 13
+    assert len(report["cases"]) == 12
     assert len(report["healthy_losses"]) == 2
 
 
