@@ -128,7 +128,7 @@ class GPT(pl.LightningModule):
         self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
         # lazy: traced at the first call, after tensor parallelism has sharded the blocks
         compile_blocks(self.model.layers.values(), self.hparams.compile)
-        return [GPTStage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+        return [GPTStage(self.model, l.layers, l.is_first, l.is_last, l.activation_checkpointing) for l in layouts]
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         if sequence_parallel and self.config.seq_length % tp_mesh.size() != 0:

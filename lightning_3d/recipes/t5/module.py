@@ -179,7 +179,7 @@ class T5(pl.LightningModule):
         keep = [i for layout in layouts for i in layout.layers]
         self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
         self._compile_blocks()  # lazy: traced at the first call, after tensor parallelism has sharded the blocks
-        return [T5Stage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+        return [T5Stage(self.model, l.layers, l.is_first, l.is_last, l.activation_checkpointing) for l in layouts]
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         parallelize_t5(stage, tp_mesh, sequence_parallel)
