@@ -22,7 +22,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -40,10 +40,8 @@ from lightning_3d.strategies.pipeline_engine import PipelineEngine, check_optimi
 from lightning_3d.strategies.process_groups import (
     ProcessGroups, claim_live_groups, destroy_live_groups, live_groups_of, register_exit_hook,
 )
-from lightning_3d.strategies.protocol import missing_protocol_methods
 from lightning_3d.strategies.rng import seed_parallel_rng
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
-from lightning_3d.strategies.stage_builder import check_protocol
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.compat import (
     SubprocessScriptLauncher, default_process_group_backend, distributed_is_initialized, init_dist_connection,
@@ -162,7 +160,7 @@ class Compressed3DStrategy(ParallelStrategy):
         self.groups: ProcessGroups | None = None
         self.compression_state = CompressionState(self.compression, self.comm_stats, guard_nonfinite=on_nonfinite != "ignore")
         self.engine = PipelineEngine(options, self.compression_state, self.comm_stats)
-        self.checkpoints = ShardedCheckpointIO(self.broadcast)
+        self.checkpoints = ShardedCheckpointIO(self.broadcast, self.compression_state)
         self._prepared_module = None
 
     # ----- environment --------------------------------------------------------------------------------------
@@ -256,7 +254,7 @@ class Compressed3DStrategy(ParallelStrategy):
         seed_parallel_rng(self.dp_rank, self.pp_rank, self.tp_rank, self.root_device)
         module = self.lightning_module
         if self._prepared_module is not module:
-            self._prepare(module)
+            self.engine.prepare(module, self.groups, self.root_device, self.precision_plugin)
             self._prepared_module = module
         elif self.engine.grad_sync is None:  # the same module runs again after teardown released the synchronizer
             self.engine.build_grad_sync()
@@ -268,21 +266,6 @@ class Compressed3DStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
         self.precision_plugin.clip_grad_by_norm = self.engine.clip_grad_by_norm
-
-    def _prepare(self, module: pl.LightningModule) -> None:
-        check_protocol(module, self.dims.pp, self.dims.tp)
-        if not missing_protocol_methods(module):
-            self.engine.prepare_pipeline(module, self.groups, self.root_device, self.precision_plugin)
-            return
-        for option, fix in (("num_microbatches", "use accumulate_grad_batches for plain modules"),
-                            ("stage_activation_checkpointing", "leave it unset for plain modules")):
-            value = getattr(self, option)
-            if value is not None and value != 1:
-                raise TypeError(
-                    f"{option}={value if option == 'num_microbatches' else list(value)} needs the"
-                    f" `lightning_3d.Parallel3DModule` protocol, which {type(module).__name__} does not implement; {fix}."
-                )
-        self.engine.prepare_plain(module, self.groups, self.root_device, self.precision_plugin.convert_module)
 
     def model_to_device(self) -> None:
         self.lightning_module.to(self.root_device)
@@ -408,23 +391,13 @@ class Compressed3DStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("Compressed3DStrategy writes sharded checkpoints itself and takes no storage_options.")
-        checkpoint["compressed_3d"] = self.compression_record()  # SC's link decision, kept on resume
-        self.checkpoints.save(checkpoint, filepath, self.global_rank, self._layout_key(), self.rank_state_dict())
+        self.checkpoints.save(checkpoint, filepath, self.global_rank, self._layout_key(), self.dims, self.compressed_backprop)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """``weights_only`` changes nothing: loading never unpickles code, whatever it says."""
-        path = self.checkpoints.resolve(checkpoint_path, self.is_global_zero)
-        meta = self.checkpoints.load(path, self.lightning_module, self.optimizers)
-        self.restore_compression_record(meta.get("compressed_3d"))  # before the SC state below is loaded into it
-        states = self.checkpoints.load_rank_state(path, self.global_rank, self._layout_key(), self.root_device)
-        if states is not None:
-            self.load_rank_state_dict(states)
-        elif self.rank_state_dict():
-            rank_zero_warn(
-                f"{path} holds no compression state for this layout {self._layout_key()}; error-feedback buffers"
-                " and warm-start factors start afresh."
-            )
-        return meta
+        return self.checkpoints.load(checkpoint_path, self.lightning_module, self.optimizers, self.global_rank,
+                                     self.is_global_zero, self._layout_key(), self.root_device,
+                                     self.restore_compression_record, self.compressed_backprop)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         self.checkpoints.remove(filepath, self.is_global_zero)

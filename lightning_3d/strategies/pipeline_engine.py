@@ -34,8 +34,9 @@ from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_norm_, local, sync_tied_gradients
 from lightning_3d.strategies.options import PipelineOptions
 from lightning_3d.strategies.process_groups import ProcessGroups
+from lightning_3d.strategies.protocol import missing_protocol_methods
 from lightning_3d.strategies.stage_builder import (
-    broadcast_parameters, build_stages, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
+    broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
     tied_copies,
 )
 from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_accumulation, unfuse_gradient_accumulation
@@ -65,9 +66,30 @@ class PipelineEngine:
         self._nonfinite_streak = 0
 
     # ----- preparing a module -------------------------------------------------------------------------------------
+    def prepare(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, precision) -> None:
+        """Prepare ``module`` for this rank: its pipeline stages if it implements the protocol, else data parallelism
+        only; ``precision`` is the strategy's precision plugin (``convert_module``, ``forward_context``)."""
+        check_protocol(module, groups.dims.pp, groups.dims.tp)
+        if missing_protocol_methods(module):
+            self.prepare_plain(module, groups, device, precision.convert_module)
+        else:
+            self.prepare_pipeline(module, groups, device, precision)
+
     def prepare_plain(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, convert_module) -> None:
         """A module without the pipeline protocol: data parallelism only, with Lightning's own steps."""
-        if self.options.gradient_accumulation_fusion:
+        o = self.options
+        for option, value, fix in (
+            ("num_microbatches", o.num_microbatches if o.num_microbatches > 1 else None,
+             "use accumulate_grad_batches for plain modules"),
+            ("stage_activation_checkpointing", list(o.stage_activation_checkpointing or []) or None,
+             "leave it unset for plain modules"),
+        ):
+            if value is not None:
+                raise TypeError(
+                    f"{option}={value} needs the `lightning_3d.Parallel3DModule` protocol, which"
+                    f" {type(module).__name__} does not implement; {fix}."
+                )
+        if o.gradient_accumulation_fusion:
             rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion applies to modules with the pipeline"
                            f" protocol (the recipes); {type(module).__name__}'s gradients accumulate as autograd's.")
         module.to(device)
@@ -79,8 +101,7 @@ class PipelineEngine:
         self.compression.warn_unused(groups.dims, tied=False)
 
     def prepare_pipeline(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, precision) -> None:
-        """Cut a protocol module into this rank's stages and build the runtime and the synchronizer that run them;
-        ``precision`` is the strategy's precision plugin (``convert_module``, ``forward_context``)."""
+        """Cut a protocol module into this rank's stages and build the runtime and the synchronizer that run them."""
         o, dims, pp_rank = self.options, groups.dims, groups.pp_rank
         check_tensor_parallel_shapes(module, dims.tp)
         check_tied_names(module)
