@@ -42,8 +42,15 @@ class ProcessGroups:
         self.rank = rank
         self.dp_rank, self.pp_rank, self.tp_rank = dims.coordinates(rank)
         self.created: list[dist.ProcessGroup] = []
-        made, d = self.created, dims
-        self.device_mesh: DeviceMesh | None = dims.build_mesh(device.type, timeout, made)
+        try:
+            self._build(device, virtual_stages, timeout)
+        except BaseException:
+            self.destroy()  # the groups made before the failure must not outlive it
+            raise
+
+    def _build(self, device: torch.device, virtual_stages: int, timeout: timedelta | None) -> None:
+        made, d, rank = self.created, self.dims, self.rank
+        self.device_mesh: DeviceMesh | None = d.build_mesh(device.type, timeout, made)
         self.dp_group: dist.ProcessGroup | None = self.device_mesh.get_group("dp")
         self.tp_mesh: DeviceMesh | None = self.device_mesh["tp"]
         # All pipeline and tensor ranks of one replica: the group a global gradient norm is summed over.
