@@ -262,7 +262,7 @@ class Compressed3DStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
-            self.engine.setup_selective_compression(trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches)
+            self.engine.setup_selective_compression(trainer)
         self.setup_precision_plugin()
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
         self.precision_plugin.clip_grad_by_norm = self.engine.clip_grad_by_norm
@@ -417,8 +417,7 @@ class Compressed3DStrategy(ParallelStrategy):
         self.engine.build_grad_sync()
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            self.engine.setup_selective_compression(
-                trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches)
+            self.engine.setup_selective_compression(trainer)
 
     def rank_states(self) -> dict[str, Any]:
         """This rank's stateful compression objects (``state_dict``/``load_state_dict``), by name."""

@@ -141,16 +141,17 @@ class CompressionState:
 
     # ----- SC ---------------------------------------------------------------------------------------------------
     def setup_selective(
-        self, dims: ParallelDims, pp_rank: int, dp_group: dist.ProcessGroup, total_steps: int,
+        self, dims: ParallelDims, pp_rank: int, dp_group: dist.ProcessGroup, total_steps: Callable[[], int],
         stage_params: Iterable[nn.Parameter], warn_shapes: bool,
     ) -> DataParallelPowerSGD | None:
         """Create SC's PowerSGD state where this rank compresses and none exists yet; returns the new state (for
-        the gradient synchronizer) or None. ``warn_shapes``: this rank says which matrices sc_rank leaves exact."""
+        the gradient synchronizer) or None. ``total_steps`` is asked only then (Lightning's estimate may iterate the
+        data); ``warn_shapes``: this rank says which matrices sc_rank leaves exact."""
         if not self.compresses_rank(dims, pp_rank) or self.sc is not None:
             return None
         cfg = self.config
         self.sc = DataParallelPowerSGD(
-            dp_group, cfg.sc_rank, cfg.warmup_steps(int(total_steps)), cfg.sc_min_compression_ratio, cfg.seed,
+            dp_group, cfg.sc_rank, cfg.warmup_steps(int(total_steps())), cfg.sc_min_compression_ratio, cfg.seed,
             self.stats, cfg.sc_matmul_precision, guard_nonfinite=self.guard_nonfinite,
         )
         if warn_shapes:

@@ -160,8 +160,12 @@ class PipelineEngine:
         if self.runtime is not None:
             self.runtime.before_last_backward = self.grad_sync.arm
 
-    def setup_selective_compression(self, total_steps: int) -> None:
-        """SC's PowerSGD state for this rank's buckets, where it compresses (fitting only)."""
+    def setup_selective_compression(self, trainer: pl.Trainer) -> None:
+        """SC's PowerSGD state for this rank's buckets, where it compresses (fitting only; its warm-up is a fraction
+        of the run's optimizer steps)."""
+        def total_steps() -> int:
+            return trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+
         g = self.groups
         params = [p for params in self.stage_params.values() for p in params]
         sc = self.compression.setup_selective(g.dims, g.pp_rank, g.dp_group, total_steps, params,
