@@ -280,11 +280,11 @@ def test_sc_anywhere_follows_the_measured_link_and_diagnostics_say_when_lep_is_o
                              parallel_devices=[torch.device("cpu")] * 4)
     s.dims, s.pp_rank, s.tp_rank = ParallelDims(2, 2, 1, 4), 1, 0
     assert not s.compresses_data_parallel_anywhere  # nothing measured yet
-    s._dp_link_gbps = 212.0  # NVLink-class
+    s.compression_state.link_gbps = 212.0  # NVLink-class
     assert not s.compresses_data_parallel_anywhere
-    s._dp_link_gbps = 25.0  # InfiniBand-class
+    s.compression_state.link_gbps = 25.0  # InfiniBand-class
     assert s.compresses_data_parallel_anywhere
-    s._runtime = SimpleNamespace(codec=CompressedBackprop(CompressedBackpropConfig()), observer=None)
+    s.engine.runtime = SimpleNamespace(codec=CompressedBackprop(CompressedBackpropConfig()), observer=None)
     diagnostics = CompressionDiagnostics(every_n_steps=1, plot=False)
     diagnostics._strategy = s
     with pytest.warns(UserWarning, match=r"needs LEP errors and LEP is off \(cb_lazy_error_propagation=False"):

@@ -210,3 +210,22 @@ def test_runtime_checks_an_explicit_per_step_order_before_running_it():
     swapped = [[F(0, 0), F(0, 1), B(0, 1), B(0, 0)], [F(1, 1), F(1, 0), B(1, 1), B(1, 0)]]  # F(1,1) waits for mb 0
     with pytest.raises(ValueError, match="expects"):
         runtime._orders(2, train=True, given=swapped)
+
+
+def test_the_example_schedule_is_one_file_plus_a_registry_line(registry) -> None:
+    """tests/schedule_example.py, registered with one line, is accepted by name and passes the simulator for every
+    pipeline size and micro-batch count (docs/extending.md points here)."""
+    from lightning_3d import Compressed3DStrategy
+    from tests.schedule_example import REVERSE_GPIPE
+
+    with pytest.raises(ValueError, match="Unknown schedule 'reverse_gpipe'"):
+        Compressed3DStrategy(pipeline_parallel_size=2, schedule="reverse_gpipe")
+    register_schedule(REVERSE_GPIPE)
+    for pp in range(1, 6):
+        for m in range(1, 3 * pp + 1):
+            orders = [build_schedule("reverse_gpipe", pp, 1, m, r) for r in range(pp)]
+            check_schedule(orders, pp, m, train=True)
+            assert [repr(a) for a in orders[-1]] == [f"F{pp - 1},{i}" for i in range(m)] + [
+                f"B{pp - 1},{i}*" for i in reversed(range(m))]
+    strategy = Compressed3DStrategy(pipeline_parallel_size=2, schedule="reverse_gpipe")
+    assert (strategy.schedule, strategy.num_microbatches, strategy.virtual_stages) == ("reverse_gpipe", 2, 1)

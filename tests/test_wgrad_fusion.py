@@ -31,7 +31,7 @@ def fit(fusion: bool, precision: str = "32-true", steps: int = 3, **gpt) -> tupl
         def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
             grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
             fused = [m.weight.grad for m in module.modules() if isinstance(m, FusedGradLinear)]
-            buckets = trainer.strategy._grad_sync.buckets
+            buckets = trainer.strategy.engine.grad_sync.buckets
             layouts.append(({g.untyped_storage().data_ptr() for g in fused},
                             {b.buffer.data_ptr() for b in buckets if b.buffer is not None}))
 
@@ -43,7 +43,7 @@ def fit(fusion: bool, precision: str = "32-true", steps: int = 3, **gpt) -> tupl
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, callbacks=[Record()])
     trainer.fit(model, datamodule=data)
-    # Counted now: the next run with a new model undoes the fusion of this one (Compressed3DStrategy._release_model).
+    # Counted now: the next run with a new model undoes the fusion of this one (PipelineEngine.release).
     fused = sum(isinstance(m, FusedGradLinear) for m in model.modules())
     return model, losses, grads, layouts, fused
 
@@ -101,7 +101,6 @@ def test_fusable_linears_skips_what_it_cannot_fuse() -> None:
 
 
 def test_plain_modules_and_tensor_parallel_are_told_it_does_not_apply(caplog: pytest.LogCaptureFixture) -> None:
-    from types import SimpleNamespace
 
     from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -113,13 +112,11 @@ def test_plain_modules_and_tensor_parallel_are_told_it_does_not_apply(caplog: py
     assert "BoringModel's gradients accumulate as autograd's" in caplog.text
     assert not any(isinstance(m, FusedGradLinear) for m in trainer.lightning_module.modules())
     strategy, stage = Compressed3DStrategy(), nn.Sequential(nn.Linear(4, 4))
-    strategy.dims = SimpleNamespace(tp=2)
     with caplog.at_level("INFO"):
-        strategy._fuse_gradient_accumulation({0: stage})
+        strategy.engine.fuse_gradient_accumulation({0: stage}, tp=2)
     assert "does not apply with tensor_parallel_size > 1" in caplog.text and type(stage[0]) is nn.Linear
-    strategy.dims = SimpleNamespace(tp=1)
-    strategy._fuse_gradient_accumulation({0: stage})
-    assert type(stage[0]) is FusedGradLinear and strategy._fused_weights == [stage[0].weight]
+    strategy.engine.fuse_gradient_accumulation({0: stage}, tp=1)
+    assert type(stage[0]) is FusedGradLinear and strategy.engine.fused_weights == [stage[0].weight]
 
 
 def test_a_layer_called_twice_after_its_bucket_left_raises() -> None:

@@ -17,11 +17,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Stage ``index`` of ``num_stages`` holds the splittable layers ``layers`` (global indices)."""
+    """Stage ``index`` of ``num_stages`` holds the splittable layers ``layers`` (global indices).
+
+    Per-stage settings (``None``: the model's own): ``activation_checkpointing``, whether the stage recomputes its
+    layers' activations in the backward (the strategy's ``stage_activation_checkpointing``; a planner turns it on
+    where a stage's memory is short). A model's ``build_pipeline_stages`` honours the settings it supports.
+    """
 
     index: int
     num_stages: int
     layers: range
+    activation_checkpointing: bool | None = None
 
     @property
     def is_first(self) -> bool:
@@ -38,7 +44,8 @@ class Parallel3DModule(Protocol):
 
     - ``num_pipeline_layers()``: how many splittable layers (transformer blocks) the model has.
     - ``build_pipeline_stages(layouts)``: delete everything this rank's stages do not need, keeping the
-      remaining parameter names unchanged, and return one ``nn.Module`` per layout. A stage is called as
+      remaining parameter names unchanged, and return one ``nn.Module`` per layout (honouring the layout's
+      per-stage settings, e.g. ``activation_checkpointing``, where not None). A stage is called as
       ``stage(*received, microbatch=mb)``: the first stage gets no received tensors and reads its inputs from
       the micro-batch; later stages get the previous stage's outputs. The last stage returns what
       ``pipeline_loss`` consumes. Boundary shapes must depend only on the micro-batch's tensor shapes.

@@ -46,7 +46,10 @@ def plan_pipeline(
     virtual_stages: int,
     schedule: str,
     layer_split: Sequence[int] | None,
+    activation_checkpointing: Sequence[bool] | None = None,
 ) -> PipelinePlan:
+    """Which layers each of the ``pp * virtual_stages`` stages holds (and its per-stage settings), and which stages
+    this pipeline rank runs."""
     num_layers = module.num_pipeline_layers()
     num_stages = pp * virtual_stages
     if num_stages > num_layers:
@@ -61,7 +64,8 @@ def plan_pipeline(
             f" {num_layers} is a multiple of {pp} x virtual_stages, or give pipeline_layer_split."
         )
     ranges = split_layers(num_layers, num_stages, layer_split)
-    layouts = [StageLayout(i, num_stages, r) for i, r in enumerate(ranges)]
+    checkpointing = list(activation_checkpointing) if activation_checkpointing is not None else [None] * num_stages
+    layouts = [StageLayout(i, num_stages, r, checkpointing[i]) for i, r in enumerate(ranges)]
     return PipelinePlan(layouts, [s for s in range(num_stages) if s % pp == pp_rank])
 
 
@@ -142,3 +146,47 @@ def broadcast_parameters(module: nn.Module, group: dist.ProcessGroup | None, src
         return
     for t in list(module.parameters()) + list(module.buffers()):
         dist.broadcast(local(t), src=src, group=group)
+
+
+def check_tied_names(module: nn.Module) -> None:
+    """Every name of ``pipeline_tied_parameters`` is a parameter of the whole model (still unpruned, identical on
+    every rank, so every rank raises alike): a name missing on one stage would leave its partner alone in the
+    tied-gradient all-reduce, a hang."""
+    tied = module.pipeline_tied_parameters()
+    names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    bad = [(role, name) for first, last in tied.items()
+           for role, name in (("first-stage name", first), ("last-stage name", last)) if name not in names]
+    if bad:
+        leaves = {name.rsplit(".", 1)[-1] for _, name in bad}
+        similar = sorted(n for n in names if n.rsplit(".", 1)[-1] in leaves)[:6]
+        raise ValueError(
+            f"{type(module).__name__}.pipeline_tied_parameters() = {tied} names no parameter of the model: "
+            + ", ".join(f"{role} {name!r}" for role, name in bad)
+            + ". Use the names module.named_parameters() gives" + (f" (similar: {similar})." if similar else ".")
+        )
+
+
+def check_still_tied(module: nn.Module) -> None:
+    """With one stage, tied weights must stay one Parameter: a ``parallelize_stage`` that shards the two uses
+    apart would train two weights where the model declares one, silently."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    untied = [(first, last) for first, last in module.pipeline_tied_parameters().items() if named[first] is not named[last]]
+    if untied:
+        raise ValueError(
+            f"{type(module).__name__}.pipeline_tied_parameters() declares {untied} tied, but after"
+            " parallelize_stage they are different Parameters: tensor parallelism untied them, and they would train"
+            " as two weights. Make parallelize_stage keep one Parameter for both uses (shard the module that owns it"
+            " and assign the same Parameter to the other), or stop declaring them tied."
+        )
+
+
+def tied_copies(module: nn.Module, pp_rank: int, pp: int) -> list[nn.Parameter]:
+    """This pipeline rank's copies of the tied weights: the first-stage names on rank 0, the last-stage names on the
+    last rank (the names were checked against the whole model before pruning by ``check_tied_names``)."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    tied = []
+    for first_name, last_name in module.pipeline_tied_parameters().items():
+        name = first_name if pp_rank == 0 else last_name if pp_rank == pp - 1 else None
+        if name is not None:
+            tied.append(named[name])
+    return tied

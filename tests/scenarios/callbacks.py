@@ -78,7 +78,7 @@ def main() -> None:
         "norms_before": before, "norms_after": after, "resets": state.resets, "warmup_reset": state.warmup_reset_done,
         "buffers_zero": all(float(b.abs().max()) == 0.0 for b in buffers), "num_buffers": len(buffers),
         "memories_empty": not codec.q_memory and (sc is None or not (sc.state.p_memory_dict or sc.state.q_memory_dict)),
-        "observers_detached": codec.observer is None and strategy._runtime.observer is None
+        "observers_detached": codec.observer is None and strategy.pipeline_runtime.observer is None
         and (sc is None or sc.observer is None),
     }
     ranks = [None] * dist.get_world_size()

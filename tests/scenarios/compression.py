@@ -67,7 +67,7 @@ def selective_and_bytes() -> dict:
 
 def expected_dp_bytes(model, s) -> float:
     """dp_gradients bytes of this rank after 4 steps: 2 plain steps, then 2 PowerSGD steps (rank 4) if compressed."""
-    params = [p for p in model.parameters() if id(p) not in {id(t) for t in s._tied}]
+    params = [p for p in model.parameters() if id(p) not in {id(t) for t in s.engine.tied}]
     plain = sum(p.numel() for p in params) * 4
     if s.selective_compression is None:
         return 4.0 * plain

@@ -34,22 +34,6 @@ class PlainModule(pl.LightningModule):
         return DataLoader([{"x": torch.ones(4)}] * 8, batch_size=4)
 
 
-class ShardedOptimizerGPT:
-    """The GPT recipe with a ZeroRedundancyOptimizer, which selective stage compression cannot feed."""
-
-    @staticmethod
-    def make():
-        model = make_model()
-
-        def configure_optimizers():
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
-
-        model.configure_optimizers = configure_optimizers
-        return model
-
-
 class OddMicroBatches(TestData):
     def train_dataloader(self):
         first = next(iter(super().train_dataloader()))
@@ -106,8 +90,6 @@ def main() -> None:
                lambda: fit(Compressed3DStrategy(pipeline_parallel_size=w, num_microbatches=w), PlainModule())),
         expect("plain module with tp", "Implement the `lightning_3d.Parallel3DModule` protocol",
                lambda: fit(Compressed3DStrategy(tensor_parallel_size=w), PlainModule())),
-        expect("sharded optimizer with SC", "does not support ZeroRedundancyOptimizer (torch.distributed.optim) yet",
-               lambda: fit(Compressed3DStrategy(data_parallel_size=w), ShardedOptimizerGPT.make(), TestData(8))),
         expect("plain module with micro-batches", "num_microbatches=2 needs the `lightning_3d.Parallel3DModule` protocol",
                lambda: fit(Compressed3DStrategy(num_microbatches=2), PlainModule())),
         expect("input id outside the vocabulary", f"input_ids holds token id {VOCAB}, outside the model's vocabulary of {VOCAB}",

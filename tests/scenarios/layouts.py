@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import time
 
+import lightning.pytorch as pl
+
 from lightning_3d import Compressed3DStrategy
 from tests.scenarios.common import (
     LossRecorder, TestData, all_max, compare, gpipe_reversed, make_model, parse_args, reference, trainer,
     variable_step, write_report,
 )
-from lightning_3d.pipeline.schedules import mark_epilogue
+from lightning_3d.pipeline.schedules import mark_epilogue, register_schedule
+from tests.schedule_example import REVERSE_GPIPE
 
 STEPS = 6
 
@@ -45,7 +48,10 @@ def variants(world: int) -> list[dict]:
     if world == 2:
         extra += [dict(dp=1, pp=1, tp=2, schedule="1f1b", m=2, sp=True),
                   dict(dp=1, pp=2, tp=1, schedule="1f1b", m=4, variable=True, ordered=True),  # explicit per-step orders
-                  dict(dp=2, pp=1, tp=1, schedule="1f1b", m=2, variable=True)]
+                  dict(dp=2, pp=1, tp=1, schedule="1f1b", m=2, variable=True),
+                  # the default micro-batch count (pp) and per-stage activation checkpointing (stage 0 only)
+                  dict(dp=1, pp=2, tp=1, schedule="1f1b", m=None, stage_ac=[True, False]),
+                  dict(dp=1, pp=2, tp=1, schedule="reverse_gpipe", m=4)]  # tests/schedule_example.py, registered below
     if world == 8:
         return []
     if world == 4:
@@ -57,10 +63,30 @@ def variants(world: int) -> list[dict]:
     return extra
 
 
+class BlockCalls(pl.Callback):
+    """Calls of the ``forward`` of the first block of each of this rank's stages: a block whose stage recomputes
+    activations runs twice per micro-batch (forward, then again in the backward), once otherwise. Counted on the
+    method, since checkpoint's recomputation does not run forward hooks."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, int] = {}
+
+    def on_train_start(self, trainer, module) -> None:
+        for index, stage in trainer.strategy.pipeline_runtime.stages.items():
+            block = next(iter(stage.layers.values()))
+            self.calls[index] = 0
+            block.forward = self._counted(block.forward, index)
+
+    def _counted(self, forward, index: int):
+        def counted(*args, **kwargs):
+            self.calls[index] += 1
+            return forward(*args, **kwargs)
+        return counted
+
+
 def run(cfg: dict) -> dict:
     accumulate = cfg.get("accumulate", 1)
     variable = cfg.get("variable", False)
-    global_batch = cfg["dp"] * cfg["m"] * 2
     virtual = None
     if cfg["schedule"] == "interleaved_1f1b":
         virtual = 3 if cfg["pp"] == 4 else 2
@@ -68,11 +94,14 @@ def run(cfg: dict) -> dict:
         data_parallel_size=cfg["dp"], pipeline_parallel_size=cfg["pp"], tensor_parallel_size=cfg["tp"],
         num_microbatches=cfg["m"], schedule=cfg["schedule"], virtual_stages=virtual,
         sequence_parallel=cfg.get("sp", False), compression=False, fused_embedding_sync=cfg.get("fe", True),
+        stage_activation_checkpointing=cfg.get("stage_ac"),
     )
-    recorder = LossRecorder()
+    m = strategy.num_microbatches  # cfg["m"], or the default the strategy derived
+    global_batch = cfg["dp"] * m * 2
+    recorder, calls = LossRecorder(), BlockCalls()
     model = make_model()
     start = time.perf_counter()
-    trainer(strategy, STEPS, [recorder], accumulate=accumulate).fit(
+    trainer(strategy, STEPS, [recorder, calls], accumulate=accumulate).fit(
         model, datamodule=TestData(global_batch, variable=variable, masked=True,
                                    ordered=(cfg["pp"], virtual or 1) if cfg.get("ordered") else None)
     )
@@ -83,6 +112,12 @@ def run(cfg: dict) -> dict:
         last = variable_step(STEPS - 1, cfg["dp"], 0)
         expected = tuple(mark_epilogue(o) for o in gpipe_reversed(cfg["pp"], virtual or 1, len(last)))
         cfg = {**cfg, "ordered": runtime.last_orders == expected}
+    if cfg.get("stage_ac"):  # the runtime ran m micro-batches per step; stage s recomputed exactly where asked
+        runtime = strategy.pipeline_runtime
+        ran = sum(a.kind == "F" for a in runtime.last_orders[0])
+        expected = {s: STEPS * m * (2 if cfg["stage_ac"][s] else 1) for s in calls.calls}
+        cfg = {**cfg, "m": m, "microbatches_run": all_max(float(ran)),
+               "recomputed_as_asked": all_max(0.0 if calls.calls == expected else 1.0) == 0.0}
     return {**cfg, "loss_err": all_max(result["loss_err"]), "param_err": all_max(result["param_err"]),
             "seconds": round(time.perf_counter() - start, 2)}
 
@@ -94,6 +129,7 @@ GPU_SUBSET = [dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", m=4, sp=True),
 
 def main() -> None:
     args = parse_args()
+    register_schedule(REVERSE_GPIPE)  # a new schedule is one file plus this line (docs/extending.md)
     plan = GPU_SUBSET if args.extra == "gpu_subset" else layouts(args.world) + variants(args.world)
     results = []
     for cfg in plan:

@@ -182,7 +182,7 @@ def nonfinite_run(kind: str, w: int, poison_step: int = 2, steps: int = 5) -> di
 def link_resume(w: int, workdir: Path, saved_gbps: float, resumed_gbps: float) -> dict:
     def strategy(gbps: float) -> Compressed3DStrategy:
         s = Compressed3DStrategy(data_parallel_size=w, sc_rank=2, sc_warmup=1, sc_max_link_gbps=50.0)
-        s._link_probe = lambda group, device: gbps
+        s.compression_state.link_probe = lambda group, device: gbps
         return s
 
     full, first, second = LossRecorder(), LossRecorder(), LossRecorder()

@@ -11,6 +11,16 @@ expects the resumed iterator to yield the remaining batches.
 
 Positions are recorded in *global* samples (positions in the epoch's permutation), so the
 record does not depend on which replica wrote it.
+
+Why not torchdata's ``StatefulDataLoader`` (torchdata 0.11 installs from pip beside torch 2.13, and Lightning
+treats it, like this loader, as any loader with ``state_dict``/``load_state_dict``): its state is per rank, the
+batches this rank's loader yielded plus its sampler iterator's own state, which ``DistributedSampler`` does not
+have, so on restore it fast-forwards by re-drawing that many batches from the *new* run's split. A checkpoint
+resumed with another number of data-parallel replicas (a resharding resume, ``tests/scenarios/reshard.py``: saved
+at dp = 2, resumed at dp = 1) would then start at the wrong sample, and with another batch size per replica
+at the wrong step. Our record is the global position in the epoch's permutation, identical on every rank, so
+any layout continues with exactly the next samples. Its other features (worker state snapshots, stateful
+datasets) we do not need: the datasets are map-style and the position is all the state there is.
 """
 
 from __future__ import annotations

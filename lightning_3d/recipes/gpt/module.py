@@ -151,7 +151,7 @@ class GPT(pl.LightningModule):
         # lazy: traced at the first call, after tensor parallelism has sharded the blocks
         per_block = self.hparams.compile_scope == "block"
         compile_blocks(self.model.layers.values(), self.hparams.compile if per_block else False)
-        stages = [GPTStage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+        stages = [GPTStage(self.model, l.layers, l.is_first, l.is_last, l.activation_checkpointing) for l in layouts]
         if not per_block:
             compile_blocks(stages, self.hparams.compile)  # each stage one graph
         return stages

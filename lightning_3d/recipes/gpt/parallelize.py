@@ -24,13 +24,19 @@ class GPTStage(nn.Module):
     tensor-parallel plan below applies to a stage exactly as to the whole model.
     """
 
-    def __init__(self, model: GPTModel, layer_ids: range, first: bool, last: bool) -> None:
+    def __init__(
+        self, model: GPTModel, layer_ids: range, first: bool, last: bool, activation_checkpointing: bool | None = None
+    ) -> None:
         super().__init__()
         self.embed = model.embed if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
         self.norm = model.norm if last else None
         self.head = model.head if last else None
-        self.activation_checkpointing = model.activation_checkpointing
+        # The stage layout's per-stage setting where given (the strategy's stage_activation_checkpointing), else the
+        # model's own.
+        self.activation_checkpointing = (
+            model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+        )
 
     def forward(self, *received: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
         positions, mask = packing_inputs(microbatch)  # None, None for plain rows; packed documents: see model.py

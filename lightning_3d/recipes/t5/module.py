@@ -187,7 +187,7 @@ class T5(pl.LightningModule):
         self.model.prune(keep, any(l.is_first for l in layouts), any(l.is_last for l in layouts))
         if self.hparams.compile_scope == "block":
             self._compile_blocks()  # lazy: traced at the first call, after tensor parallelism has sharded the blocks
-        stages = [T5Stage(self.model, l.layers, l.is_first, l.is_last) for l in layouts]
+        stages = [T5Stage(self.model, l.layers, l.is_first, l.is_last, l.activation_checkpointing) for l in layouts]
         if self.hparams.compile_scope == "stage":
             compile_blocks(stages, self.hparams.compile)  # each stage one graph
         return stages

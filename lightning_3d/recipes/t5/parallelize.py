@@ -26,7 +26,9 @@ class T5Stage(nn.Module):
     names are the pruned ``T5Model``'s own, so the tensor-parallel plan and :func:`run_stage` apply to both.
     """
 
-    def __init__(self, model: T5Model, layer_ids: range, first: bool, last: bool) -> None:
+    def __init__(
+        self, model: T5Model, layer_ids: range, first: bool, last: bool, activation_checkpointing: bool | None = None
+    ) -> None:
         super().__init__()
         n_enc = model.config.num_layers
         self.config = model.config
@@ -39,7 +41,11 @@ class T5Stage(nn.Module):
         self.decoder_norm = model.decoder_norm if last else None
         self.lm_head = model.lm_head if last else None
         self.drop = model.drop
-        self.activation_checkpointing = model.activation_checkpointing
+        # The stage layout's per-stage setting where given (the strategy's stage_activation_checkpointing), else the
+        # model's own.
+        self.activation_checkpointing = (
+            model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+        )
         self.sequence_parallel_size = 1
 
     def forward(self, *received: Tensor, microbatch: Mapping[str, Tensor]) -> Tensor | tuple[Tensor, ...]:

@@ -1,0 +1,81 @@
+"""The validated options of ``Compressed3DStrategy`` that shape the pipeline and its steps (``PipelineOptions``).
+
+``resolve_options`` checks them on every rank before any process group exists, fills in what is derived (the
+number of micro-batches, the virtual stages of an interleaved schedule) and returns one frozen record that the
+strategy and its ``PipelineEngine`` read. Sizes that need the world size are resolved later (``parallel_dims``);
+compression options are ``compression/config.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_3d.strategies.parallel_dims import resolve_schedule_options
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the model is cut into stages and how each step runs them (see the strategy's Args)."""
+
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    pipeline_layer_split: tuple[int, ...] | None = None
+    stage_activation_checkpointing: tuple[bool, ...] | None = None
+    bucket_size_mb: float = 25.0
+    gradient_accumulation_fusion: bool = True
+    on_nonfinite: Literal["skip", "raise", "ignore"] = "skip"
+    max_consecutive_nonfinite: int = 10
+
+
+def default_microbatches(pipeline_parallel_size: Any) -> int:
+    """1 without a pipeline, else pp: the smallest count every registered schedule accepts (1F1B needs at least pp
+    micro-batches, interleaved 1F1B a multiple of pp, GPipe any)."""
+    if isinstance(pipeline_parallel_size, int) and not isinstance(pipeline_parallel_size, bool) and pipeline_parallel_size > 1:
+        return pipeline_parallel_size
+    return 1  # with an invalid pp, its own error comes from the checks below
+
+
+def resolve_options(
+    *, pipeline_parallel_size: int, tensor_parallel_size: int, num_microbatches: int | None, schedule: str,
+    virtual_stages: int | None, sequence_parallel: bool, pipeline_layer_split: Sequence[int] | None,
+    stage_activation_checkpointing: Sequence[bool] | None, bucket_size_mb: float, gradient_accumulation_fusion: bool,
+    on_nonfinite: str, max_consecutive_nonfinite: int, checkpoint_io: Any,
+) -> PipelineOptions:
+    if checkpoint_io is not None:
+        raise ValueError(
+            f"Compressed3DStrategy does not take checkpoint_io={type(checkpoint_io).__name__}(...): its checkpoints are"
+            " sharded torch.distributed.checkpoint directories that the strategy writes itself. Leave checkpoint_io"
+            " unset."
+        )
+    if sequence_parallel and tensor_parallel_size == 1:
+        raise ValueError(
+            "sequence_parallel=True shards the sequence over tensor-parallel ranks, but tensor_parallel_size=1: it"
+            " would do nothing. Pass tensor_parallel_size > 1, or drop sequence_parallel."
+        )
+    if on_nonfinite not in ("skip", "raise", "ignore"):
+        raise ValueError(f"`on_nonfinite={on_nonfinite!r}` must be 'skip', 'raise' or 'ignore'.")
+    if isinstance(max_consecutive_nonfinite, bool) or not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
+        raise ValueError(f"`max_consecutive_nonfinite={max_consecutive_nonfinite!r}` must be a positive integer.")
+    if num_microbatches is None:
+        num_microbatches = default_microbatches(pipeline_parallel_size)
+    virtual_stages = resolve_schedule_options(schedule, pipeline_parallel_size, virtual_stages, num_microbatches)
+    checkpointing = None
+    if stage_activation_checkpointing is not None:
+        stages = pipeline_parallel_size * virtual_stages
+        checkpointing = tuple(stage_activation_checkpointing) if isinstance(stage_activation_checkpointing, Sequence) else None
+        if (checkpointing is None or len(checkpointing) != stages or isinstance(stage_activation_checkpointing, str)
+                or not all(isinstance(flag, bool) for flag in checkpointing)):
+            raise ValueError(
+                f"`stage_activation_checkpointing={stage_activation_checkpointing!r}` must list {stages} booleans, one per"
+                f" pipeline stage (pipeline_parallel_size={pipeline_parallel_size} x virtual_stages={virtual_stages}),"
+                " e.g. [True] + [False] * " + str(stages - 1) + "; or leave it unset for the model's own setting."
+            )
+    return PipelineOptions(
+        num_microbatches, schedule, virtual_stages, sequence_parallel,
+        tuple(pipeline_layer_split) if pipeline_layer_split is not None else None, checkpointing, bucket_size_mb,
+        gradient_accumulation_fusion, on_nonfinite, max_consecutive_nonfinite,
+    )

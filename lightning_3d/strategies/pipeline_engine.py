@@ -1,0 +1,330 @@
+"""PipelineEngine: what one training or evaluation step of ``Compressed3DStrategy`` does, hook by hook.
+
+With the pipeline protocol the whole forward and backward of a batch run in ``train_step`` (the schedule interleaves
+them per micro-batch): it splits and checks the batch, runs the ``PipelineRuntime``, lets the gradient synchronizer
+finish the data-parallel all-reduce, sums the tied embedding gradients (FE: with the replicas in one all-reduce),
+stashes the gradients out of reach of Lightning's ``zero_grad`` until ``hand_back_gradients`` (Lightning's
+``backward``), and reports the step's global mean loss on every rank. For every module, pipelined or plain, it
+guards the optimizer step against non-finite losses and gradients (one verdict for the world) and clips by the
+global norm over all stages, shards and replicas. It also prepares the module for that: ``prepare_pipeline`` turns
+a protocol module into this rank's stages (``stage_builder``), fuses their ``nn.Linear`` gradient accumulation, builds
+the ``PipelineRuntime`` (with CB's codec from ``CompressionState``) and the data-parallel ``GradientSynchronizer``;
+``prepare_plain`` does the data-parallel part for a plain module. It is built once per strategy (the non-finite
+streak spans its runs) and ``release`` forgets the module. See docs/architecture.md (One training step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import contextlib
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim import Optimizer
+
+from lightning_3d.pipeline.microbatch import split_batch
+from lightning_3d.pipeline.runtime import PipelineRuntime
+from lightning_3d.strategies.compression_state import CompressionState
+from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_norm_, local, sync_tied_gradients
+from lightning_3d.strategies.options import PipelineOptions
+from lightning_3d.strategies.process_groups import ProcessGroups
+from lightning_3d.strategies.protocol import missing_protocol_methods
+from lightning_3d.strategies.stage_builder import (
+    broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
+    tied_copies,
+)
+from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_accumulation, unfuse_gradient_accumulation
+from lightning_3d.utils.comm_stats import CommunicationStats
+
+
+class PipelineEngine:
+    """The step hooks' work (see the module docstring). Public attributes are its interface to the strategy:
+    ``runtime`` (None for a plain module), ``grad_sync``, ``sync_blocked`` (Lightning's ``block_backward_sync``),
+    ``tied`` (this rank's copies of tied weights), ``stage_params``, ``fused_weights`` and ``stats``."""
+
+    def __init__(self, options: PipelineOptions, compression: CompressionState, stats: CommunicationStats) -> None:
+        self.options = options
+        self.num_microbatches = options.num_microbatches
+        self.compression = compression
+        self.stats = stats
+        self.runtime: PipelineRuntime | None = None
+        self.grad_sync: GradientSynchronizer | None = None
+        self.groups: ProcessGroups | None = None
+        self.device: torch.device | None = None
+        self.stage_params: dict[int | None, list[nn.Parameter]] = {}
+        self.fused_weights: list[nn.Parameter] = []
+        self.tied: list[nn.Parameter] = []
+        self.fused_tied = False
+        self.sync_blocked = False
+        self._stashed_grads: list[tuple[nn.Parameter, Tensor | None]] | None = None
+        self._nonfinite_streak = 0
+
+    # ----- preparing a module -------------------------------------------------------------------------------------
+    def prepare(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, precision) -> None:
+        """Prepare ``module`` for this rank: its pipeline stages if it implements the protocol, else data parallelism
+        only; ``precision`` is the strategy's precision plugin (``convert_module``, ``forward_context``)."""
+        check_protocol(module, groups.dims.pp, groups.dims.tp)
+        if missing_protocol_methods(module):
+            self.prepare_plain(module, groups, device, precision.convert_module)
+        else:
+            self.prepare_pipeline(module, groups, device, precision)
+
+    def prepare_plain(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, convert_module) -> None:
+        """A module without the pipeline protocol: data parallelism only, with Lightning's own steps."""
+        o = self.options
+        for option, value, fix in (
+            ("num_microbatches", o.num_microbatches if o.num_microbatches > 1 else None,
+             "use accumulate_grad_batches for plain modules"),
+            ("stage_activation_checkpointing", list(o.stage_activation_checkpointing or []) or None,
+             "leave it unset for plain modules"),
+        ):
+            if value is not None:
+                raise TypeError(
+                    f"{option}={value} needs the `lightning_3d.Parallel3DModule` protocol, which"
+                    f" {type(module).__name__} does not implement; {fix}."
+                )
+        if o.gradient_accumulation_fusion:
+            rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion applies to modules with the pipeline"
+                           f" protocol (the recipes); {type(module).__name__}'s gradients accumulate as autograd's.")
+        module.to(device)
+        convert_module(module)
+        broadcast_parameters(module, groups.dp_group, src=dist.get_global_rank(groups.dp_group, 0))
+        self.groups, self.device = groups, device
+        self.stage_params = {None: list(module.parameters())}
+        self.build_grad_sync()
+        self.compression.warn_unused(groups.dims, tied=False)
+
+    def prepare_pipeline(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, precision) -> None:
+        """Cut a protocol module into this rank's stages and build the runtime and the synchronizer that run them."""
+        o, dims, pp_rank = self.options, groups.dims, groups.pp_rank
+        check_tensor_parallel_shapes(module, dims.tp)
+        check_tied_names(module)
+        plan = plan_pipeline(module, dims.pp, pp_rank, o.virtual_stages, o.schedule, o.pipeline_layer_split,
+                             o.stage_activation_checkpointing)
+        stages, initialised = build_stages(module, plan, groups.tp_mesh, o.sequence_parallel, device, precision.convert_module)
+        if dims.pp == 1:
+            check_still_tied(module)
+        if not initialised:
+            broadcast_parameters(module, groups.dp_group, src=dist.get_global_rank(groups.dp_group, 0))
+        groups.channels.warmup()
+        self.groups, self.device = groups, device
+        self.tied = tied_copies(module, pp_rank, dims.pp) if dims.pp > 1 else []
+        self.fused_tied = bool(self.tied) and self.compression.config.fused_embedding_sync
+        self.stage_params = {index: list(stage.parameters()) for index, stage in stages.items()}
+        self.fuse_gradient_accumulation(stages, dims.tp)
+        self.runtime = PipelineRuntime(
+            stages=stages, num_stages=plan.num_stages, pp_rank=pp_rank, pp_size=dims.pp, schedule=o.schedule,
+            channels=groups.channels, device=device, loss_fn=module.pipeline_loss, loss_terms_fn=module.pipeline_loss_terms,
+            forward_context=precision.forward_context,
+            loss_context=loss_parallel if dims.tp > 1 else contextlib.nullcontext, stats=self.stats,
+            dp_group=groups.dp_group if dims.dp > 1 else None,
+        )
+        self.build_grad_sync()
+        self.compression.warn_unused(dims, tied=bool(module.pipeline_tied_parameters()))
+        codec = self.compression.build_codec(dims, groups.tp_mesh.get_group() if dims.tp > 1 else None, o.sequence_parallel)
+        if codec is not None:
+            self.runtime.codec = codec
+
+    def fuse_gradient_accumulation(self, stages: dict[int, nn.Module], tp: int) -> None:
+        if not self.options.gradient_accumulation_fusion:
+            return
+        if tp > 1:
+            rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion does not apply with tensor_parallel_size > 1"
+                           " (the weights are DTensors); their gradients accumulate as autograd's.")
+            return
+        linears = [m for stage in stages.values() for m in fusable_linears(stage, exclude={id(p) for p in self.tied})]
+        self.fused_weights = fuse_gradient_accumulation(linears)
+        rank_zero_info(f"Compressed3DStrategy: gradient_accumulation_fusion on {len(linears)} nn.Linear weights of this"
+                       " rank's stages.")
+
+    def build_grad_sync(self) -> None:
+        """(Re)create the data-parallel gradient synchronizer of this rank's stages (it registers gradient hooks)."""
+        self._drop_grad_sync()  # the old one's hooks and fused-gradient slots go before the new one's come
+        g, state = self.groups, self.compression
+        # SC's default depends on the link; measured here, after every configuration check, before the buckets exist.
+        state.measure_link(g.dims, g.dp_group, self.device)
+        self.grad_sync = GradientSynchronizer(
+            self.stage_params, g.dp_group, g.dims.dp, self.options.bucket_size_mb,
+            exclude={id(p) for p in self.tied} if self.fused_tied else set(),
+            compressed_stages=set(self.stage_params) if state.compresses_rank(g.dims, g.pp_rank) else set(),
+            stats=self.stats, fused=self.fused_weights,
+        )
+        if state.sc is not None:
+            self.grad_sync.attach_compressor(state.sc)
+        if self.runtime is not None:
+            self.runtime.before_last_backward = self.grad_sync.arm
+
+    def setup_selective_compression(self, trainer: pl.Trainer) -> None:
+        """SC's PowerSGD state for this rank's buckets, where it compresses (fitting only; its warm-up is a fraction
+        of the run's optimizer steps)."""
+        def total_steps() -> int:
+            return trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+
+        g = self.groups
+        params = [p for params in self.stage_params.values() for p in params]
+        sc = self.compression.setup_selective(g.dims, g.pp_rank, g.dp_group, total_steps, params,
+                                              warn_shapes=g.dp_rank == 0 and g.tp_rank == 0)
+        if sc is not None:
+            self.grad_sync.attach_compressor(sc)
+
+    def _drop_grad_sync(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.remove_hooks()
+            self.grad_sync = None
+
+    def teardown(self) -> None:
+        """End of a run: drop the synchronizer (its hooks would keep the parameters alive) and any stashed gradients.
+
+        The synchronizer's gradient hooks are held by autograd's C++ state, out of the garbage collector's sight:
+        parameter -> hook -> synchronizer -> parameter would be a cycle never freed, keeping every trained model's
+        parameters, gradients and compression state alive for the life of the process. The next setup rebuilds it."""
+        self._drop_grad_sync()
+        self._stashed_grads = None
+
+    def release(self) -> None:
+        """Forget the module: undo the gradient fusion, drop the runtime, groups, tied weights and every per-step
+        state (the runtime and its codec hold groups). Idempotent."""
+        self.teardown()
+        unfuse_gradient_accumulation(self.fused_weights)
+        self.fused_weights, self.stage_params = [], {}
+        self.runtime = self.groups = None
+        self.tied, self.fused_tied = [], False
+        self.sync_blocked = False
+
+    # ----- training ---------------------------------------------------------------------------------------------
+    def train_step(self, module: pl.LightningModule, batch: Any, batch_idx: int) -> Tensor:
+        """Forward and backward of one batch through the pipeline; returns the step's mean loss (every rank)."""
+        accumulate = module.trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            module.zero_grad(set_to_none=True)  # what Lightning's zero_grad would do, before our backward runs
+        microbatches = split_batch(batch, self.num_microbatches)
+        check_batch(module, microbatches)
+        self.grad_sync.begin(sync=not self.sync_blocked)
+        loss = self.runtime.train_step(microbatches, loss_scale=1.0 / accumulate)
+        self.grad_sync.finish()
+        if not self.sync_blocked:
+            g = self.groups
+            if self.fused_tied:
+                sync_tied_gradients(self.tied, g.fused_tied_group, divide_by=g.dims.dp, stats=self.stats)
+            else:
+                sync_tied_gradients(self.tied, g.tied_group, stats=self.stats)
+        # Lightning zeroes gradients between training_step and backward; keep ours out of its reach.
+        self._stashed_grads = [(p, p.grad) for p in module.parameters()]
+        for p in module.parameters():
+            p.grad = None
+        return self.report_loss(module, loss, "train")
+
+    def hand_back_gradients(self) -> None:
+        """Lightning's ``backward``: the pipeline already ran it in ``train_step``; restore its gradients."""
+        for p, grad in self._stashed_grads or []:
+            p.grad = grad
+        self._stashed_grads = None
+
+    def begin_backward(self) -> None:
+        """A plain module's backward (Lightning's) is about to run: its gradients are final during it."""
+        self.grad_sync.begin(sync=not self.sync_blocked)
+        self.grad_sync.arm(None)
+
+    def end_backward(self) -> None:
+        self.grad_sync.finish()
+
+    def eval_step(self, module: pl.LightningModule, batch: Any, stage: str) -> Tensor:
+        microbatches = split_batch(batch, self.num_microbatches, uneven=True)
+        check_batch(module, microbatches)
+        loss = self.runtime.eval_step(microbatches)
+        return self.report_loss(module, loss, stage)
+
+    def report_loss(self, module: pl.LightningModule, loss: Tensor | None, stage: str) -> Tensor:
+        """Sum the last stage's per-replica shares of the step's mean loss (each replica's loss sum over the loss
+        terms of all replicas, see ``PipelineRuntime.train_step``) and give the global mean to every rank, then log it."""
+        contributes = loss is not None and self.groups.tp_rank == 0
+        value = loss.detach().float() if contributes else torch.zeros((), device=self.device)
+        dist.all_reduce(value)
+        if callable(getattr(module, "log_pipeline_loss", None)):
+            module.log_pipeline_loss(value, stage)
+        else:
+            module.log(f"{stage}_loss", value, prog_bar=True, sync_dist=False)
+        return value
+
+    # ----- the optimizer step -----------------------------------------------------------------------------------
+    def guarded_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer) -> Any:
+        """Run Lightning's closure (forward, backward, gradient sync), then decide on every rank alike whether the
+        step is finite; a skipped step clears the gradients, so the optimizer leaves every parameter and its state
+        untouched (torch optimizers pass over parameters without a gradient) and clipping sees nothing to clip.
+
+        The optimizer's update runs inside ``optimizer.step(closure)``, after this returns: this is the last point
+        before it. Lightning still counts the step (``global_step``, LR schedulers stepping by step), as for any
+        optimizer step."""
+        loss = closure()
+        grads = [local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # The max-abs norm is finite exactly when every element is (and cannot overflow the way a sum of squares can).
+        bad = torch.zeros((), device=self.device)
+        if grads:
+            bad += (~torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=float("inf")))).float()
+        if isinstance(loss, Tensor):
+            bad += (~torch.isfinite(loss.detach().float())).float().to(bad.device)
+        dist.all_reduce(bad)  # one verdict for the whole world: every stage, shard and replica skips together
+        step = trainer.global_step
+        if not bad.item():
+            self._nonfinite_streak = 0
+            return loss
+        self._nonfinite_streak += 1
+        what = "the loss or the gradients of optimizer step"
+        if self.options.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"Compressed3DStrategy: {what} {step} hold NaN or inf (on_nonfinite='raise'). Lower the learning rate,"
+                " check the data of this step, or pass on_nonfinite='skip' to skip such steps."
+            )
+        if self._nonfinite_streak > self.options.max_consecutive_nonfinite:
+            raise FloatingPointError(
+                f"Compressed3DStrategy: {what} {step} hold NaN or inf, {self._nonfinite_streak} such steps in a row"
+                f" (max_consecutive_nonfinite={self.options.max_consecutive_nonfinite}): training diverged. Lower the"
+                " learning rate or resume from an earlier checkpoint."
+            )
+        rank_zero_warn(
+            f"Compressed3DStrategy: {what} {step} hold NaN or inf; the step is skipped on every rank (parameters,"
+            f" optimizer and compression state unchanged; {self._nonfinite_streak} in a row, at most"
+            f" {self.options.max_consecutive_nonfinite})."
+        )
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return loss
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Lightning's norm clipping, by the global norm (tied copies counted once)."""
+        g = self.groups
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
+        clip_grad_norm_(params, clip_val, g.model_parallel_group, g.tp_rank, self.device, skip)
+
+
+def check_batch(module: pl.LightningModule, microbatches: list[Any]) -> None:
+    """The module's ``check_pipeline_batch`` (optional) on every micro-batch, on every rank, before any collective.
+    A batch that does not fit the model (an id outside the vocabulary, a sequence longer than its positions)
+    would otherwise fail on the one stage that reads it, and the other ranks would only see a lost peer; every
+    rank of a pipeline holds the same batch, so all of them raise the same message here."""
+    check = getattr(module, "check_pipeline_batch", None)
+    if callable(check):
+        for microbatch in microbatches:
+            check(microbatch)
+
+
+def check_optimizers(optimizers: Sequence[Optimizer]) -> None:
+    """No ``torch.distributed.optim`` wrapper: the strategy already averages every gradient over its replicas and
+    steps each pipeline/tensor rank's own parameters; those wrappers shard or synchronise optimizer work over the
+    default group, which spans pipeline and tensor ranks holding different parameters."""
+    wrapped = [type(o).__name__ for o in (getattr(o, "_optimizer", o) for o in optimizers)
+               if type(o).__module__.startswith("torch.distributed.optim")]
+    if wrapped:
+        raise TypeError(
+            f"Compressed3DStrategy does not support {', '.join(wrapped)} (torch.distributed.optim) yet: it would"
+            " shard or synchronise optimizer state across ranks that hold different parameters. Use a regular"
+            " torch.optim optimizer (sharded optimizer state is not supported yet)."
+        )

@@ -1,0 +1,142 @@
+"""ProcessGroups: every process group one run of ``Compressed3DStrategy`` needs, and their lifetime in the process.
+
+A ``ProcessGroups`` is built at ``setup_environment`` from the layout (``ParallelDims``) and holds the
+("dp", "pp", "tp") device mesh, the extra groups (the model-parallel group of the global gradient norm, the
+tied-embedding pairs and the fused embedding-sync groups) and the pipeline's point-to-point channels, all created
+with the strategy's ``timeout``, plus this rank's coordinates. The groups of the last run stay alive after its
+teardown, because a prepared module is bound to them (its stages hold the channels, its tensor-parallel parameters
+the mesh); ``claim_live_groups`` destroys the previous run's groups (after its owner released its model) before new
+ones are made, so a process holds one set of groups, with their threads and sockets, however many models it trains.
+``register_exit_hook`` destroys them while the interpreter still runs normally (see ``_shutdown_at_exit``).
+See docs/architecture.md (Lifecycle).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_3d.pipeline.p2p import PipelineChannels
+from lightning_3d.strategies.parallel_dims import ParallelDims, new_subgroups
+from lightning_3d.utils.compat import clear_dtensor_caches
+
+
+class ProcessGroups:
+    """The mesh, the extra groups and the pipeline channels of one run, and this rank's place in them.
+
+    Collective over the world: every rank constructs it at the same point (``setup_environment``). The groups it
+    creates (this rank's own ones) are listed in ``created``, in creation order, for ``destroy``.
+    """
+
+    def __init__(
+        self, dims: ParallelDims, rank: int, device: torch.device, virtual_stages: int, timeout: timedelta | None
+    ) -> None:
+        self.dims = dims
+        self.rank = rank
+        self.dp_rank, self.pp_rank, self.tp_rank = dims.coordinates(rank)
+        self.created: list[dist.ProcessGroup] = []
+        try:
+            self._build(device, virtual_stages, timeout)
+        except BaseException:
+            self.destroy()  # the groups made before the failure must not outlive it
+            raise
+
+    def _build(self, device: torch.device, virtual_stages: int, timeout: timedelta | None) -> None:
+        made, d, rank = self.created, self.dims, self.rank
+        self.device_mesh: DeviceMesh | None = d.build_mesh(device.type, timeout, made)
+        self.dp_group: dist.ProcessGroup | None = self.device_mesh.get_group("dp")
+        self.tp_mesh: DeviceMesh | None = self.device_mesh["tp"]
+        # All pipeline and tensor ranks of one replica: the group a global gradient norm is summed over.
+        self.model_parallel_group = new_subgroups(
+            [[d.rank_of(dp, p, t) for p in range(d.pp) for t in range(d.tp)] for dp in range(d.dp)], rank,
+            timeout=timeout, created=made,
+        )
+        # First and last pipeline rank of each (dp, tp) pipeline: where tied embedding gradients meet.
+        tied_pairs = [[d.rank_of(dp, 0, t), d.rank_of(dp, d.pp - 1, t)] for dp in range(d.dp) for t in range(d.tp)]
+        self.tied_group = new_subgroups(tied_pairs, rank, timeout=timeout, created=made) if d.pp > 1 else None
+        # Fused embedding sync: first and last stage of every replica, one group per tensor-parallel rank
+        # (a group spanning tensor ranks would add up different vocabulary shards).
+        fused = [[d.rank_of(dp, p, t) for dp in range(d.dp) for p in (0, d.pp - 1)] for t in range(d.tp)]
+        self.fused_tied_group = new_subgroups(fused, rank, timeout=timeout, created=made) if d.pp > 1 else None
+        pipelines = [d.pipeline_ranks(dp, t) for dp in range(d.dp) for t in range(d.tp)]
+        self.channels: PipelineChannels | None = PipelineChannels(pipelines, rank, virtual_stages, device, timeout)
+        made.extend(self.channels.groups)
+
+    def destroy(self) -> None:
+        """Destroy this rank's groups (local: no collective) and drop every reference to them. Idempotent."""
+        groups, self.created = list(self.created), []
+        self.device_mesh = self.tp_mesh = self.channels = None
+        self.dp_group = self.model_parallel_group = self.tied_group = self.fused_tied_group = None
+        for group in reversed(groups):
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # already gone: the user destroyed the world, which destroys every group with it
+                pass
+        if groups:
+            clear_dtensor_caches()  # cached sharding decisions hold meshes on the destroyed groups
+
+
+# The groups of the last run of any Compressed3DStrategy in this process, and how to release the model bound to
+# them (a weak reference to its owner's method: the registry must not keep a finished strategy alive).
+_live_groups: ProcessGroups | None = None
+_live_release: weakref.WeakMethod | None = None
+_exit_hook: list[bool] = []  # whether _shutdown_at_exit is registered
+
+
+def live_groups_of(owner: object) -> ProcessGroups | None:
+    """The live groups if ``owner`` made them (the run that prepared its module may reuse them), else None."""
+    release = _live_release() if _live_release is not None else None
+    return _live_groups if release is not None and release.__self__ is owner else None
+
+
+def destroy_live_groups() -> None:
+    """Release the last run's model state on its owner and destroy its groups (local: no collective)."""
+    global _live_groups, _live_release
+    release = _live_release() if _live_release is not None else None
+    groups, _live_groups, _live_release = _live_groups, None, None
+    if release is not None:
+        release()
+    if groups is not None and groups.created:
+        groups.destroy()
+        # A destroyed group's C++ object (with its threads) lives until its last reference goes, and the released
+        # model usually holds it in reference cycles (module <-> trainer). Collected here, while the process runs
+        # normally; left to the collector, it could be finalised during interpreter shutdown (see _shutdown_at_exit).
+        gc.collect()
+
+
+def claim_live_groups(
+    release: Callable[[], None], dims: ParallelDims, rank: int, device: torch.device, virtual_stages: int,
+    timeout: timedelta | None,
+) -> ProcessGroups:
+    """Destroy the previous run's groups (calling its owner's release first), then create this run's, owned by the
+    object whose bound method ``release`` is: it is called when the next run claims the groups."""
+    global _live_groups, _live_release
+    destroy_live_groups()
+    _live_groups = ProcessGroups(dims, rank, device, virtual_stages, timeout)
+    _live_release = weakref.WeakMethod(release)
+    return _live_groups
+
+
+def register_exit_hook() -> None:
+    """Register ``_shutdown_at_exit`` once per process."""
+    if not _exit_hook:
+        atexit.register(_shutdown_at_exit)
+        _exit_hook.append(True)
+
+
+def _shutdown_at_exit() -> None:
+    """Release the last run and destroy every process group while the interpreter still runs normally. Left to
+    interpreter shutdown, gloo's group destructors occasionally abort the process ("terminate called without an
+    active exception", exit code -6) after all the work is done, which fails a torchrun or SLURM job that succeeded.
+    Destroying is local to this process (no collective), so a rank that exits early does not wait for the others."""
+    destroy_live_groups()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
