@@ -98,25 +98,37 @@ def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
     )
 
 
+def export_main(argv: list[str]) -> None:
+    """``lightning-3d export``: prints where the model and the tokenizer were written."""
+    import argparse
+
+    from lightning_3d.recipes.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(prog="lightning-3d export", description="GPT or T5 checkpoint -> Hugging Face"
+                                     " directory (GPT2LMHeadModel or T5ForConditionalGeneration, by the checkpoint's model)")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory (trainer.save_checkpoint)")
+    parser.add_argument("--output", required=True, help="directory for save_pretrained")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json, tokenizer directory or 'bytes' (default: the"
+                        " tokenizer stored in the checkpoint by the recipes' data modules)")
+    ns = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(ns.checkpoint, ns.output, tokenizer=ns.tokenizer)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))  # a one-line message and exit code 2, not a traceback
+    print(f"model: {out}")
+    files = [out / n for n in ("tokenizer.json", "tokenizer_config.json") if (out / n).is_file()]
+    if files:
+        source = f"from {ns.tokenizer}" if ns.tokenizer else "stored in the checkpoint"
+        print(f"tokenizer: {files[0]} ({source}; load with AutoTokenizer.from_pretrained({str(out)!r}))")
+    else:
+        print("tokenizer: none (the checkpoint stores none; pass --tokenizer PATH to include one)")
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning-3d`` console script (returns nothing: its result becomes the exit code)."""
     argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else None
     if argv and argv[0] == "export":  # `lightning-3d export --checkpoint DIR --output DIR [--tokenizer PATH]`
-        import argparse
-
-        from lightning_3d.recipes.export import export_checkpoint
-
-        parser = argparse.ArgumentParser(prog="lightning-3d export", description="GPT or T5 checkpoint -> Hugging Face"
-                                         " directory (GPT2LMHeadModel or T5ForConditionalGeneration, by the checkpoint's model)")
-        parser.add_argument("--checkpoint", required=True, help="checkpoint directory (trainer.save_checkpoint)")
-        parser.add_argument("--output", required=True, help="directory for save_pretrained")
-        parser.add_argument("--tokenizer", default=None, help="tokenizer.json, tokenizer directory or 'bytes'")
-        ns = parser.parse_args(argv[1:])
-        try:
-            print(export_checkpoint(ns.checkpoint, ns.output, tokenizer=ns.tokenizer))
-        except (FileNotFoundError, ValueError) as err:
-            parser.error(str(err))  # a one-line message and exit code 2, not a traceback
-        return
+        return export_main(argv[1:])
     build_cli(args)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -124,6 +125,33 @@ class PretrainedTokenizer:
     def save(self, directory: str | Path) -> Path:
         self.tokenizer.save_pretrained(str(directory))
         return Path(directory)
+
+
+# The key under which the recipes' data modules store their tokenizer's files in a checkpoint (their ``state_dict``),
+# so that a checkpoint knows its tokenizer wherever it is moved: ``lightning-3d export`` includes it by default.
+TOKENIZER_STATE_KEY = "tokenizer_files"
+
+
+def tokenizer_files(tokenizer: TextTokenizer) -> dict[str, bytes]:
+    """The files ``tokenizer.save`` writes (relative name -> content): a copy that :func:`write_tokenizer_files` turns
+    back into a directory :func:`load_tokenizer` reads."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(tmp)
+        return {p.relative_to(tmp).as_posix(): p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+
+
+def write_tokenizer_files(files: dict[str, bytes], directory: str | Path) -> Path:
+    """Write :func:`tokenizer_files`' output into ``directory``; names that would leave it are refused (the files
+    come from a checkpoint, which users may have received from anyone)."""
+    directory = Path(directory)
+    for name, content in files.items():
+        parts = Path(name).parts
+        if not isinstance(content, bytes) or not parts or Path(name).is_absolute() or ".." in parts:
+            raise ValueError(f"Stored tokenizer file {name!r} is not a plain relative file name with bytes content;"
+                             " the checkpoint was altered. Pass the tokenizer explicitly (--tokenizer PATH).")
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(content)
+    return directory
 
 
 def hub_access_allowed(allow_download: bool) -> bool:
