@@ -31,6 +31,7 @@ from lightning_3d.recipes.data.tokenizer import (
     files_fingerprint,
     hub_access_allowed,
     load_tokenizer,
+    read_error,
     tokenizer_files,
     tokenizer_kind,
 )
@@ -186,7 +187,10 @@ class CausalLMDataModule(L.LightningDataModule):
             builder = FILE_BUILDERS[files[0].suffix.lower()]
             extra = {"sample_by": "document"} if builder == "text" else {}
             paths = [str(f) for f in files]
-            ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=hf_cache, **extra)
+            try:
+                ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=hf_cache, **extra)
+            except Exception as err:  # datasets' generic errors name neither file nor line
+                raise read_error(files, err) from None
             where = str(paths)
         if column not in ds.column_names:
             raise ValueError(f"text_column={column!r} is not a column of {where}; columns are {ds.column_names}")

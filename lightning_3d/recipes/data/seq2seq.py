@@ -29,7 +29,7 @@ from lightning_3d.recipes.data.span_corruption import (
 )
 from lightning_3d.recipes.data.tokenizer import (
     BPE_EOS_TOKEN_ID, BYTE_VOCAB_SIZE, TOKENIZER_STATE_KEY, PretrainedTokenizer, TextTokenizer, files_fingerprint,
-    load_tokenizer, tokenizer_files, tokenizer_kind,
+    load_tokenizer, read_error, tokenizer_files, tokenizer_kind,
 )
 
 PAIRS_FORMAT_VERSION = 1
@@ -173,7 +173,10 @@ class Seq2SeqDataModule(L.LightningDataModule):
 
         hp = self.hparams
         builder = FILE_BUILDERS[files[0].suffix.lower()]
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=str(self.cache_dir / "hf"))
+        try:
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=str(self.cache_dir / "hf"))
+        except Exception as err:  # datasets' generic errors name neither file nor line
+            raise read_error(files, err) from None
         missing = [c for c in (hp.input_column, hp.target_column) if c not in ds.column_names]
         if missing:
             raise ValueError(f"{[str(f) for f in files]} have no column(s) {missing} (columns: {ds.column_names}); set"

@@ -185,17 +185,64 @@ def files_fingerprint(paths: Iterable[str | Path]) -> list[tuple[str, int, int]]
     return out
 
 
+def unreadable_line(path: str | Path) -> str | None:
+    """Where a local ``.txt`` / ``.json`` / ``.jsonl`` data file cannot be read ("FILE, line N: why"), else None.
+    Run only after a read failed (``datasets`` names neither file nor line): it reads the file once more."""
+    path = Path(path)
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        return (f"{path}, line {line}: byte 0x{raw[err.start]:02x} at offset {err.start} is not UTF-8 text (a binary"
+                " file?); data files must be UTF-8 text")
+    suffix = path.suffix.lower()
+    if suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"{path}, line {err.lineno}: not valid JSON ({err.msg})"
+        return None
+    if suffix in (".json", ".jsonl"):
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"{path}, line {number}: not valid JSON ({err.msg}); JSON lines hold one object per line"
+            if not isinstance(record, dict):
+                return f"{path}, line {number}: a JSON {type(record).__name__}, not an object such as {{\"text\": \"...\"}}"
+    return None
+
+
+def read_error(paths: Sequence[str | Path], err: Exception) -> Exception:
+    """The error to raise when reading local data ``paths`` failed with ``err``: a ValueError naming the file and
+    line when one of them is malformed, else ``err`` itself."""
+    for p in paths:
+        if Path(p).suffix.lower() in (".txt", ".json", ".jsonl") and (where := unreadable_line(p)):
+            return ValueError(f"Cannot read data file {where}. Fix or remove it.")
+    return err
+
+
 def iter_file_texts(paths: Sequence[str | Path], text_column: str = "text") -> Iterator[str]:
     """Documents of local files without ``datasets``: ``.txt`` whole file, JSON lines/array, parquet."""
     for p in map(Path, paths):
         suffix = p.suffix.lower()
         if suffix == ".txt":
-            yield p.read_text(encoding="utf-8")
+            try:
+                yield p.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise read_error([p], err) from None
         elif suffix in (".json", ".jsonl"):
-            raw = p.read_text(encoding="utf-8")
-            is_array = raw.lstrip().startswith("[")
-            records = json.loads(raw) if is_array else [json.loads(line) for line in raw.splitlines() if line.strip()]
-            yield from (r[text_column] for r in records if r.get(text_column))
+            try:
+                raw = p.read_text(encoding="utf-8")
+                is_array = raw.lstrip().startswith("[")
+                records = json.loads(raw) if is_array else [json.loads(line) for line in raw.splitlines() if line.strip()]
+                texts = [r[text_column] for r in records if r.get(text_column)]
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+                raise read_error([p], err) from None
+            yield from texts
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
