@@ -9,18 +9,43 @@ never has to repeat them.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib import resources
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_3d  # noqa: F401  (registers the "compressed_3d" strategy name)
+from lightning_3d.callbacks.progress import ParallelModelSummary, StepProgressBar
 
 DEFAULT_MODEL = "lightning_3d.recipes.GPT"
 DEFAULT_DATA = "lightning_3d.recipes.data.CausalLMDataModule"
 CONFIG_OPTIONS = ("-c", "--config")
+
+
+# Lightning notices that every `lightning-3d` run printed and that say nothing about the run: that the CSV logger is
+# used when tensorboard is not installed (the CLI's documented default: metrics.csv in the log directory), a deprecation
+# inside Lightning's own pytree helper (nothing a user can change; once per rank), and an advertisement ("Tip").
+_NOTICES = (r"Starting from v1\.9\.0, `tensorboardX` has been removed", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+_TIP_PREFIX = "\N{ELECTRIC LIGHT BULB} Tip:"
+
+
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_TIP_PREFIX)
+
+
+def quiet_lightning_notices() -> None:
+    """Silence the notices above in this process (the CLI calls it on every rank; Python scripts may too)."""
+    for pattern in _NOTICES:
+        warnings.filterwarnings("ignore", message=pattern)
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _not_a_tip not in log.filters:
+        log.addFilter(_not_a_tip)
 
 
 def packaged_configs() -> list[str]:
@@ -70,6 +95,26 @@ class Lightning3DCLI(LightningCLI):
         parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
         parser.link_arguments("data.eos_token_id", "model.init_args.eos_token_id", apply_on="instantiate")
         parser.link_arguments("data.init_args.seq_length", "model.init_args.seq_length", apply_on="parse")
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        """Lightning's trainer, with its default model summary and rich progress bar replaced by ours (whole-model
+        parameter counts under pipeline/tensor parallelism, no "Epoch 0/-2"); user-configured ones are kept."""
+        trainer = super().instantiate_trainer(**kwargs)
+        for callback in trainer.callbacks:
+            # Same attributes, other methods: switching the class keeps the options Lightning built them with.
+            if type(callback) in (ModelSummary, RichModelSummary):
+                callback.__class__ = ParallelModelSummary
+            elif type(callback) is RichProgressBar:
+                callback.__class__ = StepProgressBar
+        return trainer
+
+    def after_fit(self) -> None:
+        """Say where the checkpoint is and what to do with it (rank 0)."""
+        callback = self.trainer.checkpoint_callback
+        path = (callback.best_model_path or callback.last_model_path) if callback is not None else ""
+        if path and self.trainer.is_global_zero:
+            print(f"checkpoint: {path}\n  lightning-3d validate --config <same config> --ckpt_path {path}"
+                  f"\n  lightning-3d export --checkpoint {path} --output <hf directory>")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         if args is not None and not isinstance(args, (list, tuple)):
@@ -129,6 +174,7 @@ def main(args: ArgsType = None) -> None:
     argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else None
     if argv and argv[0] == "export":  # `lightning-3d export --checkpoint DIR --output DIR [--tokenizer PATH]`
         return export_main(argv[1:])
+    quiet_lightning_notices()
     build_cli(args)
 
 

@@ -186,15 +186,24 @@ class CompressionMixin:
             )
 
     def _log_communication(self) -> None:
-        """Log the byte counters of the previous optimizer step (host-side numbers, no synchronisation)."""
+        """Log the job's byte counters of the previous optimizer step: this rank's, summed over all ranks (one
+        all-reduce of two numbers on the device per training batch, which every rank runs at the same point; no host
+        synchronisation: the logged values stay tensors until a logger reads them)."""
         last = self.comm_stats.as_dict("last_step")
         before = sum(v["bytes_before"] for v in last.values())
         after = sum(v["bytes_after"] for v in last.values())
-        if before:
-            self.lightning_module.log_dict(
-                {"comm/bytes_sent": float(after), "comm/compression_ratio": before / max(after, 1)},
-                on_step=True, on_epoch=False, sync_dist=False,
-            )
+        if self.world_size == 1 or not dist.is_initialized():
+            if before:
+                self.lightning_module.log_dict(
+                    {"comm/bytes_sent": float(after), "comm/compression_ratio": before / max(after, 1)},
+                    on_step=True, on_epoch=False, sync_dist=False,
+                )
+            return
+        totals = torch.tensor([before, after], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(totals)
+        ratio = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1), torch.ones_like(totals[0]))
+        self.lightning_module.log_dict({"comm/bytes_sent": totals[1], "comm/compression_ratio": ratio},
+                                       on_step=True, on_epoch=False, sync_dist=False)
 
     def rank_states(self) -> dict[str, Any]:
         """This rank's stateful compression objects (``state_dict``/``load_state_dict``), by name."""
