@@ -9,8 +9,12 @@ never has to repeat them.
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -83,6 +87,85 @@ def resolve_config_args(args: Sequence[str]) -> list[str]:
     return out
 
 
+# ----- short errors -------------------------------------------------------------------------------------------------
+# jsonargparse reports a bad option or a class whose constructor refused its arguments as "Does not validate against any
+# of the Union subtypes" with every subtype's error and the full value, after ~50 lines of usage. We print the one error
+# that matters (the class's own message, or the unknown option with the closest accepted names) in a few lines.
+_UNION = "Does not validate against any of the Union subtypes"
+
+
+def _union_errors(message: str) -> list[str]:
+    """The subtype errors of a jsonargparse union error, without the "Expected a <class ...>" of the subtypes that
+    were never meant (``str`` for a strategy given as a class, ``None`` for a model)."""
+    block = message.split("Errors:", 1)[-1].split("Given value type:", 1)[0]
+    items, current = [], None
+    for line in block.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("- ") and (current is None or len(line) - len(line.lstrip()) <= current[0]):
+            current = (len(line) - len(line.lstrip()), [stripped[2:]])
+            items.append(current)
+        elif current is not None and stripped:
+            current[1].append(stripped)
+    texts = [" ".join(lines) for _, lines in items]
+    return [t for t in texts if not re.match(r"Expected a <class '[\w.]+'>$", t)] or texts
+
+
+def _class_options(class_path: str) -> list[str]:
+    """The constructor arguments of the class a config names (the CLI imports it anyway to build it)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    """``; did you mean 'x'?`` for the closest candidates of a misspelled option, else ``""``."""
+    leaf = name.rsplit(".", 1)[-1]
+    by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+    close = difflib.get_close_matches(name, candidates, n=2, cutoff=0.75) or [
+        by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=2, cutoff=0.75)]
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def short_error(message: str, options: Sequence[str]) -> str:
+    """The few lines of a jsonargparse error that say what is wrong, with a did-you-mean for misspelled options
+    (``options``: the parser's option names)."""
+    if _UNION in message:
+        key = re.search(r'Parser key "([^"]+)"', message)
+        given = re.search(r"class_path='([\w.]+)'", message.split("Given value:", 1)[-1])
+        out = []
+        for error in _union_errors(message):
+            problem = re.match(r"Problem with given class_path '([\w.]+)': (.*)", error)
+            unknown = re.search(r"Option '([\w.]+)' is not accepted", error)
+            hint = did_you_mean(unknown.group(1), _class_options(problem.group(1))) if problem and unknown else ""
+            if problem:
+                out.append(f"{problem.group(1)}: {problem.group(2).rstrip('.')}{hint}")
+            else:  # the class was built and raised: its own message
+                out.append(f"{given.group(1)}: {error}" if given and not key else error)
+        return (f"{key.group(1)}: " if key else "") + "\n".join(out)
+    unknown = re.search(r"does not accept option '([\w.]+)'", message) or re.search(r"unrecognized arguments: --([\w.]+)", message)
+    if unknown:
+        return message.strip().rstrip(".") + did_you_mean(unknown.group(1), options)
+    return message.strip()
+
+
+class Lightning3DArgumentParser(LightningArgumentParser):
+    """Lightning's parser printing :func:`short_error` and the ``--help`` hint instead of usage and jsonargparse's
+    nested union reports."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        options = [o.lstrip("-") for action in parser._actions for o in action.option_strings if o.startswith("--")]
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: error: {short_error(message, options)}\n(all options: {prog} --help)\n")
+        sys.exit(2)
+
+
 class Lightning3DCLI(LightningCLI):
     """LightningCLI whose model/data default to GPT on the offline corpus, any LightningModule allowed."""
 
@@ -95,6 +178,15 @@ class Lightning3DCLI(LightningCLI):
         parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
         parser.link_arguments("data.eos_token_id", "model.init_args.eos_token_id", apply_on="instantiate")
         parser.link_arguments("data.init_args.seq_length", "model.init_args.seq_length", apply_on="parse")
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as err:  # a class refused its arguments (the strategy's checks): its message, shortly
+            if _UNION not in str(err):
+                raise
+            parser = self._parser(self.subcommand) if self.subcommand else self.parser
+            parser.error(str(err))
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Lightning's trainer, with its default model summary and rich progress bar replaced by ours (whole-model
@@ -133,6 +225,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
     """The CLI object (runs the subcommand when ``run``); ``args`` replaces ``sys.argv[1:]``, e.g. in tests."""
     return Lightning3DCLI(
         model_class=None,
+        parser_class=Lightning3DArgumentParser,
         datamodule_class=None,
         subclass_mode_model=True,
         subclass_mode_data=True,
