@@ -210,9 +210,10 @@ def test_cli_errors_are_short_with_did_you_mean(tmp_path):
 
 @pytest.mark.parametrize("message,options,expected", [
     ("Subcommand 'fit' does not accept option 'trainer.max_stepz'", ["trainer.max_steps", "trainer.max_epochs"],
-     "; did you mean 'trainer.max_steps'?"),
-    ("unrecognized arguments: --data.batch_sise=3", ["data.batch_size", "data.seed"], "; did you mean 'data.batch_size'?"),
-    ("unrecognized arguments: --zzz=3", ["data.batch_size"], "unrecognized arguments: --zzz=3"),
+     "did you mean 'trainer.max_steps'"),
+    ("unrecognized arguments: --data.batch_sise=3", ["data.batch_size", "data.seed"], "did you mean 'data.batch_size'?"),
+    ("unrecognized arguments: --zzz=3", ["data.batch_size"], None),
 ])
 def test_short_error_suggestions(message, options, expected):
-    assert short_error(message, options).endswith(expected)
+    short = short_error(message, options)
+    assert (expected in short) if expected else (short == message)
