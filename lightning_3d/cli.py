@@ -249,17 +249,20 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json, tokenizer directory or 'bytes' (default: the"
                         " tokenizer stored in the checkpoint by the recipes' data modules)")
     ns = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a one-file "Writing model shards" bar says nothing
     try:
         out = export_checkpoint(ns.checkpoint, ns.output, tokenizer=ns.tokenizer)
     except (FileNotFoundError, ValueError) as err:
         parser.error(str(err))  # a one-line message and exit code 2, not a traceback
-    print(f"model: {out}")
     files = [out / n for n in ("tokenizer.json", "tokenizer_config.json") if (out / n).is_file()]
     if files:
         source = f"from {ns.tokenizer}" if ns.tokenizer else "stored in the checkpoint"
-        print(f"tokenizer: {files[0]} ({source}; load with AutoTokenizer.from_pretrained({str(out)!r}))")
+        print(f"tokenizer: {files[0]} ({source})")
     else:
         print("tokenizer: none (the checkpoint stores none; pass --tokenizer PATH to include one)")
+    print(f"exported to {out}")  # last: scripts take the directory from the end of the output
 
 
 def main(args: ArgsType = None) -> None:
