@@ -186,8 +186,8 @@ class CompressionMixin:
             )
 
     def _log_communication(self) -> None:
-        """Log the job's byte counters of the previous optimizer step: this rank's, summed over all ranks (one
-        all-reduce of two numbers on the device per training batch, which every rank runs at the same point; no host
+        """Log the job's byte counters of the previous optimizer step: this rank's, summed over all ranks (all-reduces
+        of two numbers on the device per training batch, which every rank runs at the same point; no host
         synchronisation: the logged values stay tensors until a logger reads them)."""
         last = self.comm_stats.as_dict("last_step")
         before = sum(v["bytes_before"] for v in last.values())
@@ -200,7 +200,11 @@ class CompressionMixin:
                 )
             return
         totals = torch.tensor([before, after], dtype=torch.float64, device=self.root_device)
-        dist.all_reduce(totals)
+        # Over the strategy's own groups, which carry its timeout (a frozen peer fails the job in time): a replica's
+        # pipeline and tensor ranks, then the replicas.
+        for group in (self.model_parallel_group, self.dp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(totals, group=group)
         ratio = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1), torch.ones_like(totals[0]))
         self.lightning_module.log_dict({"comm/bytes_sent": totals[1], "comm/compression_ratio": ratio},
                                        on_step=True, on_epoch=False, sync_dist=False)
