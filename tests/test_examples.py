@@ -18,3 +18,16 @@ def test_own_model_matches_one_process_in_3d_layouts(tmp_path):
         assert r["bytes_logged"] == r["bytes_job"] == r["bytes_logged_max"] > r["bytes_mine"], r
         # The model summary counts every stage and shard once (the tied head once).
         assert r["counted"] == r["parameters"], r
+
+
+def test_pipeline_loss_must_be_one_number():
+    import pytest
+    import torch
+
+    from lightning_3d.pipeline.runtime import scalar_loss
+
+    assert scalar_loss(torch.tensor([2.5])).shape == ()
+    with pytest.raises(TypeError, match=r"pipeline_loss returned a tensor of shape \(4, 3\).*return the SUM"):
+        scalar_loss(torch.ones(4, 3))
+    with pytest.raises(TypeError, match="pipeline_loss returned float"):
+        scalar_loss(1.0)
