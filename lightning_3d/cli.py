@@ -19,6 +19,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from importlib import resources
+from typing import NoReturn
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
@@ -161,9 +162,13 @@ class Lightning3DArgumentParser(LightningArgumentParser):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         options = [o.lstrip("-") for action in parser._actions for o in action.option_strings if o.startswith("--")]
-        prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"{prog}: error: {short_error(message, options)}\n(all options: {prog} --help)\n")
-        sys.exit(2)
+        fail(parser.prog.replace(" [options]", ""), short_error(message, options))
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """Print ``message`` as the CLI's error and exit with argparse's code 2."""
+    sys.stderr.write(f"{prog}: error: {message}\n(all options: {prog} --help)\n")
+    sys.exit(2)
 
 
 class Lightning3DCLI(LightningCLI):
@@ -185,8 +190,7 @@ class Lightning3DCLI(LightningCLI):
         except ValueError as err:  # a class refused its arguments (the strategy's checks): its message, shortly
             if _UNION not in str(err):
                 raise
-            parser = self._parser(self.subcommand) if self.subcommand else self.parser
-            parser.error(str(err))
+            fail(" ".join(filter(None, (self.parser.prog, self.subcommand))), short_error(str(err), []))
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Lightning's trainer, with its default model summary and rich progress bar replaced by ours (whole-model
