@@ -9,18 +9,48 @@ never has to repeat them.
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
+import logging
 import os
+import re
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib import resources
+from typing import NoReturn
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_3d  # noqa: F401  (registers the "compressed_3d" strategy name)
+from lightning_3d.callbacks.progress import ParallelModelSummary, StepProgressBar
 
 DEFAULT_MODEL = "lightning_3d.recipes.GPT"
 DEFAULT_DATA = "lightning_3d.recipes.data.CausalLMDataModule"
 CONFIG_OPTIONS = ("-c", "--config")
+
+
+# Lightning notices that every `lightning-3d` run printed and that say nothing about the run: that the CSV logger is
+# used when tensorboard is not installed (the CLI's documented default: metrics.csv in the log directory), a deprecation
+# inside Lightning's own pytree helper (nothing a user can change; once per rank), and an advertisement ("Tip").
+_NOTICES = (r"Starting from v1\.9\.0, `tensorboardX` has been removed", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+_TIP_PREFIX = "\N{ELECTRIC LIGHT BULB} Tip:"
+
+
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_TIP_PREFIX)
+
+
+def quiet_lightning_notices() -> None:
+    """Silence the notices above in this process (the CLI calls it on every rank; Python scripts may too)."""
+    for pattern in _NOTICES:
+        warnings.filterwarnings("ignore", message=pattern)
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _not_a_tip not in log.filters:
+        log.addFilter(_not_a_tip)
 
 
 def packaged_configs() -> list[str]:
@@ -58,6 +88,89 @@ def resolve_config_args(args: Sequence[str]) -> list[str]:
     return out
 
 
+# ----- short errors -------------------------------------------------------------------------------------------------
+# jsonargparse reports a bad option or a class whose constructor refused its arguments as "Does not validate against any
+# of the Union subtypes" with every subtype's error and the full value, after ~50 lines of usage. We print the one error
+# that matters (the class's own message, or the unknown option with the closest accepted names) in a few lines.
+_UNION = "Does not validate against any of the Union subtypes"
+
+
+def _union_errors(message: str) -> list[str]:
+    """The subtype errors of a jsonargparse union error, without the "Expected a <class ...>" of the subtypes that
+    were never meant (``str`` for a strategy given as a class, ``None`` for a model)."""
+    block = message.split("Errors:", 1)[-1].split("Given value type:", 1)[0]
+    items, current = [], None
+    for line in block.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("- ") and (current is None or len(line) - len(line.lstrip()) <= current[0]):
+            current = (len(line) - len(line.lstrip()), [stripped[2:]])
+            items.append(current)
+        elif current is not None and stripped:
+            current[1].append(stripped)
+    texts = [" ".join(lines) for _, lines in items]
+    return [t for t in texts if not re.match(r"Expected a <class '[\w.]+'>$", t)] or texts
+
+
+def _class_options(class_path: str) -> list[str]:
+    """The constructor arguments of the class a config names (the CLI imports it anyway to build it)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    """``; did you mean 'x'?`` for the closest candidates of a misspelled option, else ``""``."""
+    leaf = name.rsplit(".", 1)[-1]
+    by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+    close = difflib.get_close_matches(name, candidates, n=2, cutoff=0.75) or [
+        by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=2, cutoff=0.75)]
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def short_error(message: str, options: Sequence[str]) -> str:
+    """The few lines of a jsonargparse error that say what is wrong, with a did-you-mean for misspelled options
+    (``options``: the parser's option names)."""
+    if _UNION in message:
+        key = re.search(r'Parser key "([^"]+)"', message)
+        given = re.search(r"class_path='([\w.]+)'", message.split("Given value:", 1)[-1])
+        out = []
+        for error in _union_errors(message):
+            problem = re.match(r"Problem with given class_path '([\w.]+)': (.*)", error)
+            unknown = re.search(r"Option '([\w.]+)' is not accepted", error)
+            hint = did_you_mean(unknown.group(1), _class_options(problem.group(1))) if problem and unknown else ""
+            if problem:
+                out.append(f"{problem.group(1)}: {problem.group(2).rstrip('.')}{hint}")
+            else:  # the class was built and raised: its own message
+                out.append(f"{given.group(1)}: {error}" if given and not key else error)
+        return (f"{key.group(1)}: " if key else "") + "\n".join(out)
+    unknown = re.search(r"does not accept option '([\w.]+)'", message) or re.search(r"unrecognized arguments: --([\w.]+)", message)
+    if unknown:
+        return message.strip().rstrip(".") + did_you_mean(unknown.group(1), options)
+    return message.strip()
+
+
+class Lightning3DArgumentParser(LightningArgumentParser):
+    """Lightning's parser printing :func:`short_error` and the ``--help`` hint instead of usage and jsonargparse's
+    nested union reports."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        options = [o.lstrip("-") for action in parser._actions for o in action.option_strings if o.startswith("--")]
+        fail(parser.prog.replace(" [options]", ""), short_error(message, options))
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """Print ``message`` as the CLI's error and exit with argparse's code 2."""
+    sys.stderr.write(f"{prog}: error: {message}\n(all options: {prog} --help)\n")
+    sys.exit(2)
+
+
 class Lightning3DCLI(LightningCLI):
     """LightningCLI whose model/data default to GPT on the offline corpus, any LightningModule allowed."""
 
@@ -70,6 +183,34 @@ class Lightning3DCLI(LightningCLI):
         parser.link_arguments("data.pad_token_id", "model.init_args.pad_token_id", apply_on="instantiate")
         parser.link_arguments("data.eos_token_id", "model.init_args.eos_token_id", apply_on="instantiate")
         parser.link_arguments("data.init_args.seq_length", "model.init_args.seq_length", apply_on="parse")
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as err:  # a class refused its arguments (the strategy's checks): its message, shortly
+            if _UNION not in str(err):
+                raise
+            fail(" ".join(filter(None, (self.parser.prog, self.subcommand))), short_error(str(err), []))
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        """Lightning's trainer, with its default model summary and rich progress bar replaced by ours (whole-model
+        parameter counts under pipeline/tensor parallelism, no "Epoch 0/-2"); user-configured ones are kept."""
+        trainer = super().instantiate_trainer(**kwargs)
+        for callback in trainer.callbacks:
+            # Same attributes, other methods: switching the class keeps the options Lightning built them with.
+            if type(callback) in (ModelSummary, RichModelSummary):
+                callback.__class__ = ParallelModelSummary
+            elif type(callback) is RichProgressBar:
+                callback.__class__ = StepProgressBar
+        return trainer
+
+    def after_fit(self) -> None:
+        """Say where the checkpoint is and what to do with it (rank 0)."""
+        callback = self.trainer.checkpoint_callback
+        path = (callback.best_model_path or callback.last_model_path) if callback is not None else ""
+        if path and self.trainer.is_global_zero:
+            print(f"checkpoint: {path}\n  lightning-3d validate --config <same config> --ckpt_path {path}"
+                  f"\n  lightning-3d export --checkpoint {path} --output <hf directory>")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         if args is not None and not isinstance(args, (list, tuple)):
@@ -88,6 +229,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
     """The CLI object (runs the subcommand when ``run``); ``args`` replaces ``sys.argv[1:]``, e.g. in tests."""
     return Lightning3DCLI(
         model_class=None,
+        parser_class=Lightning3DArgumentParser,
         datamodule_class=None,
         subclass_mode_model=True,
         subclass_mode_data=True,
@@ -96,6 +238,35 @@ def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
         args=args,
         run=run,
     )
+
+
+def export_main(argv: list[str]) -> None:
+    """``lightning-3d export``: prints where the model and the tokenizer were written."""
+    import argparse
+
+    from lightning_3d.recipes.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(prog="lightning-3d export", description="GPT or T5 checkpoint -> Hugging Face"
+                                     " directory (GPT2LMHeadModel or T5ForConditionalGeneration, by the checkpoint's model)")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory (trainer.save_checkpoint)")
+    parser.add_argument("--output", required=True, help="directory for save_pretrained")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json, tokenizer directory or 'bytes' (default: the"
+                        " tokenizer stored in the checkpoint by the recipes' data modules)")
+    ns = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a one-file "Writing model shards" bar says nothing
+    try:
+        out = export_checkpoint(ns.checkpoint, ns.output, tokenizer=ns.tokenizer)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))  # a one-line message and exit code 2, not a traceback
+    files = [out / n for n in ("tokenizer.json", "tokenizer_config.json") if (out / n).is_file()]
+    if files:
+        source = f"from {ns.tokenizer}" if ns.tokenizer else "stored in the checkpoint"
+        print(f"tokenizer: {files[0]} ({source})")
+    else:
+        print("tokenizer: none (the checkpoint stores none; pass --tokenizer PATH to include one)")
+    print(f"exported to {out}")  # last: scripts take the directory from the end of the output
 
 
 def main(args: ArgsType = None) -> None:
@@ -109,21 +280,8 @@ def main(args: ArgsType = None) -> None:
         (profile_main if argv[0] == "profile" else plan_main)(argv[1:])
         return
     if argv and argv[0] == "export":  # `lightning-3d export --checkpoint DIR --output DIR [--tokenizer PATH]`
-        import argparse
-
-        from lightning_3d.recipes.export import export_checkpoint
-
-        parser = argparse.ArgumentParser(prog="lightning-3d export", description="GPT or T5 checkpoint -> Hugging Face"
-                                         " directory (GPT2LMHeadModel or T5ForConditionalGeneration, by the checkpoint's model)")
-        parser.add_argument("--checkpoint", required=True, help="checkpoint directory (trainer.save_checkpoint)")
-        parser.add_argument("--output", required=True, help="directory for save_pretrained")
-        parser.add_argument("--tokenizer", default=None, help="tokenizer.json, tokenizer directory or 'bytes'")
-        ns = parser.parse_args(argv[1:])
-        try:
-            print(export_checkpoint(ns.checkpoint, ns.output, tokenizer=ns.tokenizer))
-        except (FileNotFoundError, ValueError) as err:
-            parser.error(str(err))  # a one-line message and exit code 2, not a traceback
-        return
+        return export_main(argv[1:])
+    quiet_lightning_notices()
     build_cli(args)
 
 

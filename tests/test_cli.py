@@ -1,15 +1,26 @@
-"""Tests for the ``lightning-3d`` CLI and the packaged configs (in-process, CPU, world size 1)."""
+"""Tests for the ``lightning-3d`` CLI and the packaged configs (in-process and through the real entry point in a
+subprocess; CPU, world size 1)."""
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import shutil
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_3d.cli import build_cli, main, packaged_configs, resolve_config
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+from lightning_3d.cli import build_cli, main, packaged_configs, resolve_config, short_error
+from lightning_3d.recipes import GPT
+from lightning_3d.recipes.gpt import GPTModel
+from tests.conftest import RENDEZVOUS
+from tests.launch import ROOT
 
 CONFIGS = {"gpt_tiny": 4096, "gpt_125m": 8192, "gpt_350m_3d": 8192, "gpt_1.3b": 8192}
 
@@ -121,3 +132,88 @@ def test_fit_then_validate_tiny(tmp_path, single_process):
     # Same held-out batch, same weights: the restored model reproduces the loss of the end of training.
     assert val_loss == pytest.approx(fit_val_loss, rel=1e-5)
     assert torch.distributed.get_world_size() == 1
+
+
+# ----- the README's path through the real entry point (issue 20) -------------------------------------------------
+def lightning_3d(*args: str, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
+    """The installed ``lightning-3d`` console script in a fresh process (as a user runs it)."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", COLUMNS="120")
+    done = subprocess.run([shutil.which("lightning-3d") or "lightning-3d", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=600)
+    assert done.returncode == expect, (done.returncode, done.stdout[-4000:], done.stderr[-4000:])
+    return done
+
+
+def test_readme_path_fit_validate_export_transformers_generate(tmp_path):
+    """`fit --config gpt_tiny` (shortened) -> `validate` -> `export` (tokenizer from the checkpoint) -> transformers'
+    AutoTokenizer + GPT2LMHeadModel give our model's logits -> generate."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    from tests.test_hf import reference_logits
+    from tests.tolerance import gpt_tolerance, scaled_error
+
+    short = ["--config", "gpt_tiny", f"--data.cache_dir={tmp_path / 'cache'}", "--data.max_corpus_bytes=200000",
+             "--data.tokenizer_vocab_size=1024", "--data.seq_length=64", "--data.batch_size=4",
+             "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}"]
+    fit = lightning_3d("fit", *short, "--trainer.max_steps=3", "--trainer.val_check_interval=3", cwd=tmp_path)
+    out = fit.stdout + fit.stderr
+    # No noise, no wrong numbers (issue 20, point 4).
+    for noise in ("tensorboardX", "Tip:", "LeafSpec", "Epoch 0/-2", "v_num", "Total FLOPs"):
+        assert noise not in out, (noise, out[-3000:])
+    with torch.device("meta"):  # the whole model, as one process holds it
+        config = GPT("tiny", vocab_size=1024, seq_length=64).config
+        whole = sum(p.numel() for p in GPTModel(config, config.padded_vocab_size(1)).parameters())
+    assert re.search(rf"Total params\W+{re.escape(get_human_readable_count(whole))}\s", out), (whole, out[-3000:])
+    assert "Training FLOPs per token" in out
+    ckpt = Path(re.search(r"^checkpoint: (.+)$", fit.stdout, re.M).group(1))
+    assert ckpt.name == "gpt-tiny-step=3.ckpt" and ckpt.is_dir()
+
+    val = lightning_3d("validate", *short, f"--ckpt_path={ckpt}", cwd=tmp_path)
+    assert re.search(r"val_loss\W+\d+\.\d+", val.stdout), val.stdout[-2000:]
+
+    export = lightning_3d("export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "hf"), cwd=tmp_path)
+    assert f"tokenizer: {tmp_path / 'hf' / 'tokenizer.json'} (stored in the checkpoint" in export.stdout, export.stdout
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    text = "def read(path):\n    return open(path).read()"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert 1 < ids.shape[1] <= 64 and tokenizer.decode(ids[0]) == text  # the tokenizer the model was trained with
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    # fp32, two implementations of the same 4-block network (widest reduction: the 512-wide MLP).
+    assert scaled_error(theirs, reference_logits(ckpt, tmp_path, ids)) <= gpt_tolerance(4, 512)
+    generated = hf.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert generated.shape == (1, ids.shape[1] + 5) and tokenizer.decode(generated[0]).startswith(text)
+
+
+def test_cli_errors_are_short_with_did_you_mean(tmp_path):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("trainer:\n  strategy:\n    class_path: lightning_3d.Compressed3DStrategy\n    init_args:\n"
+                    "      pipline_parallel_size: 2\n")
+    for args in (["--config", str(typo)], ["--trainer.strategy.init_args.pipline_parallel_size=2"]):
+        err = lightning_3d("fit", "--config", "gpt_tiny", *args, cwd=tmp_path, expect=2).stderr
+        assert "Option 'pipline_parallel_size' is not accepted; did you mean 'pipeline_parallel_size'?" in err, err
+        assert len(err.splitlines()) <= 3 and "Union" not in err and "usage:" not in err, err
+    err = lightning_3d("fit", "--config", "gpt_tiny", "--trainer.max_stepz=2", cwd=tmp_path, expect=2).stderr
+    assert "did you mean 'trainer.max_steps'" in err and len(err.splitlines()) <= 3, err
+    # A strategy that refuses its arguments: its own message, first and alone.
+    bad = ["--trainer.devices=2", "--trainer.strategy.init_args.pipeline_parallel_size=2",
+           "--trainer.strategy.init_args.schedule=1f1b", "--trainer.strategy.init_args.num_microbatches=1"]
+    err = lightning_3d("fit", "--config", "gpt_tiny", *bad, cwd=tmp_path, expect=2).stderr
+    err = "\n".join(line for line in err.strip().splitlines() if not line.startswith("Seed set to"))
+    first = err.splitlines()[0]
+    assert first.startswith("lightning-3d fit: error: lightning_3d.Compressed3DStrategy: The 1F1B schedule with"
+                            " num_microbatches=1"), err
+    assert "Traceback" not in err and len(err.splitlines()) <= 2, err
+
+
+@pytest.mark.parametrize("message,options,expected", [
+    ("Subcommand 'fit' does not accept option 'trainer.max_stepz'", ["trainer.max_steps", "trainer.max_epochs"],
+     "did you mean 'trainer.max_steps'"),
+    ("unrecognized arguments: --data.batch_sise=3", ["data.batch_size", "data.seed"], "did you mean 'data.batch_size'?"),
+    ("unrecognized arguments: --zzz=3", ["data.batch_size"], None),
+])
+def test_short_error_suggestions(message, options, expected):
+    short = short_error(message, options)
+    assert (expected in short) if expected else (short == message)

@@ -524,3 +524,52 @@ def test_synthetic_pairs_are_t5_batches_with_shifted_decoder_inputs() -> None:
     assert torch.equal(SyntheticSeq2SeqDataModule(vocab_size=50, input_length=6, target_length=4).train_dataset[1]["labels"],
                        sample["labels"])  # sample i depends only on (seed, i)
     assert dm.vocab_size == 50
+
+
+# ----------------------------------------------------------------------------- unreadable files (issue 20)
+def test_malformed_jsonl_and_binary_txt_name_the_file_and_line(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    bad_json = data / "docs.jsonl"
+    bad_json.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": "cut off\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{bad_json}, line 4: not valid JSON"):
+        make_dm(tmp_path, data_files=[str(bad_json)]).prepare_data()
+    not_object = data / "list.jsonl"
+    not_object.write_text('{"text": "fine"}\n[1, 2]\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{not_object}, line 2: a JSON list, not an object"):
+        make_dm(tmp_path, data_files=[str(not_object)]).prepare_data()
+    binary = data / "image.txt"
+    binary.write_bytes(b"first line\nsecond\n\x89PNG\x00\xff\n")
+    with pytest.raises(ValueError, match=rf"{binary}, line 3: byte 0x89 at offset 18 is not UTF-8"):
+        make_dm(tmp_path, data_files=[str(binary)]).prepare_data()
+    # The same messages without `datasets` (tokenizer training reads files itself).
+    with pytest.raises(ValueError, match=rf"{binary}, line 3"):
+        load_tokenizer("bpe", training_files=[binary], vocab_size=300, cache_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match=rf"{bad_json}, line 4"):
+        load_tokenizer("bpe", training_files=[bad_json], vocab_size=300, cache_dir=tmp_path / "c")
+
+
+@pytest.mark.parametrize("spec", ["bytes", "bpe", "hf"])
+def test_data_module_stores_its_tokenizer_in_checkpoints(tmp_path, spec):
+    from lightning_3d.recipes.data.tokenizer import TOKENIZER_STATE_KEY, write_tokenizer_files
+
+    files = write_docs(tmp_path / "data", "txt", ["hello world hello", "world of text"])
+    if spec == "hf":
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        raw = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2, "</s>": 3}, unk_token="<unk>"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path / "hf")
+        spec = str(tmp_path / "hf")
+    dm = make_dm(tmp_path, data_files=files, tokenizer=spec, tokenizer_vocab_size=300)
+    state = dm.state_dict()
+    stored = state[TOKENIZER_STATE_KEY]
+    assert stored and all(isinstance(v, bytes) for v in stored.values())
+    restored = load_tokenizer(str(write_tokenizer_files(stored, tmp_path / "restored")))
+    original = dm.load_text_tokenizer()
+    assert restored.encode_batch(["hello world, text"]) == original.encode_batch(["hello world, text"])
+    assert restored.eos_token_id == original.eos_token_id
+    dm.load_state_dict(state)  # accepted; nothing to restore
+    with pytest.raises(ValueError, match="not a plain relative file name"):
+        write_tokenizer_files({"../escape.json": b"{}"}, tmp_path / "evil")

@@ -243,3 +243,27 @@ def test_import_errors(tmp_path: Path) -> None:
         gpt_from_pretrained(tmp_path / "relu")
     with pytest.raises(ValueError, match="model_type='bert'"):
         hf_to_gpt_state_dict({}, {"model_type": "bert"})
+
+
+# ----- checkpoints of `lightning-3d fit` (issue 20) ----------------------------------------------------------------
+def test_t5_checkpoint_exports_the_tokenizer_its_data_module_stored(tmp_path: Path, capsys) -> None:
+    """What `lightning-3d fit --config t5_tiny --data.tokenizer=bytes` records (hyper-parameters with the CLI-linked
+    ids, the data module's stored tokenizer): export needs no --tokenizer and says where it wrote it."""
+    from lightning_3d.recipes import T5
+    from lightning_3d.recipes.data import Seq2SeqDataModule
+
+    data = Seq2SeqDataModule(tokenizer="bytes", cache_dir=str(tmp_path / "cache"))
+    module = T5("tiny", vocab_size=data.vocab_size, pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id,
+                num_layers=1, hidden_size=32, num_heads=2, ffn_hidden_size=64)
+    module.configure_model()
+    ckpt = tmp_path / "t5.ckpt"
+    dcp.save({"model": {"model." + k: v for k, v in module.model.state_dict().items()}}, checkpoint_id=str(ckpt), no_dist=True)
+    meta = {"hyper_parameters": {**dict(module.hparams), "_class_path": "lightning_3d.recipes.T5"},
+            "Seq2SeqDataModule": data.state_dict()}
+    torch.save(meta, ckpt / META_FILE)
+    write_manifest(ckpt)
+    main(["export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "hf")])
+    assert f"tokenizer: {tmp_path / 'hf' / 'tokenizer.json'} (stored in the checkpoint" in capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer("hé", add_special_tokens=False).input_ids == [104, 195, 169]  # the byte tokenizer it trained with
+    assert (tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<extra_id_0>")) == (257, 258)

@@ -4,7 +4,9 @@ throughput/MFU and pipeline timelines (see docs/architecture.md). All take plain
 from lightning_3d.callbacks.comm_monitor import CommunicationMonitor
 from lightning_3d.callbacks.diagnostics import CompressionDiagnostics
 from lightning_3d.callbacks.ef_state import CompressionStateMonitor
+from lightning_3d.callbacks.progress import ParallelModelSummary, StepProgressBar
 from lightning_3d.callbacks.throughput import ThroughputMFUMonitor
 from lightning_3d.callbacks.timeline import PipelineTimeline
 
-__all__ = ["CommunicationMonitor", "CompressionDiagnostics", "CompressionStateMonitor", "PipelineTimeline", "ThroughputMFUMonitor"]
+__all__ = ["CommunicationMonitor", "CompressionDiagnostics", "CompressionStateMonitor", "ParallelModelSummary", "PipelineTimeline",
+           "StepProgressBar", "ThroughputMFUMonitor"]

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.codec import BoundaryKey, GradientCodec, IdentityCodec
@@ -206,7 +207,7 @@ class PipelineRuntime:
             output = self.stages[stage](*inputs, microbatch=mb)
         if stage == self.num_stages - 1:
             with self.loss_context(), self.forward_context():
-                loss = self.loss_fn(output, mb)
+                loss = scalar_loss(self.loss_fn(output, mb))
             if train:  # scaled at the backward, where the global term count is first needed
                 self._saved[(stage, m)] = (inputs, loss)
             return loss
@@ -393,3 +394,15 @@ def _packed_buffer(metas: list[TensorMeta], device: torch.device) -> tuple[Tenso
     buffer = torch.empty(sum(sizes), dtype=metas[0][1], device=device)
     return buffer, [part.view(shape) for part, (shape, _) in zip(buffer.split(sizes), metas)]
 
+
+def scalar_loss(loss: Any) -> Tensor:
+    """``pipeline_loss``'s value as a plain scalar tensor. Under tp > 1 the loss of tensor-parallel logits (torch's
+    ``loss_parallel`` cross-entropy) is a DTensor: its full value is taken (differentiably; a replicated one is just
+    its local tensor). Anything but one number is an error saying what to return."""
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
+        raise TypeError(f"pipeline_loss returned {what}: return the SUM of the micro-batch's loss terms as one floating-point"
+                        " number, a 0-dim tensor (e.g. F.cross_entropy(..., reduction='sum')); a DTensor is accepted.")
+    return loss.reshape(())

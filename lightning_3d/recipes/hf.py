@@ -17,7 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from lightning_3d.recipes.data.tokenizer import EOS_TOKEN, ByteTokenizer, FastTokenizer, PretrainedTokenizer, load_tokenizer
+from lightning_3d.recipes.data.tokenizer import (
+    EOS_TOKEN, TOKENIZER_STATE_KEY, ByteTokenizer, FastTokenizer, PretrainedTokenizer, load_tokenizer,
+)
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.gpt.module import GPT
@@ -28,6 +30,9 @@ _BLOCK = {"ln1": "ln_1", "ln2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc": "m
 _MUST_MATCH = ("vocab_size", "num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "layer_norm_eps", "tie_embeddings")
 _FROM_HF = (*_MUST_MATCH, "seq_length", "dropout", "key_bias")
 _PRETRAINED_ONLY = ("pretrained_path", "layer_norm_eps")  # PretrainedGPT's arguments beyond GPT's
+# Hyper-parameters `lightning-3d fit` links from the data module into every model's (for T5); a GPT checkpoint written
+# by the CLI records them although GPT takes no such argument: read, never refused.
+CLI_LINKED = ("pad_token_id", "eos_token_id")
 _UNSUPPORTED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
                 "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,)}
 
@@ -127,7 +132,7 @@ def config_from_hparams(hparams: dict | None, source: str = "The checkpoint") ->
     """The config of a GPT (or PretrainedGPT) module's hyper-parameters; a clear error for any other module."""
     hp = dict(hparams or {})
     class_path = hp.pop("_class_path", None)  # LightningCLI's; "_instantiator" is dropped with it
-    hp = {k: v for k, v in hp.items() if not k.startswith("_")}
+    hp = {k: v for k, v in hp.items() if not k.startswith("_") and k not in CLI_LINKED}
     unknown = sorted(set(hp) - (set(inspect.signature(GPT.__init__).parameters) | set(_PRETRAINED_ONLY)))
     recipe = RECIPE_CLASS_PATHS.get(class_path) if class_path else "gpt"
     if recipe != "gpt" or unknown or not hp:
@@ -159,6 +164,16 @@ def checkpoint_hparams(path: Path) -> dict | None:
         raise FileNotFoundError(f"{path} is not a lightning_3d checkpoint: expected a directory with .metadata and "
                                 f"{META_FILE}, as Compressed3DStrategy's trainer.save_checkpoint writes.")
     return safe_load(path / META_FILE, map_location="cpu").get("hyper_parameters")
+
+
+def stored_tokenizer_files(path: Path) -> dict[str, bytes] | None:
+    """The tokenizer files the data module of a checkpoint stored in it (the recipes' data modules do, see
+    ``TOKENIZER_STATE_KEY``), else None. Call after :func:`checkpoint_hparams` (which verifies the directory)."""
+    meta = safe_load(path / META_FILE, map_location="cpu")
+    for value in meta.values():
+        if isinstance(value, dict) and isinstance(value.get(TOKENIZER_STATE_KEY), dict):
+            return value[TOKENIZER_STATE_KEY]
+    return None
 
 
 def checkpoint_entries(path: Path, names: list[str], what: str) -> dict[str, tuple[str, Any]]:

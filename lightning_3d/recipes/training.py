@@ -24,6 +24,21 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("block", "stage")
 
 
+@torch.no_grad()
+def init_full_(param: Tensor, fill: Callable[[Tensor, torch.Generator], Any], seed: int, name: str = "") -> None:
+    """Initialise ``param`` exactly as one process would, whatever this rank holds of it: ``fill(full, generator)``
+    fills the full (unsharded) fp32 tensor on the parameter's device with a generator seeded by ``(seed, name)``
+    (key it by the parameter's name, so every layout draws the same values), then this rank's part is copied in (for
+    a DTensor shard its local slice, computed without communication). For ``init_weights`` of a module of your own:
+    ``init_full_(p, lambda t, g: t.normal_(0, 0.02, generator=g), seed, name)``. Costs one full tensor per call."""
+    from lightning_3d.recipes.gpt.model import copy_full_into, seed_for
+
+    device = param.to_local().device if isinstance(param, DTensor) else param.device
+    full = torch.empty(tuple(param.shape), device=device, dtype=torch.float32)
+    fill(full, torch.Generator(device=device).manual_seed(seed_for(seed, name)))
+    copy_full_into(param, full.to(param.dtype))
+
+
 def summed_token_cross_entropy(output: Tensor, labels: Tensor, compiled: bool = False) -> Tensor:
     """Summed token cross-entropy (the pipeline divides by the token count); vocab-parallel when the logits are a
     vocabulary-sharded DTensor, fp32 otherwise.

@@ -26,10 +26,13 @@ from lightning_3d.recipes.data.packing import FILE_BUILDERS, PackedBlocks, cap_b
 from lightning_3d.recipes.data.tokenizer import (
     BPE_EOS_TOKEN_ID,
     BYTE_VOCAB_SIZE,
+    TOKENIZER_STATE_KEY,
     TextTokenizer,
     files_fingerprint,
     hub_access_allowed,
     load_tokenizer,
+    read_error,
+    tokenizer_files,
     tokenizer_kind,
 )
 
@@ -109,6 +112,7 @@ class CausalLMDataModule(L.LightningDataModule):
         self.val_dataset: PackedBlocks | None = None
         self.meta: dict | None = None
         self._tokenizer: TextTokenizer | None = None
+        self._tokenizer_files: dict[str, bytes] | None = None
         self._documents_cache: dict[str, Callable[[], Iterator[str]]] = {}
 
     # ----------------------------------------------------------------- cheap metadata
@@ -183,7 +187,10 @@ class CausalLMDataModule(L.LightningDataModule):
             builder = FILE_BUILDERS[files[0].suffix.lower()]
             extra = {"sample_by": "document"} if builder == "text" else {}
             paths = [str(f) for f in files]
-            ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=hf_cache, **extra)
+            try:
+                ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=hf_cache, **extra)
+            except Exception as err:  # datasets' generic errors name neither file nor line
+                raise read_error(files, err) from None
             where = str(paths)
         if column not in ds.column_names:
             raise ValueError(f"text_column={column!r} is not a column of {where}; columns are {ds.column_names}")
@@ -215,6 +222,17 @@ class CausalLMDataModule(L.LightningDataModule):
                 allow_download=self.hparams.allow_download,
             )
         return self._tokenizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """What checkpoints record of the data: the tokenizer's files (``tokenizer.json`` or a directory's files, a
+        few hundred kB), so that a checkpoint knows its tokenizer wherever it is moved and ``lightning-3d export``
+        includes it by default. Read once per data module."""
+        if self._tokenizer_files is None:
+            self._tokenizer_files = tokenizer_files(self.load_text_tokenizer())
+        return {TOKENIZER_STATE_KEY: self._tokenizer_files}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the tokenizer comes from the arguments; the stored copy serves export."""
 
     # ----------------------------------------------------------------- Lightning hooks
     def prepare_data(self) -> None:

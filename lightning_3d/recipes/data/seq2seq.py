@@ -16,7 +16,7 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
@@ -28,8 +28,8 @@ from lightning_3d.recipes.data.span_corruption import (
     Seq2SeqVocab, SpanCorruptedBlocks, TokenizedPairs, save_pairs, span_lengths,
 )
 from lightning_3d.recipes.data.tokenizer import (
-    BPE_EOS_TOKEN_ID, BYTE_VOCAB_SIZE, PretrainedTokenizer, TextTokenizer, files_fingerprint, load_tokenizer,
-    tokenizer_kind,
+    BPE_EOS_TOKEN_ID, BYTE_VOCAB_SIZE, TOKENIZER_STATE_KEY, PretrainedTokenizer, TextTokenizer, files_fingerprint,
+    load_tokenizer, read_error, tokenizer_files, tokenizer_kind,
 )
 
 PAIRS_FORMAT_VERSION = 1
@@ -109,6 +109,7 @@ class Seq2SeqDataModule(L.LightningDataModule):
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self._tokenizer: TextTokenizer | None = None
+        self._tokenizer_files: dict[str, bytes] | None = None
 
     # ----------------------------------------------------------------- vocabulary
     @property
@@ -172,7 +173,10 @@ class Seq2SeqDataModule(L.LightningDataModule):
 
         hp = self.hparams
         builder = FILE_BUILDERS[files[0].suffix.lower()]
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=str(self.cache_dir / "hf"))
+        try:
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=str(self.cache_dir / "hf"))
+        except Exception as err:  # datasets' generic errors name neither file nor line
+            raise read_error(files, err) from None
         missing = [c for c in (hp.input_column, hp.target_column) if c not in ds.column_names]
         if missing:
             raise ValueError(f"{[str(f) for f in files]} have no column(s) {missing} (columns: {ds.column_names}); set"
@@ -197,6 +201,16 @@ class Seq2SeqDataModule(L.LightningDataModule):
         os.replace(tmp, path)
 
     # ----------------------------------------------------------------- Lightning hooks
+    def state_dict(self) -> dict[str, Any]:
+        """What checkpoints record of the data: the text tokenizer's files (see ``CausalLMDataModule.state_dict``;
+        export adds ``<pad>`` and the sentinels from the model's ids)."""
+        if self._tokenizer_files is None:
+            self._tokenizer_files = tokenizer_files(self.load_text_tokenizer())
+        return {TOKENIZER_STATE_KEY: self._tokenizer_files}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the tokenizer comes from the arguments; the stored copy serves export."""
+
     def prepare_data(self) -> None:
         """Build what is not cached yet: corpus, tokenizer and packed blocks, or the tokenized pairs."""
         if self.text is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -126,6 +127,33 @@ class PretrainedTokenizer:
         return Path(directory)
 
 
+# The key under which the recipes' data modules store their tokenizer's files in a checkpoint (their ``state_dict``),
+# so that a checkpoint knows its tokenizer wherever it is moved: ``lightning-3d export`` includes it by default.
+TOKENIZER_STATE_KEY = "tokenizer_files"
+
+
+def tokenizer_files(tokenizer: TextTokenizer) -> dict[str, bytes]:
+    """The files ``tokenizer.save`` writes (relative name -> content): a copy that :func:`write_tokenizer_files` turns
+    back into a directory :func:`load_tokenizer` reads."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(tmp)
+        return {p.relative_to(tmp).as_posix(): p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+
+
+def write_tokenizer_files(files: dict[str, bytes], directory: str | Path) -> Path:
+    """Write :func:`tokenizer_files`' output into ``directory``; names that would leave it are refused (the files
+    come from a checkpoint, which users may have received from anyone)."""
+    directory = Path(directory)
+    for name, content in files.items():
+        parts = Path(name).parts
+        if not isinstance(content, bytes) or not parts or Path(name).is_absolute() or ".." in parts:
+            raise ValueError(f"Stored tokenizer file {name!r} is not a plain relative file name with bytes content;"
+                             " the checkpoint was altered. Pass the tokenizer explicitly (--tokenizer PATH).")
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(content)
+    return directory
+
+
 def hub_access_allowed(allow_download: bool) -> bool:
     """Hub downloads need an explicit opt-in and must not contradict ``HF_HUB_OFFLINE``."""
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
@@ -157,17 +185,64 @@ def files_fingerprint(paths: Iterable[str | Path]) -> list[tuple[str, int, int]]
     return out
 
 
+def unreadable_line(path: str | Path) -> str | None:
+    """Where a local ``.txt`` / ``.json`` / ``.jsonl`` data file cannot be read ("FILE, line N: why"), else None.
+    Run only after a read failed (``datasets`` names neither file nor line): it reads the file once more."""
+    path = Path(path)
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        return (f"{path}, line {line}: byte 0x{raw[err.start]:02x} at offset {err.start} is not UTF-8 text (a binary"
+                " file?); data files must be UTF-8 text")
+    suffix = path.suffix.lower()
+    if suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"{path}, line {err.lineno}: not valid JSON ({err.msg})"
+        return None
+    if suffix in (".json", ".jsonl"):
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"{path}, line {number}: not valid JSON ({err.msg}); JSON lines hold one object per line"
+            if not isinstance(record, dict):
+                return f"{path}, line {number}: a JSON {type(record).__name__}, not an object such as {{\"text\": \"...\"}}"
+    return None
+
+
+def read_error(paths: Sequence[str | Path], err: Exception) -> Exception:
+    """The error to raise when reading local data ``paths`` failed with ``err``: a ValueError naming the file and
+    line when one of them is malformed, else ``err`` itself."""
+    for p in paths:
+        if Path(p).suffix.lower() in (".txt", ".json", ".jsonl") and (where := unreadable_line(p)):
+            return ValueError(f"Cannot read data file {where}. Fix or remove it.")
+    return err
+
+
 def iter_file_texts(paths: Sequence[str | Path], text_column: str = "text") -> Iterator[str]:
     """Documents of local files without ``datasets``: ``.txt`` whole file, JSON lines/array, parquet."""
     for p in map(Path, paths):
         suffix = p.suffix.lower()
         if suffix == ".txt":
-            yield p.read_text(encoding="utf-8")
+            try:
+                yield p.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise read_error([p], err) from None
         elif suffix in (".json", ".jsonl"):
-            raw = p.read_text(encoding="utf-8")
-            is_array = raw.lstrip().startswith("[")
-            records = json.loads(raw) if is_array else [json.loads(line) for line in raw.splitlines() if line.strip()]
-            yield from (r[text_column] for r in records if r.get(text_column))
+            try:
+                raw = p.read_text(encoding="utf-8")
+                is_array = raw.lstrip().startswith("[")
+                records = json.loads(raw) if is_array else [json.loads(line) for line in raw.splitlines() if line.strip()]
+                texts = [r[text_column] for r in records if r.get(text_column)]
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+                raise read_error([p], err) from None
+            yield from texts
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 

@@ -1,0 +1,107 @@
+"""README.md's code, extracted and run, so it cannot drift from the code: its Python snippets build their real objects
+(strategy, data module, model; only the GPU ``Trainer`` is replaced by one that checks its arguments against
+Lightning's), the protocol sketch names only methods the protocol, Lightning and examples/own_model.py have, and every
+``lightning-3d`` command it shows parses (in-process, ``--print_config``)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_3d import Compressed3DStrategy, Parallel3DModule
+from lightning_3d.cli import main, packaged_configs
+from tests.launch import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README, re.S | re.M)
+
+
+class CheckedTrainer:
+    """Stands in for ``pl.Trainer`` (the snippets ask for GPUs): arguments must bind to Lightning's signature."""
+
+    made: list[CheckedTrainer] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        inspect.signature(pl.Trainer.__init__).bind(None, *args, **kwargs)
+        self.kwargs, self.fitted = kwargs, None
+        CheckedTrainer.made.append(self)
+
+    def fit(self, model, datamodule=None, **kwargs) -> None:
+        self.fitted = (model, datamodule)
+
+
+def test_python_snippets_build_their_objects(monkeypatch):
+    python = blocks("python")
+    assert len(python) == 3, "README's Python snippets changed: update this test"
+    monkeypatch.setattr(pl, "Trainer", CheckedTrainer)
+    CheckedTrainer.made.clear()
+    exec(compile(python[0], "README.md[python 0]", "exec"), {"Trainer": CheckedTrainer})
+    exec(compile(python[1], "README.md[python 1]", "exec"), {})
+    first, second = CheckedTrainer.made
+    assert isinstance(first.kwargs["strategy"], Compressed3DStrategy)
+    assert first.kwargs["strategy"].num_microbatches == 8
+    model, data = second.fitted
+    assert type(model).__name__ == "GPT" and model.config.vocab_size == data.vocab_size
+    assert isinstance(second.kwargs["strategy"], Compressed3DStrategy)
+
+
+def test_protocol_sketch_matches_the_protocol_and_the_example():
+    sketch = ast.parse(blocks("python")[2])
+    (cls,) = [node for node in sketch.body if isinstance(node, ast.ClassDef)]
+    methods = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from own_model import TinyLM
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    protocol = {name for name in dir(Parallel3DModule) if not name.startswith("_")}
+    lightning = {"configure_model", "training_step"}
+    optional = {"check_pipeline_batch", "log_pipeline_loss", "padded_parameters"}
+    assert methods <= protocol | lightning | optional, methods - protocol - lightning - optional
+    assert protocol - optional <= methods, protocol - optional - methods  # the sketch shows the whole protocol
+    assert all(callable(getattr(TinyLM, m, None)) for m in methods)  # and the example implements all of it
+    # The helpers the sketch names exist where the README says.
+    from lightning_3d.recipes.training import init_full_  # noqa: F401
+    from lightning_3d.utils.tensors import materialize_  # noqa: F401
+
+    assert "lightning_3d.recipes.training.init_full_" in README and "lightning_3d.utils.tensors.materialize_" in README
+    from lightning_3d.recipes import gpt_from_pretrained, t5_from_pretrained  # noqa: F401  (as the README says)
+
+
+def commands() -> list[list[str]]:
+    lines = [line.split("#")[0].strip() for block in blocks("bash") for line in block.splitlines()]
+    found = [shlex.split(line[line.index("lightning-3d"):]) for line in lines if "lightning-3d " in line]
+    return [c[1:] for c in found]
+
+
+@pytest.mark.parametrize("argv", [c for c in commands() if c[0] in ("fit", "validate")], ids=" ".join)
+def test_cli_commands_parse(argv, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("sys.argv", ["lightning-3d"])
+    monkeypatch.chdir(ROOT)  # the README's relative config paths are relative to the repository
+    argv = [str(tmp_path) if re.fullmatch(r"<[^>]+>", a) else a for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--print_config"])
+    assert exc.value.code in (0, None), capsys.readouterr().err
+    assert "class_path: lightning_3d.Compressed3DStrategy" in capsys.readouterr().out
+
+
+def test_export_command_and_configs_exist(capsys):
+    exports = [c for c in commands() if c[0] == "export"]
+    assert exports
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    usage = capsys.readouterr().out
+    for command in exports:
+        assert all(option in usage for option in command if option.startswith("--"))
+    named = set(re.findall(r"`(gpt_[\w.]+|t5_[\w.]+)`", README)) - {"gpt_from_pretrained", "t5_from_pretrained"}
+    assert named and named <= set(packaged_configs()), named - set(packaged_configs())
