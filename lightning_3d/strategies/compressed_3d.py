@@ -36,6 +36,7 @@ from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies.checkpoint_hooks import CheckpointHooksMixin
 from lightning_3d.strategies.compression_setup import CompressionMixin
 from lightning_3d.strategies.grad_sync import GradientSynchronizer
+from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
 from lightning_3d.strategies.parallel_dims import ParallelDims, new_subgroups, resolve_schedule_options, resolve_sizes
 from lightning_3d.strategies.pipeline_steps import PipelineStepsMixin
 from lightning_3d.strategies.protocol import missing_protocol_methods
@@ -257,7 +258,11 @@ class Compressed3DStrategy(PipelineStepsMixin, CompressionMixin, CheckpointHooks
         return False
 
     def _configure_launcher(self) -> None:
-        if not self.cluster_environment.creates_processes_externally:
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if is_interactive():  # a notebook has no script to start again: no launcher, or fork (see notebook.py)
+            self._launcher = interactive_launcher(self, release=_shutdown_at_exit)
+        else:
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
