@@ -119,8 +119,14 @@ class ForkLauncher:
                 join=False,
             )
             self.procs = context.processes
-            while not context.join():  # raises with the worker's traceback if one fails (the others are stopped)
-                pass
+            try:
+                while not context.join():  # raises with the worker's traceback if one fails (the others are stopped)
+                    pass
+            finally:
+                for proc in self.procs:  # each holds a pipe to its child until closed: one run's descriptors each fit
+                    if not proc.is_alive():
+                        proc.close()
+                self.procs = []
             # Our own file, written a moment ago by our own worker: weights_only all the same (nothing executes).
             payload = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=True)
         finally:
