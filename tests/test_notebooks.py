@@ -66,6 +66,7 @@ def test_one_process_four_processes_and_a_second_fit_in_one_kernel(tmp_path: Pat
     assert out["four_launcher"] == "ForkLauncher" and out["four_state"] == ["fit", "finished"]
     assert out["four_metric"] == pytest.approx(out["four"][-1], rel=1e-6)  # rank 0's callback_metrics came back
     assert out["four_ckpt"].endswith(".ckpt") and out["four_ckpt_exists"]  # ModelCheckpoint's path came back
+    assert out["kernel_env_kept"]  # the workers' rendezvous port was set in the workers only
     assert not out["kernel_initialised_after_fork"]  # the kernel's own group was released before forking
     assert out["fds_after_second_fork"] == out["fds_after_first_fork"]  # a forked fit leaves no descriptor behind
     assert "trainer.fit was already called on this Trainer" in out["refit_error"]

@@ -108,14 +108,15 @@ class ForkLauncher:
         # Forked workers copy this process whole: a default group left by an earlier one-process run here would make
         # them believe they are initialised, with none of its threads and sockets. Destroyed first (locally).
         self._release()
-        # One rendezvous port for all workers, chosen here before they exist (as Lightning's launcher does).
-        os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
+        # One rendezvous port for all workers, chosen here before they exist (as Lightning's launcher does), but set
+        # in the workers only: the kernel's environment stays as it was, so a job it starts later picks its own.
+        port = self._strategy.cluster_environment.main_port
         if trainer is not None:
             _fix_logger_versions(trainer)
         out_dir = tempfile.mkdtemp(prefix="lightning_3d_fork_")
         try:
             context = mp.start_processes(
-                self._worker, args=(n, trainer, function, args, kwargs, out_dir), nprocs=n, start_method="fork",
+                self._worker, args=(n, port, trainer, function, args, kwargs, out_dir), nprocs=n, start_method="fork",
                 join=False,
             )
             self.procs = context.processes
@@ -136,9 +137,9 @@ class ForkLauncher:
             _restore(trainer, payload)
         return payload["results"]
 
-    def _worker(self, index: int, n: int, trainer: pl.Trainer | None, function: Callable, args: Any, kwargs: Any,
-                out_dir: str) -> None:
-        os.environ["LOCAL_RANK"] = str(index)
+    def _worker(self, index: int, n: int, port: int, trainer: pl.Trainer | None, function: Callable, args: Any,
+                kwargs: Any, out_dir: str) -> None:
+        os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"] = str(index), str(port)
         if "OMP_NUM_THREADS" not in os.environ:  # n workers on the kernel's cores, not n x all cores each
             threads = max(1, (os.cpu_count() or 1) // n)
             torch.set_num_threads(threads)

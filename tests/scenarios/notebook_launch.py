@@ -42,8 +42,10 @@ out["one"] = fit(t1, 1)
 out["one_launcher"] = repr(t1.strategy.launcher)
 ''',
     '''
+port = os.environ.get("MASTER_PORT")  # the kernel's own one-process group's
 t4 = make_trainer(4, 1, 2, 2, checkpoint=True)
 out["four"] = fit(t4, 1)
+out["kernel_env_kept"] = os.environ.get("MASTER_PORT") == port
 out["four_launcher"] = type(t4.strategy.launcher).__name__
 out["four_state"] = [t4.state.fn.value, t4.state.status.value]
 out["four_metric"] = float(t4.callback_metrics["train_loss"])
