@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import base64
 import json
+import multiprocessing
 import os
+import signal
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -33,15 +37,16 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 TOLERANCE = 1e-5  # as tests/test_distributed.py: layouts against one process, fp32, a few steps
 
 
-def execute(nb, timeout: int = 600):
-    """Run ``nb`` in a fresh python3 kernel started in the repository root (this checkout's package first)."""
+def execute(nb, cwd: Path, timeout: int = 600):
+    """Run ``nb`` in a fresh python3 kernel started in ``cwd`` (where the notebook writes its runs), importing this
+    checkout's package."""
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
         nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                resources={"metadata": {"path": str(ROOT)}}).execute()
+                                resources={"metadata": {"path": str(cwd)}}).execute()
     finally:
         for k, v in saved.items():
             if v is None:
@@ -57,7 +62,7 @@ def test_one_process_four_processes_and_a_second_fit_in_one_kernel(tmp_path: Pat
     nb = nbformat.v4.new_notebook()
     setup = notebook_launch.SETUP.replace("__ROOT__", repr(str(tmp_path / "logs"))).replace("__REPORT__", repr(str(report)))
     nb.cells = [nbformat.v4.new_code_cell(src) for src in [setup, *notebook_launch.CELLS]]
-    execute(nb, timeout=300)
+    execute(nb, tmp_path, timeout=300)
     out = json.loads(report.read_text())
     ref = out["one"]
     assert len(ref) == 4 and out["one_launcher"] == "None"  # one process: the kernel trains, no launcher
@@ -110,6 +115,33 @@ def test_several_nodes_are_refused(interactive) -> None:
         pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=Compressed3DStrategy(), logger=False)
 
 
+def test_an_interrupted_launch_leaves_no_worker_behind() -> None:
+    """A cell interrupted while the workers run (KeyboardInterrupt in the kernel): every worker is gone when the
+    exception reaches the notebook, and the launcher holds none."""
+    strategy = SimpleNamespace(num_processes=2, root_device=torch.device("cpu"),
+                               cluster_environment=SimpleNamespace(main_port=0))
+    launcher = ForkLauncher(strategy, release=lambda: None)
+    pids = multiprocessing.get_context("fork").SimpleQueue()
+
+    def work() -> None:
+        pids.put(os.getpid())
+        time.sleep(120)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.launch(work)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    workers = [pids.get() for _ in range(2)]
+    assert launcher.procs == [] and not any(Path(f"/proc/{pid}").exists() for pid in workers)
+
+
 # ----- the notebooks --------------------------------------------------------------------------------------------
 def test_the_tutorial_notebooks_exist() -> None:
     assert {p.stem for p in NOTEBOOKS} >= {"01_quickstart", "02_compression", "05_hugging_face"}
@@ -123,8 +155,8 @@ def test_notebook_is_stored_without_outputs(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path: Path) -> None:
-    nb = execute(nbformat.read(path, as_version=4))
+def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
+    nb = execute(nbformat.read(path, as_version=4), tmp_path)
     pngs = [base64.b64decode(o["data"]["image/png"]) for c in nb.cells if c.cell_type == "code"
             for o in c.outputs if "image/png" in o.get("data", {})]
     if path.stem == "01_quickstart":  # the overlaid loss curves, rendered as a reader sees them

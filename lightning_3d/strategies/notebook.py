@@ -123,10 +123,15 @@ class ForkLauncher:
             try:
                 while not context.join():  # raises with the worker's traceback if one fails (the others are stopped)
                     pass
+            except BaseException:  # also an interrupted cell (KeyboardInterrupt): no worker outlives the call
+                for proc in self.procs:
+                    if proc.is_alive():
+                        proc.kill()
+                raise
             finally:
                 for proc in self.procs:  # each holds a pipe to its child until closed: one run's descriptors each fit
-                    if not proc.is_alive():
-                        proc.close()
+                    proc.join()
+                    proc.close()
                 self.procs = []
             # Our own file, written a moment ago by our own worker: weights_only all the same (nothing executes).
             payload = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=True)
