@@ -155,6 +155,20 @@ def test_notebook_is_stored_without_outputs(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_changes_to_gpu_sizes_in_one_cell(path: Path) -> None:
+    """The second cell holds the sizes and, in a comment, GPU values that notebooks/check_on_gpus.py applies."""
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    try:
+        from check_on_gpus import gpu_cell
+    finally:
+        sys.path.pop(0)
+    settings = nbformat.read(path, as_version=4).cells[1].source
+    namespace: dict = {}
+    exec(gpu_cell(settings), namespace)  # our own notebook's cell: plain assignments
+    assert namespace["ACCELERATOR"] == "gpu" and namespace["PRECISION"] == "bf16-mixed"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
     nb = execute(nbformat.read(path, as_version=4), tmp_path)
     pngs = [base64.b64decode(o["data"]["image/png"]) for c in nb.cells if c.cell_type == "code"
