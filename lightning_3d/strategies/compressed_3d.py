@@ -34,11 +34,12 @@ from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies import checkpoint as ckpt
 from lightning_3d.strategies.compression_state import CompressionState
+from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
 from lightning_3d.strategies.options import resolve_options
 from lightning_3d.strategies.parallel_dims import ParallelDims, resolve_sizes
 from lightning_3d.strategies.pipeline_engine import PipelineEngine, check_optimizers
 from lightning_3d.strategies.process_groups import (
-    ProcessGroups, claim_live_groups, destroy_live_groups, live_groups_of, register_exit_hook,
+    ProcessGroups, claim_live_groups, destroy_all_groups, destroy_live_groups, live_groups_of, register_exit_hook,
 )
 from lightning_3d.strategies.rng import seed_parallel_rng
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
@@ -195,7 +196,11 @@ class Compressed3DStrategy(ParallelStrategy):
         return self.groups.device_mesh if self.groups is not None else None
 
     def _configure_launcher(self) -> None:
-        if not self.cluster_environment.creates_processes_externally:
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if is_interactive():  # a notebook has no script to start again: no launcher, or fork (see notebook.py)
+            self._launcher = interactive_launcher(self, release=destroy_all_groups)
+        else:
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:

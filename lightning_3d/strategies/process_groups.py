@@ -132,6 +132,10 @@ def register_exit_hook() -> None:
 
 
 def _shutdown_at_exit() -> None:
+    destroy_all_groups()
+
+
+def destroy_all_groups() -> None:
     """Release the last run and destroy every process group while the interpreter still runs normally. Left to
     interpreter shutdown, gloo's group destructors occasionally abort the process ("terminate called without an
     active exception", exit code -6) after all the work is done, which fails a torchrun or SLURM job that succeeded.
