@@ -274,3 +274,19 @@ def test_the_planning_benchmark_runs_and_reports_every_layout() -> None:
     assert [(r["dp"], r["pp"], r["schedule"]) for r in report["results"]] == [
         (1, 1, "1f1b"), (2, 2, "1f1b"), (1, 2, "interleaved_1f1b")]
     assert all(r["microbatches_mean"] >= 1 and r["predicted_speedup_over_padding_to_longest"] >= 1 for r in report["results"])
+
+
+def test_plan_step_defaults_to_the_analytic_cost_model() -> None:
+    """Without ``cost_model`` the plan uses the analytic model (FLOPs and bytes) and says so in the plan."""
+    import warnings
+
+    from lightning_3d.costs import ModelShape
+    from lightning_3d.dynamic import plan_step
+
+    shape = ModelShape("gpt", num_layers=4, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_step([40, 7, 100, 63, 8, 9], shape=shape, dp=2, pp=2, memory_budget=1e9, max_seq_len=128)
+    assert plan.cost_source == "analytic"
+    covered = sorted(i for r in plan.replicas for mb in r.microbatches for i in mb.samples)
+    assert covered == list(range(6))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_3d.costs.analytic import AnalyticCostModel
 from lightning_3d.costs.model import CostModel, ModelShape
 from lightning_3d.dynamic.ordering import in_flight, order_microbatches
 from lightning_3d.dynamic.partition import (
@@ -68,8 +69,6 @@ class StepPlan:
 
 def default_cost_model(shape: ModelShape) -> CostModel:
     """The analytic cost model (FLOPs and bytes), for plans without a measured profile."""
-    from lightning_3d.costs import AnalyticCostModel  # the planner's module; looked up when first needed
-
     return AnalyticCostModel(shape, None)
 
 
