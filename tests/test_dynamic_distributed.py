@@ -1,7 +1,7 @@
 """Dynamic micro-batching in a real process group (gloo, CPU): trained parameters and losses equal single-process
 training on the same global batches (tests/scenarios/dynamic.py), with replicas holding different numbers of
 micro-batches and tokens, and every step running its own planned schedule. GPT and T5 (whose inputs and targets
-are padded per micro-batch to their own planned lengths)."""
+are padded per micro-batch to their own planned lengths). Ranks that planned differently raise before any send."""
 
 from __future__ import annotations
 
@@ -30,3 +30,5 @@ def test_dynamic_microbatching_matches_single_process_training(world: int, tmp_p
         assert any(r["schedule"] == "interleaved_1f1b" for r in results)
     else:  # bad input in the data path: every rank raised the planner's message, none hung in a collective
         assert report["empty_sample_raised_on_every_rank"] is True
+        # ranks of one pipeline given different schedules: every rank raised the strategy's message before any send
+        assert report["plan_mismatch_raised_on_every_rank"] is True and report["sends_before_mismatch_error"] == 0

@@ -11,10 +11,11 @@ planning server (docs/dynamic.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from lightning_3d.costs.model import CostModel, ModelShape
+from lightning_3d.dynamic.consistency import RECOMPUTE_KEY
 from lightning_3d.dynamic.plan import StepPlan, plan_step
 from lightning_3d.pipeline.microbatch import MicroBatches
 
@@ -69,6 +70,15 @@ class DynamicMicroBatcher:
         plan = self.plan(samples)
         mine = plan.replicas[self.dp_rank]
         batches = [self.collate([samples[i] for i in mb.samples], mb.seq_len, mb.target_len) for mb in mine.microbatches]
+        for mb, batch in zip(mine.microbatches, batches):
+            if mb.recompute:  # only then: absent, the model's own setting holds (docs/dynamic.md)
+                if not isinstance(batch, MutableMapping):
+                    raise TypeError(
+                        f"The plan recomputes activations (memory_budget={self.options['memory_budget']:.4g} bytes needs"
+                        f" it), which reaches the model as the micro-batch key {RECOMPUTE_KEY!r}, but collate returned a"
+                        f" {type(batch).__name__}: return a dict from collate, or raise memory_budget."
+                    )
+                batch[RECOMPUTE_KEY] = True
         out = MicroBatches(batches, orders=mine.orders)
         out.plan = plan  # for logging and tests; the runtime reads only the list and ``orders``
         return out

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 
+from lightning_3d.dynamic.consistency import check_same_plan
 from lightning_3d.pipeline.microbatch import split_batch
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies.compression_state import CompressionState
@@ -205,6 +206,7 @@ class PipelineEngine:
             module.zero_grad(set_to_none=True)  # what Lightning's zero_grad would do, before our backward runs
         microbatches = split_batch(batch, self.num_microbatches)
         check_batch(module, microbatches)
+        self.check_same_plan(microbatches)
         self.grad_sync.begin(sync=not self.sync_blocked)
         loss = self.runtime.train_step(microbatches, loss_scale=1.0 / accumulate)
         self.grad_sync.finish()
@@ -237,8 +239,22 @@ class PipelineEngine:
     def eval_step(self, module: pl.LightningModule, batch: Any, stage: str) -> Tensor:
         microbatches = split_batch(batch, self.num_microbatches, uneven=True)
         check_batch(module, microbatches)
+        self.check_same_plan(microbatches)
         loss = self.runtime.eval_step(microbatches)
         return self.report_loss(module, loss, stage)
+
+    def check_same_plan(self, microbatches: Any) -> None:
+        """With explicit per-step ``orders`` (dynamic micro-batching), the ranks of this replica's pipeline compare
+        a digest of the schedule and micro-batch shapes before the first send (one all-reduce of two int64 over the
+        model-parallel group; on CPU where the group is gloo): ranks that planned differently raise one clear error
+        instead of hanging. Nothing runs for the named schedules. docs/dynamic.md (Determinism)."""
+        orders = getattr(microbatches, "orders", None)
+        if orders is None:
+            return
+        g = self.groups
+        group = g.model_parallel_group
+        device = torch.device("cpu") if dist.get_backend(group) == "gloo" else self.device
+        check_same_plan(orders, microbatches, group, device, where=f"data-parallel replica {g.dp_rank}")
 
     def report_loss(self, module: pl.LightningModule, loss: Tensor | None, stage: str) -> Tensor:
         """Sum the last stage's per-replica shares of the step's mean loss (each replica's loss sum over the loss

@@ -6,7 +6,8 @@ whole global batch, padded, with the token mean over its labels.
 World 2: (1,2,1) with 1F1B. World 4: (2,2,1) 1F1B, (2,1,2), (1,2,2) interleaved 1F1B. T5 (inputs and targets of
 their own lengths, padded per micro-batch with an encoder attention mask): (1,2,1) and (2,2,1), against the
 single-process reference of tests/scenarios/t5_layouts.py (the same pairs, padded to the longest). On 2 ranks, an
-empty sample raises the planner's error on every rank. One process group per world.
+empty sample raises the planner's error on every rank, and a rank given a different schedule than its pipeline peer
+makes every rank raise the strategy's plan-mismatch error before any pipeline send. One process group per world.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.costs.model import ModelShape
 from lightning_3d.dynamic import DynamicMicroBatcher, labels_length
+from lightning_3d.pipeline.microbatch import MicroBatches
+from lightning_3d.pipeline.p2p import PipelineChannels
+from lightning_3d.pipeline.schedules import Action
 from lightning_3d.recipes import T5
 from tests.scenarios import t5_layouts
 from tests.scenarios.common import (
@@ -104,6 +108,22 @@ def t5_collate(samples: list[dict], seq_len: int, target_len: int | None) -> dic
     return out
 
 
+class Relabelled:
+    """A rank that planned differently (as a rank with another NumPy build might): its schedule swaps micro-batches
+    0 and 1, a valid schedule on its own, which its pipeline peer does not run."""
+
+    def __init__(self, batcher: DynamicMicroBatcher) -> None:
+        self.batcher = batcher
+
+    def __call__(self, samples: list) -> MicroBatches:
+        out = self.batcher(samples)
+        assert len(out) > 1, "the tampered step needs two micro-batches to swap"
+        swap = {0: 1, 1: 0}
+        out.orders = tuple(tuple(Action(a.kind, a.stage, swap.get(a.microbatch, a.microbatch)) for a in order)
+                           for order in out.orders)
+        return out
+
+
 class DynamicData(pl.LightningDataModule):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
@@ -127,9 +147,11 @@ class DynamicData(pl.LightningDataModule):
         data = self.dataset()
         if self.cfg.get("empty_sample"):  # bad input: sample 3 of the first global batch has no tokens
             data.samples[3] = {"input_ids": data.samples[3]["input_ids"][:0], "labels": data.samples[3]["labels"][:0]}
+        collate = self.batcher(rank)
+        if self.cfg.get("tamper") and torch.distributed.get_rank() == 1:
+            collate = Relabelled(collate)
         # Planning in a worker process, two batches ahead, as in training.
-        return DataLoader(data, batch_size=GLOBAL, shuffle=False, collate_fn=self.batcher(rank), num_workers=1,
-                          prefetch_factor=2)
+        return DataLoader(data, batch_size=GLOBAL, shuffle=False, collate_fn=collate, num_workers=1, prefetch_factor=2)
 
 
 def reference(steps: int) -> tuple:
@@ -217,6 +239,32 @@ def bad_input() -> dict:
     return {"raised": False}
 
 
+def mismatch() -> dict:
+    """Rank 1's schedule differs from rank 0's (same pipeline): the strategy's plan check makes both raise its
+    message at the first step, before any pipeline send (counted on the channels' sends of activations, gradients
+    and shape headers)."""
+    sends = [0]
+    originals = PipelineChannels.isend, PipelineChannels.send_header
+
+    def counted(send):
+        def wrapper(self, *args, **kwargs):
+            sends[0] += 1
+            return send(self, *args, **kwargs)
+        return wrapper
+
+    PipelineChannels.isend, PipelineChannels.send_header = counted(originals[0]), counted(originals[1])
+    strategy = Compressed3DStrategy(pipeline_parallel_size=2, num_microbatches=2, compression=False)
+    try:
+        trainer(strategy, 1).fit(make_model(), datamodule=DynamicData(dict(dp=1, pp=2, tp=1, schedule="1f1b",
+                                                                           tamper=True)))
+    except RuntimeError as e:
+        return {"raised": "hold different plans for this step" in str(e) and "run the same software" in str(e),
+                "sends": sends[0]}
+    finally:
+        PipelineChannels.isend, PipelineChannels.send_header = originals
+    return {"raised": False, "sends": sends[0]}
+
+
 def main() -> None:
     args = parse_args()
     ref = reference(STEPS)
@@ -227,7 +275,12 @@ def main() -> None:
     if args.world == 2:
         flag = torch.tensor(float(bad_input()["raised"]))
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        write_report(args.report, {"results": results, "empty_sample_raised_on_every_rank": bool(flag.item())})
+        mismatched = mismatch()
+        caught = torch.tensor([float(mismatched["raised"]), -float(mismatched["sends"])])
+        torch.distributed.all_reduce(caught, op=torch.distributed.ReduceOp.MIN)
+        write_report(args.report, {"results": results, "empty_sample_raised_on_every_rank": bool(flag.item()),
+                                   "plan_mismatch_raised_on_every_rank": bool(caught[0].item()),
+                                   "sends_before_mismatch_error": int(-caught[1].item())})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_3d.dynamic import with_microbatch_checkpointing
 from lightning_3d.recipes.gpt.model import GPTModel, packing_inputs, run_layers
 
 
@@ -39,6 +40,10 @@ class GPTStage(nn.Module):
         )
 
     def forward(self, *received: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
+        # A dynamic plan may switch recomputation per micro-batch (lightning_3d.dynamic.RECOMPUTE_KEY, docs/dynamic.md).
+        return with_microbatch_checkpointing(self, microbatch, lambda: self._forward(received, microbatch))
+
+    def _forward(self, received: tuple[Tensor, ...], microbatch: dict[str, Tensor]) -> Tensor:
         positions, mask = packing_inputs(microbatch)  # None, None for plain rows; packed documents: see model.py
         x = self.embed(microbatch["input_ids"], positions) if self.embed is not None else received[0]
         return run_layers(self, x, self.layers.values(), mask)  # type: ignore[arg-type]

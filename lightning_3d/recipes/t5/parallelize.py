@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_3d.dynamic import with_microbatch_checkpointing
 from lightning_3d.recipes.t5.model import T5Model, run_stage
 
 
@@ -49,7 +50,8 @@ class T5Stage(nn.Module):
         self.sequence_parallel_size = 1
 
     def forward(self, *received: Tensor, microbatch: Mapping[str, Tensor]) -> Tensor | tuple[Tensor, ...]:
-        return run_stage(self, received, microbatch)
+        # A dynamic plan may switch recomputation per micro-batch (lightning_3d.dynamic.RECOMPUTE_KEY, docs/dynamic.md).
+        return with_microbatch_checkpointing(self, microbatch, lambda: run_stage(self, received, microbatch))
 
 
 def parallelize_t5(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
