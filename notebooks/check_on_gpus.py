@@ -4,7 +4,7 @@ Each notebook's second cell ends with a comment "On a machine with 4 GPUs, for e
 assignments; this script appends them, uncommented, to that cell and runs the notebook top to bottom. Executed
 notebooks and a JSON summary (seconds, error) go to ``--out`` (default ``$OUT``, else ``./gpu_check``).
 
-    python notebooks/check_on_gpus.py                      # 01, 02 and 05
+    python notebooks/check_on_gpus.py                      # all five
     python notebooks/check_on_gpus.py notebooks/01_quickstart.ipynb --out /tmp/gpu_check
 """
 
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")))
     parser.add_argument("--timeout", type=int, default=1800, help="per cell, seconds")
     args = parser.parse_args()
-    paths = args.notebooks or [HERE / f"{n}.ipynb" for n in ("01_quickstart", "02_compression", "05_hugging_face")]
+    paths = args.notebooks or sorted(HERE.glob("[0-9][0-9]_*.ipynb"))
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPATH"] = f"{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     summary = {}

@@ -144,7 +144,8 @@ def test_an_interrupted_launch_leaves_no_worker_behind() -> None:
 
 # ----- the notebooks --------------------------------------------------------------------------------------------
 def test_the_tutorial_notebooks_exist() -> None:
-    assert {p.stem for p in NOTEBOOKS} >= {"01_quickstart", "02_compression", "05_hugging_face"}
+    assert {p.stem for p in NOTEBOOKS} >= {"01_quickstart", "02_compression", "03_dynamic_microbatching", "04_planner",
+                                          "05_hugging_face"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
