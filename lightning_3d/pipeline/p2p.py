@@ -1,21 +1,20 @@
-"""Point-to-point channels between pipeline ranks.
+"""The transport between the ranks of one pipeline: one ordered stream of point-to-point batches.
 
-Every channel carries one kind of message (activations "F" or gradients "B") in one direction, on a
-process group of its own. NCCL runs the operations of one communicator in order on one stream, so a
-receive posted early for a gradient could block an activation send behind it on a shared communicator;
-with one group per direction and kind, each stream only ever holds operations that match the peer's in
-order, and the schedule (checked by ``schedules.check_schedule``) cannot deadlock.
+All messages of a pipeline, activations and gradients in both directions, travel on one process group (the
+device mesh's "pp" group): each rank issues them in rounds (``rounds.lockstep_rounds``), one
+``torch.distributed.batch_isend_irecv`` per round, and both ends of every message post it in the same round. On
+NCCL a batch is one group call on the pipeline's communicator, so each link sees the same sequence of operations on
+its two ends, as NCCL requires; see docs/architecture.md ("Pipeline transport") for why this cannot deadlock, also
+with receives posted ahead of their use.
 
-Shapes can change from one micro-batch to the next. The receiver of an activation learns its shape from
-a small header sent on a CPU (gloo) group, but only the first time a micro-batch *signature* (input
-shapes and dtypes) is seen at that boundary; after that both sides know it from the signature alone and
-nothing extra is sent.
+Shapes can change from one micro-batch to the next. The receiver of an activation learns its shape from a small
+header sent on a CPU (gloo) group, but only the first time a micro-batch *signature* (input shapes and dtypes) is
+seen at that boundary; after that both sides know it from the signature alone and nothing extra is sent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,88 +24,65 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 _HEADER_LEN = 64
 
 TensorMeta = tuple[tuple[int, ...], torch.dtype]
-
-
-@dataclass
-class Channel:
-    kind: str  # "F": activations, "B": gradients
-    src: int  # pipeline rank of the sender
-    dst: int  # pipeline rank of the receiver
-    peer: int  # global rank of the other end
-    group: dist.ProcessGroup
-    meta_group: dist.ProcessGroup  # CPU group for shape headers (the same group when the backend is gloo)
-
-
-def channel_edges(pp: int, virtual_stages: int) -> list[tuple[str, int, int]]:
-    """(kind, src, dst) of every channel a pipeline of ``pp`` ranks needs, in a fixed global order."""
-    wrap = virtual_stages > 1
-    edges = [("F", r, (r + 1) % pp) for r in range(pp) if r + 1 < pp or wrap]
-    edges += [("B", r, (r - 1) % pp) for r in range(pp) if r > 0 or wrap]
-    return edges
+# A test hook: called with this rank's list of (op "send"/"recv", peer global rank, shape, dtype) of each batch and
+# each header, in issue order (tests check that neighbours issue matching sequences).
+TraceHook = Callable[[list[tuple[str, int, tuple[int, ...], torch.dtype]]], None]
 
 
 class PipelineChannels:
-    """This rank's incoming and outgoing channels. Construction is collective over the world."""
+    """This rank's end of its pipeline's stream. ``ranks``: the pipeline's global ranks, by pipeline rank.
+
+    ``group``: the pipeline's process group (its members are ``ranks``; None when pp = 1). ``meta_group``: the CPU
+    group that carries shape headers (the same group when the backend is gloo). Construction is local: the groups
+    are made by their owner (``strategies.process_groups``), one per pipeline.
+    """
 
     def __init__(
         self,
-        pipelines: list[list[int]],
+        ranks: list[int],
         rank: int,
-        virtual_stages: int,
         device: torch.device,
-        timeout: timedelta | None = None,
+        group: dist.ProcessGroup | None = None,
+        meta_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """``pipelines``: the global ranks of every pipeline of the job, each ordered by pipeline rank. ``timeout``:
-        how long a send or receive waits for a peer before it raises (None: torch's 30 minutes)."""
+        self.ranks = ranks
         self.device = device
-        self.outgoing: dict[str, Channel] = {}
-        self.incoming: dict[str, Channel] = {}
-        self.groups: list[dist.ProcessGroup] = []  # the groups this rank belongs to, for their owner to destroy
-        pp = len(pipelines[0])
-        if pp == 1:
-            return
-        # Shape headers travel on one CPU group spanning the world (point-to-point messages are matched per
-        # sender and receiver, so pipelines do not mix). It is created before the pair groups: with NCCL's
-        # eager initialisation every new NCCL group is a world-wide split, and a gloo group created between
-        # two splits can leave its members waiting for each other inside different calls.
-        meta_group = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None
-        if meta_group is not None:
-            self.groups.append(meta_group)
-        # Group creation is collective over the world: every rank creates every pipeline's groups in one order.
-        for ranks in pipelines:
-            for kind, src, dst in channel_edges(pp, virtual_stages):
-                group = dist.new_group(ranks=sorted([ranks[src], ranks[dst]]), timeout=timeout)
-                if rank in (ranks[src], ranks[dst]):
-                    self.groups.append(group)
-                if rank == ranks[src]:
-                    self.outgoing[kind] = Channel(kind, src, dst, ranks[dst], group, meta_group or group)
-                if rank == ranks[dst]:
-                    self.incoming[kind] = Channel(kind, src, dst, ranks[src], group, meta_group or group)
+        self.group = group
+        self.meta_group = meta_group if meta_group is not None else group
+        self.pp_rank = ranks.index(rank)
+        self.trace: TraceHook | None = None
+
+    def peer(self, pp_rank: int) -> int:
+        """Global rank of a pipeline rank."""
+        return self.ranks[pp_rank]
 
     def warmup(self) -> None:
-        """Open every channel once, in the global edge order, so lazy communicator setup cannot interleave badly."""
-        token = torch.zeros(1, device=self.device)
-        # Process this rank's channels in the same global (kind, src, dst) order every rank uses.
-        mine = [(c.kind, c.src, c.dst, "send", c) for c in self.outgoing.values()]
-        mine += [(c.kind, c.src, c.dst, "recv", c) for c in self.incoming.values()]
-        for kind, src, dst, op, channel in sorted(mine, key=lambda x: (x[0] != "F", x[1], x[2])):
-            if op == "send":
-                dist.send(token, dst=channel.peer, group=channel.group)
-            else:
-                dist.recv(token, src=channel.peer, group=channel.group)
+        """Collective over the pipeline: creates its communicator while every member takes part (a batch of
+        point-to-point operations on a communicator that does not exist yet must involve all its ranks)."""
+        if self.group is not None:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
 
-    def isend(self, channel: Channel, tensor: Tensor) -> dist.Work:
-        return dist.isend(tensor.contiguous(), dst=channel.peer, group=channel.group)
+    def exchange(self, sends: list[tuple[int, Tensor]], recvs: list[tuple[int, Tensor]]) -> list[dist.Work]:
+        """Post one round's batch: ``sends`` and ``recvs`` as (peer pipeline rank, tensor), each list in message
+        order. Returns the batch's works (NCCL: one for the whole batch); waiting for them completes every operation."""
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.peer(p), self.group) for p, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.peer(p), self.group) for p, t in recvs]
+        if self.trace is not None:
+            self.trace([(op, self.peer(p), tuple(t.shape), t.dtype) for op, items in (("send", sends), ("recv", recvs))
+                        for p, t in items])
+        return dist.batch_isend_irecv(ops) if ops else []
 
-    def irecv(self, channel: Channel, tensor: Tensor) -> dist.Work:
-        return dist.irecv(tensor, src=channel.peer, group=channel.group)
+    def send_header(self, pp_rank: int, metas: list[TensorMeta]) -> dist.Work:
+        header = encode_header(metas)
+        if self.trace is not None:
+            self.trace([("send", self.peer(pp_rank), tuple(header.shape), header.dtype)])
+        return dist.isend(header, dst=self.peer(pp_rank), group=self.meta_group)
 
-    def send_header(self, channel: Channel, metas: list[TensorMeta]) -> dist.Work:
-        return dist.isend(encode_header(metas), dst=channel.peer, group=channel.meta_group)
-
-    def recv_header(self, channel: Channel) -> list[TensorMeta]:
+    def recv_header(self, pp_rank: int) -> list[TensorMeta]:
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        dist.recv(header, src=channel.peer, group=channel.meta_group)
+        if self.trace is not None:
+            self.trace([("recv", self.peer(pp_rank), tuple(header.shape), header.dtype)])
+        dist.recv(header, src=self.peer(pp_rank), group=self.meta_group)
         return decode_header(header)
 
 

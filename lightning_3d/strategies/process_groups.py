@@ -2,8 +2,8 @@
 
 A ``ProcessGroups`` is built at ``setup_environment`` from the layout (``ParallelDims``) and holds the
 ("dp", "pp", "tp") device mesh, the extra groups (the model-parallel group of the global gradient norm, the
-tied-embedding pairs and the fused embedding-sync groups) and the pipeline's point-to-point channels, all created
-with the strategy's ``timeout``, plus this rank's coordinates. The groups of the last run stay alive after its
+tied-embedding pairs and the fused embedding-sync groups) and the pipeline's transport (on the mesh's "pp" group,
+see ``_pipeline_channels``), all created with the strategy's ``timeout``, plus this rank's coordinates. The groups of the last run stay alive after its
 teardown, because a prepared module is bound to them (its stages hold the channels, its tensor-parallel parameters
 the mesh); ``claim_live_groups`` destroys the previous run's groups (after its owner released its model) before new
 ones are made, so a process holds one set of groups, with their threads and sockets, however many models it trains.
@@ -32,7 +32,8 @@ class ProcessGroups:
     """The mesh, the extra groups and the pipeline channels of one run, and this rank's place in them.
 
     Collective over the world: every rank constructs it at the same point (``setup_environment``). The groups it
-    creates (this rank's own ones) are listed in ``created``, in creation order, for ``destroy``.
+    creates (this rank's own ones) are listed in ``created``, in creation order, for ``destroy``. ``virtual_stages``
+    is accepted for its callers and unused: a pipeline has one stream however many stages each rank holds.
     """
 
     def __init__(
@@ -43,12 +44,12 @@ class ProcessGroups:
         self.dp_rank, self.pp_rank, self.tp_rank = dims.coordinates(rank)
         self.created: list[dist.ProcessGroup] = []
         try:
-            self._build(device, virtual_stages, timeout)
+            self._build(device, timeout)
         except BaseException:
             self.destroy()  # the groups made before the failure must not outlive it
             raise
 
-    def _build(self, device: torch.device, virtual_stages: int, timeout: timedelta | None) -> None:
+    def _build(self, device: torch.device, timeout: timedelta | None) -> None:
         made, d, rank = self.created, self.dims, self.rank
         self.device_mesh: DeviceMesh | None = d.build_mesh(device.type, timeout, made)
         self.dp_group: dist.ProcessGroup | None = self.device_mesh.get_group("dp")
@@ -65,9 +66,21 @@ class ProcessGroups:
         # (a group spanning tensor ranks would add up different vocabulary shards).
         fused = [[d.rank_of(dp, p, t) for dp in range(d.dp) for p in (0, d.pp - 1)] for t in range(d.tp)]
         self.fused_tied_group = new_subgroups(fused, rank, timeout=timeout, created=made) if d.pp > 1 else None
-        pipelines = [d.pipeline_ranks(dp, t) for dp in range(d.dp) for t in range(d.tp)]
-        self.channels: PipelineChannels | None = PipelineChannels(pipelines, rank, virtual_stages, device, timeout)
-        made.extend(self.channels.groups)
+        self.channels: PipelineChannels | None = self._pipeline_channels(device, timeout)
+
+    def _pipeline_channels(self, device: torch.device, timeout: timedelta | None) -> PipelineChannels:
+        """The transport of this rank's pipeline: its stream is the mesh's "pp" group, on which nothing else is issued
+        (docs/architecture.md, "Pipeline transport"), so the transport creates no device group. On NCCL the shape
+        headers travel on a CPU group: one gloo group per pipeline (``new_group`` is called for each, as torch requires
+        of every rank, but a rank joins only its own)."""
+        d, ranks = self.dims, self.dims.pipeline_ranks(self.dp_rank, self.tp_rank)
+        if d.pp == 1:
+            return PipelineChannels(ranks, self.rank, device)
+        meta_group = None
+        if dist.get_backend() != "gloo":
+            pipelines = [d.pipeline_ranks(dp, t) for dp in range(d.dp) for t in range(d.tp)]
+            meta_group = new_subgroups(pipelines, self.rank, backend="gloo", timeout=timeout, created=self.created)
+        return PipelineChannels(ranks, self.rank, device, self.device_mesh.get_group("pp"), meta_group)
 
     def destroy(self) -> None:
         """Destroy this rank's groups (local: no collective) and drop every reference to them. Idempotent."""
