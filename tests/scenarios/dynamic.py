@@ -241,10 +241,9 @@ def bad_input() -> dict:
 
 def mismatch() -> dict:
     """Rank 1's schedule differs from rank 0's (same pipeline): the strategy's plan check makes both raise its
-    message at the first step, before any pipeline send (counted on the channels' sends of activations, gradients
-    and shape headers)."""
+    message at the first step, before any pipeline send (counted on the transport's batches and shape headers)."""
     sends = [0]
-    originals = PipelineChannels.isend, PipelineChannels.send_header
+    originals = PipelineChannels.exchange, PipelineChannels.send_header
 
     def counted(send):
         def wrapper(self, *args, **kwargs):
@@ -252,7 +251,7 @@ def mismatch() -> dict:
             return send(self, *args, **kwargs)
         return wrapper
 
-    PipelineChannels.isend, PipelineChannels.send_header = counted(originals[0]), counted(originals[1])
+    PipelineChannels.exchange, PipelineChannels.send_header = counted(originals[0]), counted(originals[1])
     strategy = Compressed3DStrategy(pipeline_parallel_size=2, num_microbatches=2, compression=False)
     try:
         trainer(strategy, 1).fit(make_model(), datamodule=DynamicData(dict(dp=1, pp=2, tp=1, schedule="1f1b",
@@ -261,7 +260,7 @@ def mismatch() -> dict:
         return {"raised": "hold different plans for this step" in str(e) and "run the same software" in str(e),
                 "sends": sends[0]}
     finally:
-        PipelineChannels.isend, PipelineChannels.send_header = originals
+        PipelineChannels.exchange, PipelineChannels.send_header = originals
     return {"raised": False, "sends": sends[0]}
 
 

@@ -1,0 +1,82 @@
+"""The pipeline transport: one ordered stream per pipeline (lightning_3d/pipeline/{rounds,exchange,p2p}.py).
+
+``lockstep_rounds`` is checked on every registered schedule and micro-batch count: both ends of every message post
+it in the same round, before the round in which it is used, and a rank's actions keep their order. The scenario
+``tests/scenarios/transport.py`` runs the runtime on two processes and checks what only a run shows: the transport
+creates no process group, neighbours issue mirrored sequences of batches, and the results equal one process's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from lightning_3d.pipeline.rounds import destination, lockstep_rounds
+from lightning_3d.pipeline.schedules import SCHEDULES, Action, build_forward_only, build_schedule, check_schedule
+from tests.launch import run_scenario
+
+
+def _cases():
+    for name, spec in sorted(SCHEDULES.items()):
+        for pp in (2, 3, 4):
+            for v in ((2, 3) if spec.interleaved else (1,)):
+                for m in range(1, 2 * pp * v + 1):
+                    if spec.microbatch_multiple_of_pp and m % pp:
+                        continue
+                    yield name, pp, v, m, [build_schedule(name, pp, v, m, r) for r in range(pp)]
+                    if name == "gpipe" or spec.interleaved:
+                        yield "forward", pp, v, m, [build_forward_only(pp, v, m, r) for r in range(pp)]
+
+
+def test_rounds_post_both_ends_of_every_message_together_and_before_its_use() -> None:
+    cases = 0
+    for name, pp, v, m, orders in _cases():
+        num_stages = pp * v
+        check_schedule(orders, num_stages, m, train=name != "forward")
+        rounds = lockstep_rounds(orders, num_stages)
+        sent, received, used = {}, {}, {}
+        for rank, mine in enumerate(rounds):
+            assert [r.action for r in mine if r.action is not None] == list(orders[rank]), (name, pp, v, m, rank)
+            assert [r.index for r in mine] == sorted({r.index for r in mine})
+            for r in mine:
+                for message in r.receives:
+                    assert destination(message[0], message[1], num_stages, pp) == rank
+                    received[message] = (r.index, rank)
+                a = r.action
+                if a is None:
+                    continue
+                if destination(a.kind, a.stage, num_stages, pp) is not None:
+                    sent[(a.kind, a.stage, a.microbatch)] = (r.index, rank)
+                need = ("F", a.stage - 1, a.microbatch) if a.kind == "F" else ("B", a.stage + 1, a.microbatch)
+                if 0 <= need[1] < num_stages:
+                    used[need] = r.index
+        # Same round on both ends (so both post it in their batch of that round), used strictly later.
+        assert {k: t for k, (t, _) in sent.items()} == {k: t for k, (t, _) in received.items()}, (name, pp, v, m)
+        assert all(used[k] > t for k, (t, _) in sent.items()), (name, pp, v, m)
+        # A rank sends at most one message per round, so a round's receives from one neighbour are one message.
+        per_round = Counter((t, rank) for t, rank in sent.values())
+        assert max(per_round.values(), default=1) == 1
+        cases += 1
+    assert cases > 100
+
+
+def test_rounds_reject_a_deadlocking_order() -> None:
+    F, B = (lambda s, m: Action("F", s, m)), (lambda s, m: Action("B", s, m))
+    # Rank 0 waits for the gradient of micro-batch 1 before sending its activation: nothing can ever move.
+    with pytest.raises(ValueError, match="deadlocks"):
+        lockstep_rounds([[B(0, 0), F(0, 0)], [F(1, 0), B(1, 0)]], 2)
+
+
+def test_transport_creates_no_group_and_neighbours_issue_mirrored_batches(tmp_path: Path) -> None:
+    """Two processes, gloo. Fails on the transport it replaced: there every rank created one group per (kind,
+    direction) of every pipeline (``transport_calls`` 2 at pp = 2, dp·tp·2(pp-1) in general), and in 1F1B with
+    three micro-batches rank 0 posted its receive of gradient 1 before its send of activation 2 while rank 1 posted
+    its receive of activation 2 before its send of gradient 1: on one stream each waits for the other."""
+    report = run_scenario(2, "transport", [], tmp_path / "report.json", timeout=600)
+    for rank in report["ranks"]:
+        assert rank["transport_calls"] == 0 and rank["transport_member"] == 0, rank  # the mesh's "pp" group serves
+        assert [r["exact"] for r in rank["results"]] == [True] * 4, rank["results"]
+    assert report["pairs"] == [{"pair": [0, 1], "batches": report["pairs"][0]["batches"], "data": True, "headers": True}]
+    assert report["pairs"][0]["batches"] > 10
