@@ -1,7 +1,7 @@
 """The transport between the ranks of one pipeline: one ordered stream of point-to-point batches.
 
-All messages of a pipeline, activations and gradients in both directions, travel on one process group (the
-device mesh's "pp" group): each rank issues them in rounds (``rounds.lockstep_rounds``), one
+All messages of a pipeline, activations and gradients in both directions, travel on one process group of the
+pipeline's ranks, on which nothing else is issued: each rank issues them in rounds (``rounds.lockstep_rounds``), one
 ``torch.distributed.batch_isend_irecv`` per round, and both ends of every message post it in the same round. On
 NCCL a batch is one group call on the pipeline's communicator, so each link sees the same sequence of operations on
 its two ends, as NCCL requires; see docs/architecture.md ("Pipeline transport") for why this cannot deadlock, also

@@ -2,8 +2,8 @@
 
 A ``ProcessGroups`` is built at ``setup_environment`` from the layout (``ParallelDims``) and holds the
 ("dp", "pp", "tp") device mesh, the extra groups (the model-parallel group of the global gradient norm, the
-tied-embedding pairs and the fused embedding-sync groups) and the pipeline's transport (on the mesh's "pp" group,
-see ``_pipeline_channels``), all created with the strategy's ``timeout``, plus this rank's coordinates. The groups of the last run stay alive after its
+tied-embedding pairs and the fused embedding-sync groups) and the pipeline's transport (one group per pipeline, see
+``_pipeline_channels``), all created with the strategy's ``timeout``, plus this rank's coordinates. The groups of the last run stay alive after its
 teardown, because a prepared module is bound to them (its stages hold the channels, its tensor-parallel parameters
 the mesh); ``claim_live_groups`` destroys the previous run's groups (after its owner released its model) before new
 ones are made, so a process holds one set of groups, with their threads and sockets, however many models it trains.
@@ -69,18 +69,20 @@ class ProcessGroups:
         self.channels: PipelineChannels | None = self._pipeline_channels(device, timeout)
 
     def _pipeline_channels(self, device: torch.device, timeout: timedelta | None) -> PipelineChannels:
-        """The transport of this rank's pipeline: its stream is the mesh's "pp" group, on which nothing else is issued
-        (docs/architecture.md, "Pipeline transport"), so the transport creates no device group. On NCCL the shape
-        headers travel on a CPU group: one gloo group per pipeline (``new_group`` is called for each, as torch requires
-        of every rank, but a rank joins only its own)."""
+        """The transport of this rank's pipeline, on a group of its own per pipeline (docs/architecture.md, "Pipeline
+        transport"): nothing else is ever issued on it, so its order is the schedule's, and it carries the strategy's
+        ``timeout`` (the mesh's "pp" dimension is the default group when it spans the world, with the user's timeout).
+        On NCCL the shape headers travel on a CPU (gloo) group per pipeline. ``new_group`` is called for every pipeline,
+        as torch requires of every rank; a rank joins only its own pipeline's groups."""
         d, ranks = self.dims, self.dims.pipeline_ranks(self.dp_rank, self.tp_rank)
         if d.pp == 1:
             return PipelineChannels(ranks, self.rank, device)
+        pipelines = [d.pipeline_ranks(dp, t) for dp in range(d.dp) for t in range(d.tp)]
+        group = new_subgroups(pipelines, self.rank, timeout=timeout, created=self.created)
         meta_group = None
         if dist.get_backend() != "gloo":
-            pipelines = [d.pipeline_ranks(dp, t) for dp in range(d.dp) for t in range(d.tp)]
             meta_group = new_subgroups(pipelines, self.rank, backend="gloo", timeout=timeout, created=self.created)
-        return PipelineChannels(ranks, self.rank, device, self.device_mesh.get_group("pp"), meta_group)
+        return PipelineChannels(ranks, self.rank, device, group, meta_group)
 
     def destroy(self) -> None:
         """Destroy this rank's groups (local: no collective) and drop every reference to them. Idempotent."""
