@@ -11,8 +11,8 @@ stages (two tensors cross each boundary: activations and an integer index) witho
 
 Steps: 1F1B with 3 micro-batches (where one rank's next receive and its neighbour's next send cross), GPipe with
 micro-batches of two shapes (shape headers), an interleaved schedule whose gradients travel through a codec that
-splits each into two parts (posted ahead like any message), and a forward-only step.
-``L3D_TEST_DEVICE=cuda`` runs it on GPUs with NCCL.
+splits each into two parts (posted ahead like any message), and a forward-only step. ``--extra cb`` instead runs
+the strategy with compressed backpropagation at (1, 2, 1). ``L3D_TEST_DEVICE=cuda`` runs it on GPUs with NCCL.
 """
 
 from __future__ import annotations
@@ -146,8 +146,19 @@ def reference(stages: list[Stage], mbs: list[torch.Tensor]):
     return (loss / total).detach(), {s.index: [p.grad.clone() for p in s.parameters()] for s in stages}
 
 
+def compressed_pipeline() -> None:
+    """``--extra cb``: CB (+ LEP) on every gradient send of a (1, 2, 1) fit, through the strategy, equal to the
+    uncompressed reference (full rank): compressed gradients posted ahead, on NCCL with ``L3D_TEST_DEVICE=cuda``."""
+    from tests.scenarios.compression import exact_at_full_rank
+
+    args = parse_args()
+    write_report(args.report, exact_at_full_rank(1, 2, 1))
+
+
 def main() -> None:
     args = parse_args()
+    if args.extra == "cb":
+        return compressed_pipeline()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if CUDA else torch.device("cpu")
     if CUDA:
