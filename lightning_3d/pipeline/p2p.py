@@ -14,8 +14,6 @@ seen at that boundary; after that both sides know it from the signature alone an
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -24,9 +22,6 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 _HEADER_LEN = 64
 
 TensorMeta = tuple[tuple[int, ...], torch.dtype]
-# A test hook: called with this rank's list of (op "send"/"recv", peer global rank, shape, dtype) of each batch and
-# each header, in issue order (tests check that neighbours issue matching sequences).
-TraceHook = Callable[[list[tuple[str, int, tuple[int, ...], torch.dtype]]], None]
 
 
 class PipelineChannels:
@@ -50,7 +45,6 @@ class PipelineChannels:
         self.group = group
         self.meta_group = meta_group if meta_group is not None else group
         self.pp_rank = ranks.index(rank)
-        self.trace: TraceHook | None = None
 
     def peer(self, pp_rank: int) -> int:
         """Global rank of a pipeline rank."""
@@ -67,21 +61,13 @@ class PipelineChannels:
         order. Returns the batch's works (NCCL: one for the whole batch); waiting for them completes every operation."""
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.peer(p), self.group) for p, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.peer(p), self.group) for p, t in recvs]
-        if self.trace is not None:
-            self.trace([(op, self.peer(p), tuple(t.shape), t.dtype) for op, items in (("send", sends), ("recv", recvs))
-                        for p, t in items])
         return dist.batch_isend_irecv(ops) if ops else []
 
     def send_header(self, pp_rank: int, metas: list[TensorMeta]) -> dist.Work:
-        header = encode_header(metas)
-        if self.trace is not None:
-            self.trace([("send", self.peer(pp_rank), tuple(header.shape), header.dtype)])
-        return dist.isend(header, dst=self.peer(pp_rank), group=self.meta_group)
+        return dist.isend(encode_header(metas), dst=self.peer(pp_rank), group=self.meta_group)
 
     def recv_header(self, pp_rank: int) -> list[TensorMeta]:
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        if self.trace is not None:
-            self.trace([("recv", self.peer(pp_rank), tuple(header.shape), header.dtype)])
         dist.recv(header, src=self.peer(pp_rank), group=self.meta_group)
         return decode_header(header)
 
