@@ -33,6 +33,7 @@ from lightning_3d.compression.selective import DataParallelPowerSGD
 from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies import checkpoint as ckpt
+from lightning_3d.strategies.comm_metrics import log_job_communication
 from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
 from lightning_3d.strategies.options import resolve_options
@@ -325,34 +326,10 @@ class Compressed3DStrategy(ParallelStrategy):
         return moved
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._log_communication()
+        log_job_communication(self.lightning_module, self.comm_stats, self.groups, self.root_device, self.world_size)
         if self.engine.runtime is None:
             return super().training_step(*args, **kwargs)
         return self.engine.train_step(self.lightning_module, args[0], args[1])
-
-    def _log_communication(self) -> None:
-        """Log the job's byte counters of the previous optimizer step: this rank's, summed over all ranks (all-reduces
-        of two numbers on the device per training batch, which every rank runs at the same point; no host
-        synchronisation: the logged values stay tensors until a logger reads them)."""
-        last = self.comm_stats.as_dict("last_step")
-        before = sum(v["bytes_before"] for v in last.values())
-        after = sum(v["bytes_after"] for v in last.values())
-        if self.world_size == 1 or not dist.is_initialized() or self.groups is None:
-            if before:
-                self.lightning_module.log_dict(
-                    {"comm/bytes_sent": float(after), "comm/compression_ratio": before / max(after, 1)},
-                    on_step=True, on_epoch=False, sync_dist=False,
-                )
-            return
-        totals = torch.tensor([before, after], dtype=torch.float64, device=self.root_device)
-        # Over the strategy's own groups, which carry its timeout (a frozen peer fails the job in time): a replica's
-        # pipeline and tensor ranks, then the replicas.
-        for group in (self.groups.model_parallel_group, self.groups.dp_group):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(totals, group=group)
-        ratio = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1), torch.ones_like(totals[0]))
-        self.lightning_module.log_dict({"comm/bytes_sent": totals[1], "comm/compression_ratio": ratio},
-                                       on_step=True, on_epoch=False, sync_dist=False)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.on_nonfinite != "ignore":

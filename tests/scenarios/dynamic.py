@@ -27,6 +27,7 @@ from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.schedules import Action
 from lightning_3d.recipes import T5
+from lightning_3d.recipes.data.loader import worker_options
 from tests.scenarios import t5_layouts
 from tests.scenarios.common import (
     MODEL, SEQ, VOCAB, LossRecorder, all_max, compare, make_model, parse_args, trainer, write_report,
@@ -150,8 +151,10 @@ class DynamicData(pl.LightningDataModule):
         collate = self.batcher(rank)
         if self.cfg.get("tamper") and torch.distributed.get_rank() == 1:
             collate = Relabelled(collate)
-        # Planning in a worker process, two batches ahead, as in training.
-        return DataLoader(data, batch_size=GLOBAL, shuffle=False, collate_fn=collate, num_workers=1, prefetch_factor=2)
+        # Planning in a worker process, two batches ahead, as in training; started as the library's loaders start
+        # theirs (a fork of this threaded process can hang in the child: see recipes/data/loader.worker_options).
+        return DataLoader(data, batch_size=GLOBAL, shuffle=False, collate_fn=collate, num_workers=1, prefetch_factor=2,
+                          **worker_options(1))
 
 
 def reference(steps: int) -> tuple:
