@@ -30,7 +30,7 @@ from tests.scenarios.common import (
 )
 from tests.scenarios.features import resumable_data
 
-STEPS = 4
+STEPS = 3
 LAYOUTS = [
     dict(dp=1, pp=2, cp=2, tp=1, m=4),
     dict(dp=1, pp=1, cp=2, tp=2, m=2, sp=True),
@@ -137,23 +137,27 @@ def bad_values() -> dict:
     }
 
 
-def main() -> None:
-    args = parse_args()
+def run_all(workdir: Path, report: Path | None = None) -> dict:
+    """Every check above, in this process group (``tests/scenarios/context.py`` calls it after its ring checks, so
+    the suite starts the 4 processes once); partial results go to ``report`` as they come."""
     results = []
-    if args.extra.startswith("only:"):  # debugging: some layouts by index, nothing else
-        for i in args.extra[5:].split(","):
-            results.append(run_layout(LAYOUTS[int(i)]))
-            write_report(args.report, {"layouts": results})
-        return
     for cfg in LAYOUTS:
         results.append(run_layout(cfg))
-        write_report(args.report, {"layouts": results})
-    report = {"layouts": results, "resume": resume_across_cp(args.report.parent), "selective": selective_over_dp_cp()}
-    write_report(args.report, report)
+        if report is not None:
+            write_report(report, {"layouts": results})
+    out = {"layouts": results, "resume": resume_across_cp(workdir), "selective": selective_over_dp_cp()}
     errors = bad_values()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)
-    write_report(args.report, {**report, "errors": errors, "errors_same_on_every_rank": all(e == errors for e in everyone)})
+    return {**out, "errors": errors, "errors_same_on_every_rank": all(e == errors for e in everyone)}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.extra.startswith("only:"):  # debugging: some layouts by index, nothing else
+        write_report(args.report, {"layouts": [run_layout(LAYOUTS[int(i)]) for i in args.extra[5:].split(",")]})
+        return
+    write_report(args.report, run_all(args.report.parent, args.report))
 
 
 if __name__ == "__main__":
