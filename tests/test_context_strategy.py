@@ -79,3 +79,26 @@ def test_microbatch_errors_name_the_value_and_the_fix() -> None:
         shard_microbatches([{"input_ids": ids, "labels": torch.zeros(2)}], cfg, 0, ("input_ids", "labels"))
     with pytest.raises(ValueError, match=r"Sequence length 6 cannot be split over context_parallel_size=2"):
         shard_microbatches([{"input_ids": ids[:, :6], "labels": ids[:, :6]}], cfg, 0, ("input_ids", "labels"))
+
+
+def test_predict_is_refused_with_context_parallelism() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    strategy = Compressed3DStrategy(context_parallel_size=2)
+    strategy.dims = ParallelDims(1, 1, 1, 2, cp=2)
+    with pytest.raises(RuntimeError, match=r"predict is not available with context_parallel_size=2.*context_parallel_size=1"):
+        strategy.setup(SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.PREDICTING)))
+
+
+def test_long_sequence_config_parses(capsys) -> None:
+    from lightning_3d.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", "gpt_long_tiny", "--print_config"])
+    assert exc.value.code in (0, None)
+    printed = capsys.readouterr().out
+    for line in ("context_parallel_size: 2", "context_parallel_layout: zigzag", "context_parallel_attention: ring",
+                 "seq_length: 2048", "activation_checkpointing: true"):
+        assert line in printed, line

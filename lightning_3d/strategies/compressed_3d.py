@@ -269,6 +269,9 @@ class Compressed3DStrategy(ParallelStrategy):
                 f"trainer.predict is not available with pipeline_parallel_size={self.dims.pp} (outputs live on the last"
                 " stage only); predict with pipeline_parallel_size=1 (a checkpoint loads into any layout)."
             )
+        if trainer.state.fn == TrainerFn.PREDICTING and self.dims.cp > 1:
+            raise RuntimeError(f"trainer.predict is not available with context_parallel_size={self.dims.cp} (it runs the"
+                               " module's own forward on whole sequences); predict with context_parallel_size=1.")
         self.accelerator.setup(trainer)
         # Dropout's streams: one per (dp, pp) rank, the same on its tp ranks, plus each tp rank's own (see rng.py).
         # Context-parallel ranks hold different tokens: their own streams (dp_rank * cp + cp_rank is dp_rank at cp 1).

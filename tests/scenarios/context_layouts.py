@@ -1,7 +1,7 @@
 """Context parallelism inside ``Compressed3DStrategy`` at world 4, in one process group, against one process.
 
 1. Layouts with a "cp" mesh dimension — (cp 2, pp 2), (cp 2, tp 2 with sequence parallelism), (cp 2, dp 2,
-   contiguous slices), cp 4 alone, and Ulysses attention at (cp 2, tp 2) — train the tiny causal GPT on batches
+   contiguous slices), cp 4 alone, and Ulysses attention at (cp 2, dp 2) — train the tiny causal GPT on batches
    with randomly ignored labels (cp ranks then hold different numbers of loss terms): losses and final parameters
    equal single-process training (``common.reference``).
 2. Checkpoints: a run at dp 2 x cp 2 saved after 2 steps resumes at cp 1 (dp 4) and at cp 4 for its third step,
@@ -36,7 +36,7 @@ LAYOUTS = [
     dict(dp=1, pp=1, cp=2, tp=2, m=2, sp=True),
     dict(dp=2, pp=1, cp=2, tp=1, m=2, layout="contiguous"),
     dict(dp=1, pp=1, cp=4, tp=1, m=2),
-    dict(dp=1, pp=1, cp=2, tp=2, m=2, attention="ulysses"),
+    dict(dp=2, pp=1, cp=2, tp=1, m=2, attention="ulysses"),
 ]
 
 
@@ -70,13 +70,13 @@ def param_err(model, expected: list[torch.Tensor]) -> float:
 
 
 def resume_across_cp(workdir: Path) -> dict:
-    """3 straight steps at dp 2 x cp 2; 2 steps saving a checkpoint; its third step at dp 4 (cp 1) and at cp 4."""
+    """3 steps at dp 2 x cp 2 saving a checkpoint after the second; its third step again at dp 4 (cp 1) and cp 4."""
     straight, model = LossRecorder(), make_model()
-    trainer(strategy(2, 1, 2, 1, 2), 3, [straight]).fit(model, datamodule=resumable_data(8))
-    expected = full_params(model)
     saver = ModelCheckpoint(dirpath=workdir / "cp2", every_n_train_steps=2, save_top_k=-1)
-    trainer(strategy(2, 1, 2, 1, 2), 2, [saver], enable_checkpointing=True).fit(make_model(), datamodule=resumable_data(8))
-    path = str(next((workdir / "cp2").glob("*.ckpt")))
+    trainer(strategy(2, 1, 2, 1, 2), 3, [straight, saver], enable_checkpointing=True).fit(
+        model, datamodule=resumable_data(8))
+    expected = full_params(model)
+    path = str(next((workdir / "cp2").glob("*step=2*.ckpt")))
     out = {"straight": straight.losses}
     for name, (dp, cp, m) in {"dp4_cp1": (4, 1, 2), "dp1_cp4": (1, 4, 2)}.items():
         recorder, resumed = LossRecorder(), make_model()
