@@ -1,7 +1,7 @@
 """Context parallelism inside ``Compressed3DStrategy`` at world 4, in one process group, against one process.
 
 1. Layouts with a "cp" mesh dimension — (cp 2, pp 2), (cp 2, tp 2 with sequence parallelism), (cp 2, dp 2,
-   contiguous slices), cp 4 alone, and Ulysses attention at (cp 2, dp 2) — train the tiny causal GPT on batches
+   contiguous slices), cp 4 alone with activation checkpointing, and Ulysses attention at (cp 2, dp 2) — train the tiny causal GPT on batches
    with randomly ignored labels (cp ranks then hold different numbers of loss terms): losses and final parameters
    equal single-process training (``common.reference``).
 2. Checkpoints: a run at dp 2 x cp 2 saved after 2 steps resumes at cp 1 (dp 4) and at cp 4 for its third step,
@@ -35,7 +35,7 @@ LAYOUTS = [
     dict(dp=1, pp=2, cp=2, tp=1, m=4),
     dict(dp=1, pp=1, cp=2, tp=2, m=2, sp=True),
     dict(dp=2, pp=1, cp=2, tp=1, m=2, layout="contiguous"),
-    dict(dp=1, pp=1, cp=4, tp=1, m=2),
+    dict(dp=1, pp=1, cp=4, tp=1, m=2, ac=True),  # the ring re-run by activation checkpointing in the backward
     dict(dp=2, pp=1, cp=2, tp=1, m=2, attention="ulysses"),
 ]
 
@@ -48,7 +48,8 @@ def strategy(dp: int, pp: int, cp: int, tp: int, m: int, **kw) -> Compressed3DSt
 
 def run_layout(cfg: dict) -> dict:
     s = strategy(cfg["dp"], cfg["pp"], cfg["cp"], cfg["tp"], cfg["m"], sequence_parallel=cfg.get("sp", False),
-                 context_parallel_layout=cfg.get("layout", "zigzag"), context_parallel_attention=cfg.get("attention", "ring"))
+                 context_parallel_layout=cfg.get("layout", "zigzag"), context_parallel_attention=cfg.get("attention", "ring"),
+                 stage_activation_checkpointing=[True] * cfg["pp"] if cfg.get("ac") else None)
     global_batch = cfg["dp"] * cfg["m"] * 2
     recorder, model = LossRecorder(), make_model()
     start = time.perf_counter()
