@@ -87,14 +87,10 @@ class Compressed3DStrategy(ParallelStrategy):
         timeout: of every process group the strategy creates (the default group, the device mesh, the pipeline
             channels, the tied-embedding and model-parallel groups): a rank that stops answering fails the others
             after this long.
-        context_parallel_size: ranks sharing every sequence (context parallelism, docs/context_parallel.md): each
-            holds a slice of every sequence through the whole model and attention passes keys and values between
-            them; parameters are replicated over them (gradients reduced over dp x cp). Needs a module implementing
-            ``enable_context_parallel`` (the GPT recipe). The mesh is ("dp", "pp", "cp", "tp").
-        context_parallel_layout: ``"zigzag"`` (the default: rank r holds chunks r and 2·cp−1−r of 2·cp, balancing
-            causal attention's work; sequences must be multiples of 2·cp) or ``"contiguous"`` (multiples of cp).
-        context_parallel_attention: ``"ring"`` (K/V passed around the cp ranks) or ``"ulysses"`` (all-to-alls over
-            heads; the heads per tensor-parallel rank must divide by cp).
+        context_parallel_size: ranks sharing every sequence, each holding a slice of it (mesh ("dp", "pp", "cp",
+            "tp"); a module with ``enable_context_parallel``, e.g. the GPT recipe). ``context_parallel_layout``:
+            ``"zigzag"`` (balanced causal work) or ``"contiguous"``; ``context_parallel_attention``: ``"ring"`` or
+            ``"ulysses"``. See docs/context_parallel.md.
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
