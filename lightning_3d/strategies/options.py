@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_3d.context import ContextParallelConfig
 from lightning_3d.strategies.parallel_dims import resolve_schedule_options
 
 
@@ -29,6 +30,7 @@ class PipelineOptions:
     gradient_accumulation_fusion: bool = True
     on_nonfinite: Literal["skip", "raise", "ignore"] = "skip"
     max_consecutive_nonfinite: int = 10
+    context_parallel: ContextParallelConfig = ContextParallelConfig()
 
 
 def default_microbatches(pipeline_parallel_size: Any) -> int:
@@ -44,6 +46,7 @@ def resolve_options(
     virtual_stages: int | None, sequence_parallel: bool, pipeline_layer_split: Sequence[int] | None,
     stage_activation_checkpointing: Sequence[bool] | None, bucket_size_mb: float, gradient_accumulation_fusion: bool,
     on_nonfinite: str, max_consecutive_nonfinite: int, checkpoint_io: Any,
+    context_parallel: ContextParallelConfig = ContextParallelConfig(),
 ) -> PipelineOptions:
     if checkpoint_io is not None:
         raise ValueError(
@@ -77,5 +80,5 @@ def resolve_options(
     return PipelineOptions(
         num_microbatches, schedule, virtual_stages, sequence_parallel,
         tuple(pipeline_layer_split) if pipeline_layer_split is not None else None, checkpointing, bucket_size_mb,
-        gradient_accumulation_fusion, on_nonfinite, max_consecutive_nonfinite,
+        gradient_accumulation_fusion, on_nonfinite, max_consecutive_nonfinite, context_parallel,
     )

@@ -32,6 +32,9 @@ from lightning_3d.dynamic.consistency import check_same_plan
 from lightning_3d.pipeline.microbatch import split_batch
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies.compression_state import CompressionState
+from lightning_3d.strategies.context_parallel import (
+    check_context_module, enable_context_parallel, sequence_keys, shard_microbatches,
+)
 from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_norm_, local, sync_tied_gradients
 from lightning_3d.strategies.options import PipelineOptions
 from lightning_3d.strategies.process_groups import ProcessGroups
@@ -71,6 +74,7 @@ class PipelineEngine:
         """Prepare ``module`` for this rank: its pipeline stages if it implements the protocol, else data parallelism
         only; ``precision`` is the strategy's precision plugin (``convert_module``, ``forward_context``)."""
         check_protocol(module, groups.dims.pp, groups.dims.tp)
+        check_context_module(module, self.options.context_parallel, protocol=not missing_protocol_methods(module))
         if missing_protocol_methods(module):
             self.prepare_plain(module, groups, device, precision.convert_module)
         else:
@@ -111,6 +115,8 @@ class PipelineEngine:
         stages, initialised = build_stages(module, plan, groups.tp_mesh, o.sequence_parallel, device, precision.convert_module)
         if dims.pp == 1:
             check_still_tied(module)
+        if dims.cp > 1:
+            enable_context_parallel(module, stages, groups.cp_group, o.context_parallel)
         if not initialised:
             broadcast_parameters(module, groups.dp_group, src=dist.get_global_rank(groups.dp_group, 0))
         groups.channels.warmup()
@@ -124,7 +130,7 @@ class PipelineEngine:
             channels=groups.channels, device=device, loss_fn=module.pipeline_loss, loss_terms_fn=module.pipeline_loss_terms,
             forward_context=precision.forward_context,
             loss_context=loss_parallel if dims.tp > 1 else contextlib.nullcontext, stats=self.stats,
-            dp_group=groups.dp_group if dims.dp > 1 else None,
+            dp_group=groups.dp_group if dims.replicas > 1 else None,  # dp x cp: every rank holding the parameters
         )
         self.build_grad_sync()
         self.compression.warn_unused(dims, tied=bool(module.pipeline_tied_parameters()))
@@ -151,7 +157,7 @@ class PipelineEngine:
         # SC's default depends on the link; measured here, after every configuration check, before the buckets exist.
         state.measure_link(g.dims, g.dp_group, self.device)
         self.grad_sync = GradientSynchronizer(
-            self.stage_params, g.dp_group, g.dims.dp, self.options.bucket_size_mb,
+            self.stage_params, g.dp_group, g.dims.replicas, self.options.bucket_size_mb,
             exclude={id(p) for p in self.tied} if self.fused_tied else set(),
             compressed_stages=set(self.stage_params) if state.compresses_rank(g.dims, g.pp_rank) else set(),
             stats=self.stats, fused=self.fused_weights,
@@ -204,7 +210,7 @@ class PipelineEngine:
         accumulate = module.trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
             module.zero_grad(set_to_none=True)  # what Lightning's zero_grad would do, before our backward runs
-        microbatches = split_batch(batch, self.num_microbatches)
+        microbatches = self.context_slices(module, split_batch(batch, self.num_microbatches))
         check_batch(module, microbatches)
         self.check_same_plan(microbatches)
         self.grad_sync.begin(sync=not self.sync_blocked)
@@ -213,7 +219,7 @@ class PipelineEngine:
         if not self.sync_blocked:
             g = self.groups
             if self.fused_tied:
-                sync_tied_gradients(self.tied, g.fused_tied_group, divide_by=g.dims.dp, stats=self.stats)
+                sync_tied_gradients(self.tied, g.fused_tied_group, divide_by=g.dims.replicas, stats=self.stats)
             else:
                 sync_tied_gradients(self.tied, g.tied_group, stats=self.stats)
         # Lightning zeroes gradients between training_step and backward; keep ours out of its reach.
@@ -237,11 +243,18 @@ class PipelineEngine:
         self.grad_sync.finish()
 
     def eval_step(self, module: pl.LightningModule, batch: Any, stage: str) -> Tensor:
-        microbatches = split_batch(batch, self.num_microbatches, uneven=True)
+        microbatches = self.context_slices(module, split_batch(batch, self.num_microbatches, uneven=True))
         check_batch(module, microbatches)
         self.check_same_plan(microbatches)
         loss = self.runtime.eval_step(microbatches)
         return self.report_loss(module, loss, stage)
+
+    def context_slices(self, module: pl.LightningModule, microbatches: Any) -> Any:
+        """With context parallelism, this rank's slice of every sequence and its global positions (before any
+        collective of the step; docs/context_parallel.md)."""
+        g = self.groups
+        tp = g.dims.tp if self.options.sequence_parallel else 1
+        return shard_microbatches(microbatches, self.options.context_parallel, g.cp_rank, sequence_keys(module), tp)
 
     def check_same_plan(self, microbatches: Any) -> None:
         """With explicit per-step ``orders`` (dynamic micro-batching), the ranks of this replica's pipeline compare
