@@ -30,6 +30,25 @@ CHECK_MESSAGES = os.environ.get("L3D_CHECK_MESSAGES", "0") == "1"
 Span = Callable[[str, int, int], contextlib.AbstractContextManager]
 
 
+class _Batch:
+    """The works of one posted batch, waited for once: on gloo a second ``wait`` of a receive (or send) waits for
+    another completion of the same buffer, which never comes. Several messages of a round share one batch."""
+
+    __slots__ = ("works", "tensors", "done")
+
+    def __init__(self, works: list[dist.Work], tensors: list[Tensor]) -> None:
+        self.works, self.tensors, self.done = works, tensors, False
+
+    def wait(self) -> None:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done = True
+
+    def completed(self) -> bool:
+        return self.done or all(work.is_completed() for work in self.works)
+
+
 class StepExchange:
     """This rank's sends and receives; the shapes it learned persist across steps, the rest is per step (``begin``)."""
 
@@ -47,9 +66,9 @@ class StepExchange:
         # Both ends of a gradient message must agree on its key, including whether the sender is draining.
         self._epilogue = {(a.stage, a.microbatch): a.epilogue for order in orders for a in order if a.kind == "B"}
         self.out_metas: dict[tuple[int, int], list[TensorMeta]] = {}  # what this rank's forwards produced
-        self._posted: dict[Message, tuple[list[dist.Work], list[Tensor]]] = {}
+        self._posted: dict[Message, tuple[_Batch, list[Tensor]]] = {}
         self._outgoing: list[tuple[int, Tensor]] = []
-        self._pending: list[tuple[list[dist.Work], list[Tensor]]] = []  # sends in flight, with their tensors
+        self._pending: list[_Batch] = []  # sends in flight, with their tensors
 
     # ----- sending ---------------------------------------------------------------------------------------
     def send_activations(self, stage: int, m: int, outputs: list[Tensor]) -> None:
@@ -61,7 +80,7 @@ class StepExchange:
         known = self._announced.get(key)
         if known is None:
             self._announced[key] = metas
-            self._pending.append(([self.channels.send_header(dst, metas)], []))
+            self._pending.append(_Batch([self.channels.send_header(dst, metas)], []))
         elif known != metas:
             raise RuntimeError(
                 f"Stage {stage} produced outputs {metas} for micro-batch {m}, but an earlier micro-batch with the same"
@@ -77,7 +96,7 @@ class StepExchange:
             parts = self.codec.encode(grad, self._key(stage, m, index))
             message = _pack(parts)
             if CHECK_MESSAGES:
-                self._pending.append(([self.channels.send_header(dst, [(tuple(message.shape), message.dtype)])], []))
+                self._pending.append(_Batch([self.channels.send_header(dst, [(tuple(message.shape), message.dtype)])], []))
             self._outgoing.append((dst, message))
             sent.append(parts)
         return sent
@@ -107,14 +126,13 @@ class StepExchange:
                 recvs.append((src, buffer))
                 views += parts
             expected.append((message, views))
-        sends = [t for _, t in self._outgoing]
-        works = self.channels.exchange(self._outgoing, recvs)
+        batch = _Batch(self.channels.exchange(self._outgoing, recvs), [t for _, t in self._outgoing])
         self._outgoing = []
         for message, tensors in expected:
-            self._posted[message] = (works, tensors)
-        if sends:
-            self._pending.append((works, sends))
-        self._pending = [(w, t) for w, t in self._pending if not all(x.is_completed() for x in w)]
+            self._posted[message] = (batch, tensors)
+        if batch.tensors:
+            self._pending.append(batch)
+        self._pending = [b for b in self._pending if not b.completed()]
 
     def _in_metas(self, src: int, sender_stage: int, m: int) -> list[TensorMeta]:
         """Shapes of an incoming activation: known from the micro-batch's signature, or read from the sender's header
@@ -127,10 +145,9 @@ class StepExchange:
     # ----- receiving -------------------------------------------------------------------------------------
     def take(self, kind: str, sender_stage: int, m: int, span: Span) -> list[Tensor]:
         """The tensors of a received message (gradients decoded), waiting for its batch."""
-        works, tensors = self._posted.pop((kind, sender_stage, m))
+        batch, tensors = self._posted.pop((kind, sender_stage, m))
         with span("wait", sender_stage + (1 if kind == "F" else -1), m):
-            for work in works:
-                work.wait()
+            batch.wait()
         if kind == "F":
             return tensors
         grads, pos = [], 0
@@ -143,9 +160,8 @@ class StepExchange:
 
     def finish(self) -> None:
         """Wait for every send of the step."""
-        for works, _ in self._pending:
-            for work in works:
-                work.wait()
+        for batch in self._pending:
+            batch.wait()
         self._pending.clear()
         if self._posted:
             raise RuntimeError(f"pipeline rank {self.channels.pp_rank}: messages {sorted(self._posted)} were received but never used")
