@@ -2,7 +2,7 @@
 
 ``lockstep_rounds`` is checked on every registered schedule and micro-batch count: both ends of every message post
 it in the same round, before the round in which it is used, and a rank's actions keep their order. The scenario
-``tests/scenarios/transport.py`` runs the runtime on two processes and checks what only a run shows: the transport
+``tests/scenarios/transport.py`` runs the runtime on three processes and checks what only a run shows: the transport
 creates one process group per pipeline, neighbours issue mirrored sequences of batches, and the results equal one process's.
 """
 
@@ -70,15 +70,16 @@ def test_rounds_reject_a_deadlocking_order() -> None:
 
 
 def test_transport_creates_one_group_per_pipeline_and_neighbours_issue_mirrored_batches(tmp_path: Path) -> None:
-    """Two processes, gloo. Fails on the transport it replaced: there every rank created one group per (kind,
-    direction) of every pipeline (``transport_calls`` 4 at pp = 2 with two stages per rank, 2·dp·tp·pp in general;
-    now dp·tp, of which a rank joins one), and in 1F1B with
-    three micro-batches rank 0 posted its receive of gradient 1 before its send of activation 2 while rank 1 posted
-    its receive of activation 2 before its send of gradient 1: on one stream each waits for the other."""
-    report = run_scenario(2, "transport", [], tmp_path / "report.json", timeout=600)
+    """Three processes (pp = 3), gloo. Fails on the transport it replaced: there every rank created one group per
+    (kind, direction) of every pipeline (``transport_calls`` 6 here, with two stages per rank; 2·dp·tp·pp in general),
+    and in 1F1B with three micro-batches a rank posted its receive of gradient 1 before its send of activation 2
+    while its neighbour posted its receive of activation 2 before its send of gradient 1: on one stream each waits
+    for the other. At pp = 3 the middle rank receives from both neighbours in one round (one batch, waited once)."""
+    report = run_scenario(3, "transport", [], tmp_path / "report.json", timeout=600)
     for rank in report["ranks"]:
-        # One group per pipeline (dp·tp = 1 here); the old transport made one per (kind, direction) of each pipeline.
+        # One group per pipeline (dp·tp = 1 here), of which the rank is a member.
         assert rank["transport_calls"] == 1 and rank["transport_member"] == 1, rank
         assert [r["exact"] for r in rank["results"]] == [True] * 4, rank["results"]
-    assert report["pairs"] == [{"pair": [0, 1], "batches": report["pairs"][0]["batches"], "data": True, "headers": True}]
-    assert report["pairs"][0]["batches"] > 10
+    assert [p["pair"] for p in report["pairs"]] == [[0, 1], [1, 2], [2, 0]]
+    assert all(p["data"] and p["headers"] for p in report["pairs"]), report["pairs"]
+    assert min(p["batches"] for p in report["pairs"][:2]) > 10  # the adjacent ranks exchanged every step's messages
