@@ -10,8 +10,9 @@ stages (two tensors cross each boundary: activations and an integer index) witho
 - a single-process reference (every rank computes the whole model) the gradients and losses must equal.
 
 Steps: 1F1B with 3 micro-batches (where one rank's next receive and its neighbour's next send cross), GPipe with
-micro-batches of two shapes (shape headers), an interleaved schedule whose gradients travel through a codec that
-splits each into two parts (posted ahead like any message), and a forward-only step. ``--extra cb`` instead runs
+micro-batches of two shapes (shape headers), an interleaved schedule with 2·pp micro-batches whose gradients travel
+through a codec that splits each into two parts (posted ahead like any message; at pp = 3 the middle rank receives
+from both neighbours in one round, so two messages share a batch), and a forward-only step. ``--extra cb`` instead runs
 the strategy with compressed backpropagation at (1, 2, 1). ``L3D_TEST_DEVICE=cuda`` runs it on GPUs with NCCL.
 """
 
@@ -182,7 +183,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(7)
     results = []
     for schedule, v, sizes, codec, train in (("1f1b", 1, [2, 2, 2], None, True), ("gpipe", 1, [2, 3], None, True),
-                                             ("interleaved_1f1b", 2, [2] * pp, SplitCodec(), True),
+                                             ("interleaved_1f1b", 2, [2] * (2 * pp), SplitCodec(), True),
                                              ("1f1b", 1, [3, 1, 3], None, False)):
         num_stages = pp * v
         stages = [Stage(s, s == num_stages - 1).to(device) for s in range(num_stages)]
