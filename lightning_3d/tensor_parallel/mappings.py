@@ -24,6 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+# The single-tensor collectives under their newer names where torch has them (the old ones warn as deprecated).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -64,7 +68,7 @@ def _all_gather_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """(b, s/tp, ...) chunks -> (b, s, ...), rank order along the sequence."""
     world = dist.get_world_size(group)
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # the collective concatenates along dim 0
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_single(out, x.contiguous(), group=group)
     # (tp, b, s/tp, ...) -> (b, tp, s/tp, ...) -> (b, s, ...): one copy.
     return out.unflatten(0, (world, x.shape[0])).transpose(0, 1).reshape(x.shape[0], world * x.shape[1], *x.shape[2:])
 
@@ -78,7 +82,7 @@ def _reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     # (b, s, ...) -> (tp, b, s/tp, ...) flattened to (tp * b, s/tp, ...): rank r's chunk is the r-th block of dim 0.
     chunks = x.reshape(b, world, s // world, *x.shape[2:]).transpose(0, 1).reshape(world * b, s // world, *x.shape[2:])
     out = x.new_empty(chunks.shape[0] // world, *chunks.shape[1:])
-    dist.reduce_scatter_tensor(out, chunks, group=group)
+    _reduce_scatter_single(out, chunks, group=group)
     return out
 
 
