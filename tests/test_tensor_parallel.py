@@ -1,4 +1,5 @@
-"""Tensor parallelism on local tensors: the f/g operators and the layers against their definition (world 2)."""
+"""Tensor parallelism on local tensors: the f/g operators and the layers against their definition, and the GPT stage
+against torch's DTensor plan (world 2)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,8 @@ def test_operators_and_layers_match_their_definition(tmp_path: Path) -> None:
                 assert layers[key] <= layers["mlp_tolerance"], (where, key, layers)
             for key in ("qkv_grads_are_shard0_dtensors", "norm_grad_placement", "weights_placements"):
                 assert layers[key], (where, key)
+        gpt = result["gpt"]
+        for sp in (False, True):
+            assert gpt[f"sp{sp}_loss"] <= gpt["tolerance"] and gpt[f"sp{sp}_grads"] <= gpt["tolerance"], (rank, gpt)
+            assert gpt[f"sp{sp}_selected"], (rank, gpt)
+        assert "'fast'" in gpt["bad_value_error"] and "L3D_TP_IMPLEMENTATION" in gpt["bad_value_error"], gpt

@@ -5,7 +5,8 @@ rank's inputs (each rank draws all ranks' tensors from shared seeds; a sum of tw
 order). The fused q/k/v projection and a column -> row MLP are compared with the same layers unsharded in this
 process, within the summation-order tolerance of tests/tolerance.py, forward and backward, with and without sequence
 parallelism; gradients must land in the DTensor parameters' ``.grad`` with the parameters' placements (``Partial``
-for replicated parameters that saw only this rank's tokens).
+for replicated parameters that saw only this rank's tokens). A two-block GPT stage under the local layers equals it
+under torch's DTensor plan, and ``L3D_TP_IMPLEMENTATION`` selects the plan.
 """
 
 from __future__ import annotations
@@ -140,12 +141,80 @@ def check_layers(rank: int, world: int, sequence_parallel: bool) -> dict[str, fl
     return result
 
 
+def gpt_stage(implementation: str | None, mesh, sequence_parallel: bool):
+    from lightning_3d.recipes.gpt.config import preset
+    from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
+    from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
+    from lightning_3d.strategies.stage_builder import replicate_plain_parameters
+    from lightning_3d.utils.tensors import materialize_
+
+    # No key bias (the default): its exact gradient is zero, so both plans would only compare rounding noise.
+    config = preset("tiny", vocab_size=50, seq_length=8, num_layers=2, hidden_size=16, num_heads=4, dropout=0.0)
+    with torch.device("meta"):
+        model = GPTModel(config, config.padded_vocab_size(mesh.size()))
+    stage = GPTStage(model, range(2), first=True, last=True)
+    parallelize_gpt(stage, mesh, sequence_parallel, implementation=implementation)
+    replicate_plain_parameters(stage, mesh)
+    materialize_(model, torch.device("cpu"))
+    model.init_weights(7)
+    mask = torch.zeros(model.head.out_features)
+    mask[config.vocab_size:] = float("-inf")
+    copy_full_into(model.head.padding_mask, mask)
+    return config, stage
+
+
+def check_gpt_plans(world: int) -> dict[str, float | bool | str]:
+    """The GPT stage under the local layers equals it under torch's DTensor plan (loss and every gradient)."""
+    import os
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_3d.recipes.training import summed_token_cross_entropy
+    from lightning_3d.tensor_parallel import ColumnParallelLinear
+    from tests.tolerance import gpt_tolerance
+
+    mesh = init_device_mesh("cpu", (world,))
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    microbatch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    # Two summation orders of the forward chain (gpt_tolerance) and, for the gradients, of the backward chain through
+    # the same reductions again: twice as many; the widest reduction is the MLP's 64 (and the padded vocabulary's 64).
+    result: dict[str, float | bool | str] = {"tolerance": 2 * gpt_tolerance(2, 64)}
+    for sp in (False, True):
+        runs = {}
+        for implementation in ("local", "dtensor"):
+            os.environ["L3D_TP_IMPLEMENTATION"] = implementation  # the environment's choice, with no argument
+            _, stage = gpt_stage(None, mesh, sp)
+            with loss_parallel():
+                loss = summed_token_cross_entropy(stage(microbatch=microbatch), microbatch["labels"])
+                loss.backward()
+            grads = {}
+            for name, p in stage.named_parameters():
+                g = p.grad.redistribute(p.device_mesh, p.placements)  # Partial (norms under SP) -> Replicate
+                grads[name] = g.full_tensor()
+            runs[implementation] = (loss.detach(), grads, isinstance(stage.layers["0"].attn.q, ColumnParallelLinear))
+        (loss_l, grads_l, local_l), (loss_d, grads_d, local_d) = runs["local"], runs["dtensor"]
+        result[f"sp{sp}_loss"] = abs(loss_l - loss_d).item() / abs(loss_d).item()
+        errors = {n: scaled_error(grads_l[n], grads_d[n]) for n in grads_d}
+        result[f"sp{sp}_grads"] = max(errors.values())
+        result[f"sp{sp}_worst"] = max(errors, key=errors.get)
+        result[f"sp{sp}_selected"] = local_l and not local_d
+    os.environ["L3D_TP_IMPLEMENTATION"] = "fast"
+    try:
+        gpt_stage(None, mesh, False)
+        result["bad_value_error"] = ""
+    except ValueError as e:
+        result["bad_value_error"] = str(e)
+    del os.environ["L3D_TP_IMPLEMENTATION"]
+    return result
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {"mappings": check_mappings(rank, world),
-              "layers": {str(sp): check_layers(rank, world, sp) for sp in (False, True)}}
+              "layers": {str(sp): check_layers(rank, world, sp) for sp in (False, True)},
+              "gpt": check_gpt_plans(world)}
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
     write_report(args.report, {"ranks": gathered})

@@ -8,6 +8,8 @@ benchmarks/tp_host_time.py.
 
 from __future__ import annotations
 
+import os
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -84,19 +86,23 @@ class _VocabParallelHead(LMHead):
 
 
 def parallelize_gpt(
-    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, implementation: str = "local"
+    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, implementation: str | None = None
 ) -> None:
     """Megatron column/row sharding of attention and MLP, vocab-parallel embedding and output projection, on local
     tensors with explicit collectives; q, k and v run as one GEMM. ``implementation="dtensor"``: torch's DTensor
-    modules instead (same sharding, same results; slower on the host, kept for benchmarks/tp_host_time.py).
+    modules instead (same sharding, same results; slower on the host, kept for benchmarks/tp_host_time.py); None:
+    the environment variable ``L3D_TP_IMPLEMENTATION`` if set (to compare both in a GPU benchmark run), else "local".
 
     The output projection hands its logits on as a DTensor sharded over the vocabulary, consumed by torch's
     ``loss_parallel`` cross-entropy: no rank ever holds the full vocabulary of logits. With ``sequence_parallel`` the
     residual stream between blocks (and the pipeline boundary) is sharded over the sequence: LayerNorms run on 1/tp
     of the tokens and the all-reduces become all-gathers and reduce-scatters.
     """
+    if implementation is None:
+        implementation = os.environ.get("L3D_TP_IMPLEMENTATION", "local")
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}.")
+        raise ValueError(f"Tensor-parallel implementation {implementation!r} (argument or L3D_TP_IMPLEMENTATION) is"
+                         f" not one of {IMPLEMENTATIONS}: use 'local' (the default) or 'dtensor'.")
     if implementation == "dtensor":
         _parallelize_gpt_dtensor(module, tp_mesh, sequence_parallel)
         return
