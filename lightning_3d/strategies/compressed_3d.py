@@ -86,6 +86,10 @@ class Compressed3DStrategy(ParallelStrategy):
         timeout: of every process group the strategy creates (the default group, the device mesh, the pipeline
             channels, the tied-embedding and model-parallel groups): a rank that stops answering fails the others
             after this long.
+        shard_optimizer_state: each data-parallel replica keeps and updates only its 1/dp of the optimizer state (and
+            of the fp32 master weights under bf16-true): gradients are reduce-scattered instead of all-reduced and the
+            parameters all-gathered after the step (ZeRO-1, Megatron-LM's distributed optimizer). For one element-wise
+            torch optimizer (AdamW, Adam, SGD); does nothing with data_parallel_size=1. docs/sharded_optimizer.md.
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
@@ -128,6 +132,7 @@ class Compressed3DStrategy(ParallelStrategy):
         on_nonfinite: Literal["skip", "raise", "ignore"] = "skip",
         max_consecutive_nonfinite: int = 10,
         stage_activation_checkpointing: Sequence[bool] | None = None,
+        shard_optimizer_state: bool = False,
     ) -> None:
         # Every check here runs on every rank before any process group exists.
         options = resolve_options(
@@ -137,6 +142,7 @@ class Compressed3DStrategy(ParallelStrategy):
             stage_activation_checkpointing=stage_activation_checkpointing, bucket_size_mb=bucket_size_mb,
             gradient_accumulation_fusion=gradient_accumulation_fusion, on_nonfinite=on_nonfinite,
             max_consecutive_nonfinite=max_consecutive_nonfinite, checkpoint_io=checkpoint_io,
+            shard_optimizer_state=shard_optimizer_state,
         )
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.compression = CompressionConfig(
@@ -267,6 +273,7 @@ class Compressed3DStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
+            self.engine.shard_optimizer_state(self.optimizers, module)
             self.engine.setup_selective_compression(trainer)
         self.setup_precision_plugin()
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
@@ -355,9 +362,9 @@ class Compressed3DStrategy(ParallelStrategy):
                                        on_step=True, on_epoch=False, sync_dist=False)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.on_nonfinite != "ignore":
-            closure = functools.partial(self.engine.guarded_closure, optimizer, closure, self.lightning_module.trainer)
+        closure = functools.partial(self.engine.step_closure, optimizer, closure, self.lightning_module.trainer)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.engine.after_optimizer_step()
         self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
         return output
 
