@@ -1,0 +1,54 @@
+"""Sharded optimizer state (``shard_optimizer_state=True``, docs/sharded_optimizer.md).
+
+The distributed checks run in one group of 4 processes (tests/scenarios/sharded_optimizer.py). Tolerances: fp32
+losses and final parameters within 1e-5 relative of the single-process reference, as for every layout
+(tests/test_distributed.py; the reference's Adam eps is explained in tests/scenarios/common.py): sharding changes
+only the order in which the squared gradient norm is summed, and where each element's (element-wise) update runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.strategies.sharded_optimizer import owned_elements, shard_size
+from tests.launch import run_scenario
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("numel, dp", [(1, 2), (7, 2), (8, 4), (10, 4), (3, 4), (1000003, 8)])
+def test_every_element_has_exactly_one_owner(numel: int, dp: int) -> None:
+    owned = [owned_elements(numel, dp, r) for r in range(dp)]
+    assert sum(owned) == numel
+    assert all(0 <= n <= shard_size(numel, dp) for n in owned)
+    assert shard_size(numel, dp) * dp - numel < dp  # the padding of one bucket is under dp elements
+
+
+def test_option_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"`shard_optimizer_state='yes'` must be True or False"):
+        Compressed3DStrategy(shard_optimizer_state="yes")
+    assert Compressed3DStrategy(shard_optimizer_state=True).options.shard_optimizer_state is True
+
+
+def test_sharded_optimizer_state_trains_like_one_process_and_checkpoints_reshard(tmp_path: Path) -> None:
+    report = run_scenario(4, "sharded_optimizer", ["--world", "4"], tmp_path / "report.json", timeout=900)
+    layouts = report["layouts"]
+    assert [tuple(r["layout"]) for r in layouts] == [(2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    for r in layouts:
+        assert r["loss_err"] <= TOLERANCE and r["param_err"] <= TOLERANCE, r
+        # Each rank's two AdamW moments are exactly its ranges of the units (the shard sizes), the replicas' shares
+        # add up to the unsharded state, and a share is 1/dp of it up to the padding (under dp elements a unit).
+        assert r["bytes_off"] == 0.0 and r["beyond_padding"] <= 0.0, r
+        assert r["fraction"] <= 1 / r["layout"][0] + 1e-3, r
+    assert layouts[0]["units"] > 3  # small buckets: parameters are cut between the replicas' ranges
+    sc = report["selective"]  # SC on stage 0: sharded equals unsharded with the same compression
+    assert sc["compressed"] == 1.0 and sc["loss_err"] <= TOLERANCE and sc["param_err"] <= TOLERANCE, sc
+    assert "pass Compressed3DStrategy(shard_optimizer_state=True)" in report["zero_redundancy"]
+    assert "ZeroRedundancyOptimizer" in report["zero_redundancy"]
+    ckpt = report["checkpoints"]
+    assert ckpt["exact"]["losses"] == ckpt["straight"] and ckpt["exact"]["max_param_diff"] == 0.0, ckpt["exact"]
+    for name in ("dp4", "unsharded"):  # another summation order: fp32 rounding of the same training
+        assert ckpt[name]["loss_err"] <= TOLERANCE and ckpt[name]["param_err"] <= TOLERANCE, (name, ckpt[name])
