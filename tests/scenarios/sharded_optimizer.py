@@ -5,6 +5,7 @@
 - With SC on stage 0 (FE off, so stage 1's tied head stays in a bucket that is all-reduced and sliced), sharded
   equals unsharded training with the same compression.
 - A sharded checkpoint resumes bitwise; it also resumes at dp=4 (sharded) and unsharded, like the straight run.
+- Under bf16-true the optimizer steps fp32 master pieces, and the replicas end every step with the same model.
 - ``ZeroRedundancyOptimizer`` is refused with a message that names the option.
 """
 
@@ -119,6 +120,24 @@ def checkpoints(workdir: Path) -> dict:
     return report
 
 
+def bf16_master_weights() -> dict:
+    """bf16-true at (2,2,1), 2 steps: the optimizer steps fp32 masters of bf16 parameters; after the all-gather every
+    parameter is its master rounded to bf16 on the replica that owns it, and the replicas hold the same model."""
+    model = make_model()
+    s = strategy(2, 2, 1, 4)
+    trainer(s, 2, precision="bf16-true").fit(model, datamodule=TestData(16))
+    pieces = s.engine.sharded.pieces
+    fp32_masters = all(pc.main.dtype == torch.float32 and pc.param.dtype == torch.bfloat16 for pc in pieces)
+    rounded = max((local(pc.param).detach().reshape(-1)[pc.start : pc.end].float() - pc.main.bfloat16().float())
+                  .abs().max().item() for pc in pieces)
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    low, high = flat.clone(), flat.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=s.groups.dp_group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=s.groups.dp_group)
+    return {"fp32_masters": all_max(0.0 if fp32_masters else 1.0) == 0.0, "master_rounding_off": all_max(rounded),
+            "replicas_differ": all_max((high - low).abs().max().item())}
+
+
 def zero_redundancy_refused() -> str:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -141,6 +160,7 @@ def main() -> None:
         write_report(args.report, report)
     report["zero_redundancy"] = zero_redundancy_refused()
     report["selective"] = with_selective_compression()
+    report["bf16"] = bf16_master_weights()
     write_report(args.report, report)
     report["checkpoints"] = checkpoints(workdir)
     write_report(args.report, report)
