@@ -5,7 +5,9 @@ multi-dimensional mesh, (b) pipeline stages must reduce only after their *last* 
 (c) selective stage compression and fused embedding synchronisation need to choose per bucket and per
 parameter what travels. Buckets follow DDP's idea: gradients in reverse registration order, launched as
 soon as every gradient of a bucket is final and all earlier buckets have launched (the same order on
-every replica), overlapping the rest of the backward.
+every replica), overlapping the rest of the backward. With sharded optimizer state, the buckets the sharded
+optimizer names (``scatter``) are reduce-scattered instead: each replica receives the average of its own range
+(``take_shards``; docs/sharded_optimizer.md).
 """
 
 from __future__ import annotations

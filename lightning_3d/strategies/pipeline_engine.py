@@ -6,10 +6,11 @@ finish the data-parallel all-reduce, sums the tied embedding gradients (FE: with
 stashes the gradients out of reach of Lightning's ``zero_grad`` until ``hand_back_gradients`` (Lightning's
 ``backward``), and reports the step's global mean loss on every rank. For every module, pipelined or plain, it
 guards the optimizer step against non-finite losses and gradients (one verdict for the world) and clips by the
-global norm over all stages, shards and replicas. It also prepares the module for that: ``prepare_pipeline`` turns
-a protocol module into this rank's stages (``stage_builder``), fuses their ``nn.Linear`` gradient accumulation, builds
-the ``PipelineRuntime`` (with CB's codec from ``CompressionState``) and the data-parallel ``GradientSynchronizer``;
-``prepare_plain`` does the data-parallel part for a plain module. It is built once per strategy (the non-finite
+global norm over all stages, shards and replicas; with ``shard_optimizer_state`` the optimizer steps on this replica's
+pieces (``ShardedOptimizer``, docs/sharded_optimizer.md). It also prepares the module for that: ``prepare_pipeline``
+turns a protocol module into this rank's stages (``stage_builder``), fuses their ``nn.Linear`` gradient accumulation,
+builds the ``PipelineRuntime`` (with CB's codec from ``CompressionState``) and the data-parallel
+``GradientSynchronizer``; ``prepare_plain`` does the data-parallel part for a plain module. It is built once per strategy (the non-finite
 streak spans its runs) and ``release`` forgets the module. See docs/architecture.md (One training step).
 """
 
@@ -36,7 +37,7 @@ from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_no
 from lightning_3d.strategies.options import PipelineOptions
 from lightning_3d.strategies.process_groups import ProcessGroups
 from lightning_3d.strategies.protocol import missing_protocol_methods
-from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer
+from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer, units_of
 from lightning_3d.strategies.stage_builder import (
     broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
     tied_copies,
@@ -290,19 +291,15 @@ class PipelineEngine:
                 " put all parameters into one optimizer (param groups may differ), or pass shard_optimizer_state=False."
             )
         optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-        bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
-        # Units: the synchronizer's buckets (reduce-scattered), then each optimized parameter it does not bucket (FE's
-        # tied weights, frozen ones), whose complete gradient is sliced.
-        units = [b.params for b in self.grad_sync.buckets]
-        units += [[p] for group in optimizer.param_groups for p in group["params"] if id(p) not in bucketed]
         tied_skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
-        self.sharded = ShardedOptimizer(optimizer, units, {id(p): n for n, p in module.named_parameters()},
-                                        g.dp_group, g.dims.dp, g.dp_rank, g.tp_rank, tied_skip)
+        self.sharded = ShardedOptimizer(optimizer, units_of(optimizer, [b.params for b in self.grad_sync.buckets]),
+                                        {id(p): n for n, p in module.named_parameters()}, g.dp_group, g.dims.dp,
+                                        g.dp_rank, g.tp_rank, tied_skip)
         self.grad_sync.scatter = self.sharded.scatter_keys(full={id(p) for p in self.tied})
 
     def step_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer) -> Any:
-        """The closure the optimizer's step runs: Lightning's (forward, backward, gradient sync), then the sharded
-        optimizer's gradients (if sharded), then the non-finite check (unless ``on_nonfinite="ignore"``)."""
+        """Lightning's closure (forward, backward, gradient sync), the sharded optimizer's gradients, then the
+        non-finite check (unless ``on_nonfinite="ignore"``)."""
         if self.options.on_nonfinite != "ignore":
             return self.guarded_closure(optimizer, closure, trainer)
         loss = closure()

@@ -71,6 +71,13 @@ class Unit:
         return tuple(id(p) for p in self.params)
 
 
+def units_of(optimizer: Optimizer, buckets: Sequence[Sequence[nn.Parameter]]) -> list[list[nn.Parameter]]:
+    """The units of sharding: the synchronizer's buckets (reduce-scattered), then each optimized parameter it does not
+    bucket (FE's tied weights, frozen ones), whose complete gradient is sliced."""
+    bucketed = {id(p) for params in buckets for p in params}
+    return [list(b) for b in buckets] + [[p] for g in optimizer.param_groups for p in g["params"] if id(p) not in bucketed]
+
+
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
