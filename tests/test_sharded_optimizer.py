@@ -43,6 +43,8 @@ def test_sharded_optimizer_state_trains_like_one_process_and_checkpoints_reshard
         # add up to the unsharded state, and a share is 1/dp of it up to the padding (under dp elements a unit).
         assert r["bytes_off"] == 0.0 and r["beyond_padding"] <= 0.0, r
         assert r["fraction"] <= 1 / r["layout"][0] + 1e-3, r
+        # A checkpoint save holds each parameter's state on one replica: a share, give or take one parameter.
+        assert r["save_beyond_share"] <= 0.0, r
     assert layouts[0]["units"] > 3  # small buckets: parameters are cut between the replicas' ranges
     sc = report["selective"]  # SC on stage 0: sharded equals unsharded with the same compression
     assert sc["compressed"] == 1.0 and sc["loss_err"] <= TOLERANCE and sc["param_err"] <= TOLERANCE, sc

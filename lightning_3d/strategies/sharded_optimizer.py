@@ -11,8 +11,8 @@ decay) and so the LR schedulers stay the user's. This is why only element-wise o
 not sharded correctly.
 
 Checkpoints keep the unsharded format (``state.<fqn>.<key>`` and ``param_groups.<fqn>.<key>``, DTensor-sharded over
-tensor ranks, as ``get_optimizer_state_dict`` writes): a save gathers each bucket's state over the replicas, a load
-slices this rank's pieces out. Any layout, sharded or not, loads any other. See docs/sharded_optimizer.md.
+tensor ranks, as ``get_optimizer_state_dict`` writes): a save gathers each bucket's state over the replicas and each
+replica writes the parameters that start in its range; a load reads the parameters it has pieces of and slices them. Any layout, sharded or not, loads any other. See docs/sharded_optimizer.md.
 """
 
 from __future__ import annotations
@@ -255,11 +255,15 @@ class ShardedOptimizer:
         return out
 
     def flat_state_dict(self) -> dict[str, Any]:
-        """The optimizer state as ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` writes it for an
-        unsharded optimizer: each bucket's state is all-gathered over the replicas (a collective on every rank)."""
+        """The optimizer state in the keys and shapes ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``
+        gives an unsharded optimizer, each parameter's entries on one replica only (each unit's state is all-gathered,
+        one unit at a time, and only this replica's parameters are kept): parameters go to replicas by where they start
+        in all units laid end to end, cut into dp equal parts, so a replica holds 1/dp of the state, give or take one
+        parameter, while DCP writes it. A collective on every rank."""
         kinds = self._state_kinds()
         scalars = self._scalars()
         out: dict[str, Any] = {}
+        total, start = max(1, sum(u.numel for u in self.units)), 0
         for unit in self.units:
             gathered = {}
             for name, (kind, dtype) in kinds.items():
@@ -277,31 +281,31 @@ class ShardedOptimizer:
             for p in unit.params:
                 n = local(p).numel()
                 fqn = self.fqns.get(id(p))
-                if id(p) in self.group_of and fqn in scalars:
+                if id(p) in self.group_of and fqn in scalars and (start + offset) * self.dp_size // total == self.dp_rank:
                     for name, (kind, dtype) in kinds.items():
-                        if kind == "element":
-                            out[f"state.{fqn}.{name}"] = _like(p, gathered[name][offset : offset + n].view(local(p).shape))
+                        if kind == "element":  # a copy: the unit's gathered buffer is freed after this loop
+                            value = gathered[name][offset : offset + n].view(local(p).shape).clone()
+                            out[f"state.{fqn}.{name}"] = _like(p, value)
                         elif name in scalars[fqn]:
                             out[f"state.{fqn}.{name}"] = torch.tensor(scalars[fqn][name], dtype=dtype)
                 offset += n
+            start += unit.numel
         out.update(self._groups())
         return out
 
     def template(self) -> dict[str, Any]:
-        """What a load reads into: the keys of ``flat_state_dict`` with tensors of the right shapes (the optimizer's
-        state is first created by a step that changes nothing, as ``get_optimizer_state_dict`` does for a fresh one)."""
+        """What a load reads into: the state entries of the parameters this replica has pieces of, with tensors of
+        the right shapes (the optimizer's state is first created by a step that changes nothing, as
+        ``get_optimizer_state_dict`` does for a fresh optimizer), and every parameter's param-group options."""
         if not any(self.optimizer.state.get(piece.main) for piece in self.pieces):
             self._init_state()
         kinds = self._state_kinds()
         out: dict[str, Any] = {}
-        for unit in self.units:
-            for p in unit.params:
-                if id(p) not in self.group_of:
-                    continue
-                fqn = self.fqns[id(p)]
-                for name, (kind, dtype) in kinds.items():
-                    out[f"state.{fqn}.{name}"] = (_like(p, torch.zeros(local(p).shape, dtype=dtype, device=local(p).device))
-                                                  if kind == "element" else torch.zeros((), dtype=dtype))
+        for p in dict.fromkeys(piece.param for piece in self.pieces):
+            fqn = self.fqns[id(p)]
+            for name, (kind, dtype) in kinds.items():
+                out[f"state.{fqn}.{name}"] = (_like(p, torch.zeros(local(p).shape, dtype=dtype, device=local(p).device))
+                                              if kind == "element" else torch.zeros((), dtype=dtype))
         out.update(self._groups())
         return out
 

@@ -46,9 +46,17 @@ def state_bytes(s: Compressed3DStrategy, model) -> dict:
     unsharded = 8 * sum(local(p).numel() for p in model.parameters())
     total = torch.tensor(float(sharded.state_bytes()), dtype=torch.float64)
     dist.all_reduce(total, group=s.groups.dp_group)  # the replicas' shares add up to the unsharded state
-    off = abs(sharded.state_bytes() - expected) + abs(total.item() - unsharded)
+    # What a checkpoint save holds on this replica: the state of the parameters that start in its ranges, each
+    # parameter on exactly one replica.
+    saved = sum(local(v).numel() * local(v).element_size() for k, v in sharded.flat_state_dict().items()
+                if k.startswith("state.") and v.ndim > 0)
+    saved_total = torch.tensor(float(saved), dtype=torch.float64)
+    dist.all_reduce(saved_total, group=s.groups.dp_group)
+    off = abs(sharded.state_bytes() - expected) + abs(total.item() - unsharded) + abs(saved_total.item() - unsharded)
     padding = abs(sharded.state_bytes() - unsharded / dp) - 8 * (dp - 1) * len(sharded.units)
+    largest = 8 * max(local(p).numel() for p in model.parameters())
     return {"bytes_off": all_max(off), "beyond_padding": all_max(padding),
+            "save_beyond_share": all_max(saved - unsharded / dp - largest),
             "fraction": all_max(sharded.state_bytes() / unsharded), "units": len(sharded.units)}
 
 
