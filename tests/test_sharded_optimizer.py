@@ -48,6 +48,7 @@ def test_sharded_optimizer_state_trains_like_one_process_and_checkpoints_reshard
     assert layouts[0]["units"] > 3  # small buckets: parameters are cut between the replicas' ranges
     sc = report["selective"]  # SC on stage 0: sharded equals unsharded with the same compression
     assert sc["compressed"] == 1.0 and sc["loss_err"] <= TOLERANCE and sc["param_err"] <= TOLERANCE, sc
+    assert report["plain_param_err"] <= TOLERANCE
     assert report["bf16"] == {"fp32_masters": True, "master_rounding_off": 0.0, "replicas_differ": 0.0}, report["bf16"]
     assert "pass Compressed3DStrategy(shard_optimizer_state=True)" in report["zero_redundancy"]
     assert "ZeroRedundancyOptimizer" in report["zero_redundancy"]

@@ -5,6 +5,7 @@
 - With SC on stage 0 (FE off, so stage 1's tied head stays in a bucket that is all-reduced and sliced), sharded
   equals unsharded training with the same compression.
 - A sharded checkpoint resumes bitwise; it also resumes at dp=4 (sharded) and unsharded, like the straight run.
+- A plain LightningModule (SGD with momentum) at dp=4 trains like one process.
 - Under bf16-true the optimizer steps fp32 master pieces, and the replicas end every step with the same model.
 - ``ZeroRedundancyOptimizer`` is refused with a message that names the option.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
@@ -26,7 +28,7 @@ from lightning_3d.utils.tensors import local
 from tests.scenarios.common import (
     LossRecorder, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report,
 )
-from tests.scenarios.features import resumable_data
+from tests.scenarios.features import Regression, resumable_data
 
 STEPS = 6
 
@@ -146,6 +148,20 @@ def bf16_master_weights() -> dict:
             "replicas_differ": all_max((high - low).abs().max().item())}
 
 
+def plain_module() -> float:
+    """A plain LightningModule (no pipeline protocol) with SGD + momentum at dp=4, sharded, against one process."""
+    module = Regression()
+    trainer(Compressed3DStrategy(compression=False, shard_optimizer_state=True), 4).fit(module)
+    ref = Regression()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for t in range(4):
+        opt.zero_grad()
+        F.mse_loss(ref.net(ref.x[t * 16 : (t + 1) * 16]), ref.y[t * 16 : (t + 1) * 16]).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+    return all_max(max(((a - b).norm() / b.norm()).item() for a, b in zip(module.parameters(), ref.parameters())))
+
+
 def zero_redundancy_refused() -> str:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -167,6 +183,7 @@ def main() -> None:
         report["layouts"].append(layout(dp, pp, tp, m, **kw))
         write_report(args.report, report)
     report["zero_redundancy"] = zero_redundancy_refused()
+    report["plain_param_err"] = plain_module()
     report["selective"] = with_selective_compression()
     report["bf16"] = bf16_master_weights()
     write_report(args.report, report)
