@@ -175,6 +175,9 @@ def zero_redundancy_refused() -> str:
 
 def main() -> None:
     args = parse_args()
+    if args.extra == "222":  # the 8-process layout alone (tests/scenarios/layouts.py runs it in its world-8 group)
+        write_report(args.report, {"layouts": [layout(2, 2, 2, 4)]})
+        return
     workdir = args.report.with_suffix(".work")
     report: dict = {"layouts": []}
     # (2,1,2) with small buckets (many units, parameters cut between replicas' ranges), the others with the default
