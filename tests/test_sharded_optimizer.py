@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.strategies.sharded_optimizer import owned_elements, shard_size
+from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer, owned_elements, shard_size, units_of
 from tests.launch import run_scenario
 
 TOLERANCE = 1e-5
@@ -25,6 +26,43 @@ def test_every_element_has_exactly_one_owner(numel: int, dp: int) -> None:
     assert sum(owned) == numel
     assert all(0 <= n <= shard_size(numel, dp) for n in owned)
     assert shard_size(numel, dp) * dp - numel < dp  # the padding of one bucket is under dp elements
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pieces_cover_every_parameter_once_in_the_users_param_groups(dtype: torch.dtype) -> None:
+    """Two replicas' layouts of one bucket (a 3x5 weight, a 4-element bias) and one unbucketed parameter: every
+    element is in exactly one replica's pieces, fp32 pieces are views of their parameter (bf16 ones fp32 masters),
+    and the optimizer keeps its own param-group dicts, so an LR scheduler still drives them."""
+    torch.manual_seed(0)
+    w, b, e = (torch.nn.Parameter(torch.randn(*s).to(dtype)) for s in ((3, 5), (4,), (7,)))
+    covered = {id(p): torch.zeros(p.numel()) for p in (w, b, e)}
+    for rank in range(2):
+        opt = torch.optim.AdamW([{"params": [w, e]}, {"params": [b], "weight_decay": 0.0}], lr=1.0)
+        groups = list(opt.param_groups)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        sharded = ShardedOptimizer(opt, units_of(opt, [[w, b]]), {id(w): "w", id(b): "b", id(e): "e"}, None, 2, rank, 0)
+        assert [u.numel for u in sharded.units] == [19, 7] and opt.param_groups == groups
+        assert all(g is h for g, h in zip(opt.param_groups, groups))
+        for piece in sharded.pieces:
+            covered[id(piece.param)][piece.start : piece.end] += 1
+            assert piece.main.dtype == torch.float32
+            assert (piece.main.data_ptr() == piece.param.view(-1)[piece.start :].data_ptr()) == (dtype == torch.float32)
+            assert torch.equal(piece.main, piece.param.detach().view(-1)[piece.start : piece.end].float())
+        assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(
+            owned_elements(u.numel, 2, rank) for u in sharded.units)
+        opt.step()
+        sched.step()
+        assert [g["lr"] for g in opt.param_groups] == [0.5, 0.5]
+    assert all(torch.equal(c, torch.ones_like(c)) for c in covered.values())
+
+
+def test_a_used_optimizer_is_refused() -> None:
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([w])
+    w.grad = torch.ones(4)
+    opt.step()
+    with pytest.raises(RuntimeError, match="shard_optimizer_state=True needs a fresh optimizer, but AdamW already holds"):
+        ShardedOptimizer(opt, [[w]], {id(w): "w"}, None, 2, 0, 0)
 
 
 def test_option_must_be_a_bool() -> None:
