@@ -36,6 +36,8 @@ def run_scenario(world_size: int, name: str, args: list[str], report: Path, time
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
+        # each rank prints its threads' stacks into its log before the deadline (tests/scenarios/__init__.py)
+        "L3D_STACKS_AFTER_S": str(max(1.0, timeout - 10)),
     }
     procs = []
     for rank in range(world_size):
@@ -66,7 +68,7 @@ def run_scenario(world_size: int, name: str, args: list[str], report: Path, time
         failed = f"exit codes {codes}"
     if failed:
         logs = "\n".join(
-            f"----- rank {r} -----\n" + report.with_suffix(f".rank{r}.log").read_text()[-6000:] for r in range(world_size)
+            f"----- rank {r} -----\n" + report.with_suffix(f".rank{r}.log").read_text()[-12000:] for r in range(world_size)
         )
         raise AssertionError(f"scenario {name} {args} failed: {failed}\n{logs}")
     return json.loads(report.read_text())

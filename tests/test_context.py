@@ -9,6 +9,8 @@ the bounds derived there.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +150,36 @@ def test_ring_attention_and_cp_training_equal_one_process(tmp_path) -> None:
             assert sorted(case["attention"]) == sorted(expected + ["ring,zigzag,causal,bf16"])
             assert sorted(case["errors"]) == ["head_dim", "heads", "indivisible", "layout", "odd_local", "ulysses_odd"]
             assert sorted(case["training"]) == ["contiguous", "zigzag"]
+    if os.environ.get("L3D_TEST_DEVICE") == "cuda":
+        return  # the strategy's part runs on CPU only: CUDA's fp32 ring needs 64-token slices, the tiny GPT has 16
+    strategy = report["strategy"]
+    # Compressed3DStrategy(context_parallel_size=...) with pp, tp (and sequence parallelism), dp, cp 4 and Ulysses:
+    # every layout equal to one process (tests/test_distributed.py's fp32 tolerance), on a ("dp", "pp", "cp", "tp") mesh.
+    tolerance = 1e-5
+    runs = {(r["dp"], r["pp"], r["cp"], r["tp"], r.get("attention", "ring")): r for r in strategy["layouts"]}
+    assert sorted(runs) == [(1, 1, 2, 2, "ring"), (1, 1, 4, 1, "ring"), (1, 2, 2, 1, "ring"), (2, 1, 2, 1, "ring"),
+                            (2, 1, 2, 1, "ulysses")]
+    for key, run in runs.items():
+        assert run["mesh"] == ["dp", "pp", "cp", "tp"] and run["mesh_shape"] == list(key[:4]), run
+        assert run["loss_err"] <= tolerance and run["param_err"] <= tolerance, run
+    # shard_optimizer_state with cp: the optimizer state is split over all dp x cp = 4 replicas, still exact.
+    assert [r["optimizer_sharded_over"] for r in runs.values()] == [4 if r.get("shard") else 1 for r in runs.values()]
+    assert runs[2, 1, 2, 1, "ulysses"]["optimizer_sharded_over"] == 4
+    # A dp 2 x cp 2 checkpoint resumes at cp 1 and cp 4 with the straight run's third loss and parameters.
+    for name in ("dp4_cp1", "dp1_cp4"):
+        resumed = strategy["resume"][name]
+        assert resumed["loss_err"] <= tolerance and resumed["param_err"] <= tolerance, (name, resumed)
+    # SC over dp x cp compresses and keeps the cp replicas' parameters identical.
+    sc = strategy["selective"]
+    assert sc["compressing"] and sc["bytes_after"] < sc["bytes_before"] and sc["losses_finite"], sc
+    assert sc["replica_spread"] == 0.0, sc
+    # Bad values: one message each, the same on every rank (raised without communication).
+    errors = strategy["errors"]
+    assert strategy["errors_same_on_every_rank"]
+    assert "Sequence length 6 cannot be split over context_parallel_size=2" in errors["length"]
+    assert "multiple of 4" in errors["length"]
+    assert "sequence parallelism cannot split over tensor_parallel_size=4" in errors["sp_length"]
+    assert "Packed documents" in errors["packed"] and "context_parallel_size=1" in errors["packed"]
+    assert errors["dropout"].startswith("ValueError: dropout=0.1 with context_parallel_size=2")
+    assert "3 heads are not divisible by context_parallel_size=2" in errors["ulysses_heads"]
+    assert errors["plain_module"].startswith("TypeError: context_parallel_size=2 needs a module")

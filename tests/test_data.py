@@ -310,6 +310,9 @@ def test_data_parallel_replicas_disjoint_and_model_parallel_ranks_identical(tmp_
         dm.trainer = fake_trainer(2, dp_rank)
         loader = dm.train_dataloader()
         assert isinstance(loader, ResumableDataLoader) and len(loader) == 10
+        # Workers come from a fork server, never a fork of the (threaded) training process: see worker_options.
+        context = loader.multiprocessing_context
+        assert (context is None) if loader.num_workers == 0 else (context.get_start_method() == "forkserver")
         return [bytes(row).decode() for batch in loader for row in batch["input_ids"].tolist()]
 
     rank0, rank1 = docs_seen(0), docs_seen(1)

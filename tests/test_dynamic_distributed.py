@@ -19,7 +19,8 @@ def test_dynamic_microbatching_matches_single_process_training(world: int, tmp_p
     report = run_scenario(world, "dynamic", ["--world", str(world)], tmp_path / "report.json", timeout=900)
     results = report["results"]
     expected = {2: {(1, 2, 1, False), (1, 2, 1, True)},
-                4: {(2, 2, 1, False), (2, 1, 2, False), (1, 2, 2, False), (2, 2, 1, True)}}[world]
+                4: {(2, 2, 1, False), (2, 1, 2, False), (1, 2, 2, False), (2, 2, 1, True), (2, 1, 2, True),
+                    (1, 2, 2, True)}}[world]
     assert {(r["dp"], r["pp"], r["tp"], r.get("t5", False)) for r in results} == expected  # (dp, pp, tp, T5)
     for r in results:
         assert r["loss_err"] <= TOLERANCE and r["param_err"] <= TOLERANCE, r

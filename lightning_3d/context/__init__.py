@@ -7,6 +7,7 @@ Layer 2 (beside compression): it uses torch.distributed and ``utils.compat`` onl
 (dp, pp, tp) strategy: docs/context_parallel.md.
 """
 
+from lightning_3d.context.config import ATTENTIONS, ContextParallelConfig, context_parallel_config
 from lightning_3d.context.ring_attention import check_attention_shapes, check_ring_inputs, ring_attention
 from lightning_3d.context.sharding import (
     LAYOUTS,
@@ -22,6 +23,6 @@ from lightning_3d.context.sharding import (
 )
 from lightning_3d.context.ulysses import check_ulysses_heads, ulysses_attention
 
-__all__ = ["LAYOUTS", "causal_pairs", "check_attention_shapes", "check_layout", "check_ring_inputs",
+__all__ = ["ATTENTIONS", "ContextParallelConfig", "LAYOUTS", "context_parallel_config", "causal_pairs", "check_attention_shapes", "check_layout", "check_ring_inputs",
            "check_ulysses_heads", "gather_sequence", "num_chunks", "position_ids", "rank_chunks", "ring_attention",
            "shard_batch", "shard_sequence", "ulysses_attention", "unshard_sequence"]

@@ -30,9 +30,11 @@ from torch.optim import Optimizer
 from lightning_3d.compression.backprop import CompressedBackprop
 from lightning_3d.compression.config import CompressionConfig
 from lightning_3d.compression.selective import DataParallelPowerSGD
+from lightning_3d.context import context_parallel_config
 from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies import checkpoint as ckpt
+from lightning_3d.strategies.comm_metrics import log_job_communication
 from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
 from lightning_3d.strategies.options import resolve_options
@@ -86,6 +88,14 @@ class Compressed3DStrategy(ParallelStrategy):
         timeout: of every process group the strategy creates (the default group, the device mesh, the pipeline
             channels, the tied-embedding and model-parallel groups): a rank that stops answering fails the others
             after this long.
+        context_parallel_size: ranks sharing every sequence, each holding a slice of it (mesh ("dp", "pp", "cp",
+            "tp"); a module with ``enable_context_parallel``, e.g. the GPT recipe). ``context_parallel_layout``:
+            ``"zigzag"`` (balanced causal work) or ``"contiguous"``; ``context_parallel_attention``: ``"ring"`` or
+            ``"ulysses"``. See docs/context_parallel.md.
+        shard_optimizer_state: each data-parallel replica keeps and updates only its 1/dp of the optimizer state (and
+            of the fp32 master weights under bf16-true): gradients are reduce-scattered instead of all-reduced and the
+            parameters all-gathered after the step (ZeRO-1, Megatron-LM's distributed optimizer). For one element-wise
+            torch optimizer (AdamW, Adam, SGD); does nothing with data_parallel_size=1. docs/sharded_optimizer.md.
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
@@ -128,6 +138,10 @@ class Compressed3DStrategy(ParallelStrategy):
         on_nonfinite: Literal["skip", "raise", "ignore"] = "skip",
         max_consecutive_nonfinite: int = 10,
         stage_activation_checkpointing: Sequence[bool] | None = None,
+        context_parallel_size: int = 1,
+        context_parallel_layout: Literal["zigzag", "contiguous"] = "zigzag",
+        context_parallel_attention: Literal["ring", "ulysses"] = "ring",
+        shard_optimizer_state: bool = False,
     ) -> None:
         # Every check here runs on every rank before any process group exists.
         options = resolve_options(
@@ -137,6 +151,8 @@ class Compressed3DStrategy(ParallelStrategy):
             stage_activation_checkpointing=stage_activation_checkpointing, bucket_size_mb=bucket_size_mb,
             gradient_accumulation_fusion=gradient_accumulation_fusion, on_nonfinite=on_nonfinite,
             max_consecutive_nonfinite=max_consecutive_nonfinite, checkpoint_io=checkpoint_io,
+            context_parallel=context_parallel_config(context_parallel_size, context_parallel_layout, context_parallel_attention),
+            shard_optimizer_state=shard_optimizer_state,
         )
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.compression = CompressionConfig(
@@ -151,11 +167,12 @@ class Compressed3DStrategy(ParallelStrategy):
         self.stage_activation_checkpointing = options.stage_activation_checkpointing
         self.sequence_parallel, self.on_nonfinite = sequence_parallel, on_nonfinite
         self.pipeline_layer_split = list(pipeline_layer_split) if pipeline_layer_split is not None else None
-        self._sizes = (data_parallel_size, pipeline_parallel_size, tensor_parallel_size)
+        self._sizes = (data_parallel_size, pipeline_parallel_size, tensor_parallel_size, context_parallel_size)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
+        self.cp_rank = 0
         # The components (module docstring): built once; `groups` per run, the engine bound to one module at a time.
         self.comm_stats = CommunicationStats()
         self.groups: ProcessGroups | None = None
@@ -234,10 +251,11 @@ class Compressed3DStrategy(ParallelStrategy):
         self._release_model()
         self.comm_stats = self.engine.stats = CommunicationStats()
         self.compression_state.start_over(self.comm_stats)
-        self.dims = ParallelDims(dp, pp, tp, world_size)
+        self.dims = ParallelDims(dp, pp, tp, world_size, cp=self._sizes[3])
         self.groups = claim_live_groups(self._release_model, self.dims, self.global_rank, self.root_device,
                                         self.virtual_stages, self._timeout)
         self.dp_rank, self.pp_rank, self.tp_rank = self.groups.dp_rank, self.groups.pp_rank, self.groups.tp_rank
+        self.cp_rank = self.groups.cp_rank
         set_device_mesh(self.lightning_module, self.device_mesh)
 
     def set_world_ranks(self) -> None:
@@ -254,9 +272,13 @@ class Compressed3DStrategy(ParallelStrategy):
                 f"trainer.predict is not available with pipeline_parallel_size={self.dims.pp} (outputs live on the last"
                 " stage only); predict with pipeline_parallel_size=1 (a checkpoint loads into any layout)."
             )
+        if trainer.state.fn == TrainerFn.PREDICTING and self.dims.cp > 1:
+            raise RuntimeError(f"trainer.predict is not available with context_parallel_size={self.dims.cp} (it runs the"
+                               " module's own forward on whole sequences); predict with context_parallel_size=1.")
         self.accelerator.setup(trainer)
         # Dropout's streams: one per (dp, pp) rank, the same on its tp ranks, plus each tp rank's own (see rng.py).
-        seed_parallel_rng(self.dp_rank, self.pp_rank, self.tp_rank, self.root_device)
+        # Context-parallel ranks hold different tokens: their own streams (dp_rank * cp + cp_rank is dp_rank at cp 1).
+        seed_parallel_rng(self.dp_rank * self.dims.cp + self.cp_rank, self.pp_rank, self.tp_rank, self.root_device)
         module = self.lightning_module
         if self._prepared_module is not module:
             self.engine.prepare(module, self.groups, self.root_device, self.precision_plugin)
@@ -267,6 +289,7 @@ class Compressed3DStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
+            self.engine.shard_optimizer_state(self.optimizers, module)
             self.engine.setup_selective_compression(trainer)
         self.setup_precision_plugin()
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
@@ -325,39 +348,15 @@ class Compressed3DStrategy(ParallelStrategy):
         return moved
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._log_communication()
+        log_job_communication(self.lightning_module, self.comm_stats, self.groups, self.root_device, self.world_size)
         if self.engine.runtime is None:
             return super().training_step(*args, **kwargs)
         return self.engine.train_step(self.lightning_module, args[0], args[1])
 
-    def _log_communication(self) -> None:
-        """Log the job's byte counters of the previous optimizer step: this rank's, summed over all ranks (all-reduces
-        of two numbers on the device per training batch, which every rank runs at the same point; no host
-        synchronisation: the logged values stay tensors until a logger reads them)."""
-        last = self.comm_stats.as_dict("last_step")
-        before = sum(v["bytes_before"] for v in last.values())
-        after = sum(v["bytes_after"] for v in last.values())
-        if self.world_size == 1 or not dist.is_initialized() or self.groups is None:
-            if before:
-                self.lightning_module.log_dict(
-                    {"comm/bytes_sent": float(after), "comm/compression_ratio": before / max(after, 1)},
-                    on_step=True, on_epoch=False, sync_dist=False,
-                )
-            return
-        totals = torch.tensor([before, after], dtype=torch.float64, device=self.root_device)
-        # Over the strategy's own groups, which carry its timeout (a frozen peer fails the job in time): a replica's
-        # pipeline and tensor ranks, then the replicas.
-        for group in (self.groups.model_parallel_group, self.groups.dp_group):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(totals, group=group)
-        ratio = torch.where(totals[1] > 0, totals[0] / totals[1].clamp(min=1), torch.ones_like(totals[0]))
-        self.lightning_module.log_dict({"comm/bytes_sent": totals[1], "comm/compression_ratio": ratio},
-                                       on_step=True, on_epoch=False, sync_dist=False)
-
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.on_nonfinite != "ignore":
-            closure = functools.partial(self.engine.guarded_closure, optimizer, closure, self.lightning_module.trainer)
+        closure = functools.partial(self.engine.step_closure, optimizer, closure, self.lightning_module.trainer)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.engine.after_optimizer_step()
         self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
         return output
 
@@ -421,7 +420,8 @@ class Compressed3DStrategy(ParallelStrategy):
         self.checkpoints.remove(filepath, self.is_global_zero)
 
     def _layout_key(self) -> tuple:
-        return (self.dims.dp, self.dims.pp, self.dims.tp, self.virtual_stages, self.schedule)
+        key = (self.dims.dp, self.dims.pp, self.dims.tp, self.virtual_stages, self.schedule)
+        return key + (self.dims.cp,) if self.dims.cp > 1 else key
 
     def compression_record(self) -> dict[str, Any]:
         """What decided SC in this run, as plain Python values for the checkpoint (``checkpoint["compressed_3d"]``)."""

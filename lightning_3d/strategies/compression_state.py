@@ -59,7 +59,7 @@ class CompressionState:
     def compresses_anywhere(self, dims: ParallelDims) -> bool:
         """Whether SC runs on some pipeline rank of this job (the same answer on every rank, once set up)."""
         cfg = self.config
-        return (cfg.enabled and dims.dp > 1 and bool(cfg.stages_to_compress(dims.pp))
+        return (cfg.enabled and dims.replicas > 1 and bool(cfg.stages_to_compress(dims.pp))
                 and cfg.compresses_on_link(self.link_gbps))
 
     def compresses_rank(self, dims: ParallelDims, pp_rank: int) -> bool:
@@ -80,7 +80,7 @@ class CompressionState:
         )
 
     def warn_unused(self, dims: ParallelDims, tied: bool) -> None:
-        notes = self.config.unused_options(dims.dp, dims.pp, tied)
+        notes = self.config.unused_options(dims.replicas, dims.pp, tied)
         if notes and not self._warned_unused:
             rank_zero_warn("Compressed3DStrategy: " + "; ".join(notes) + ".")
         self._warned_unused = True
@@ -88,7 +88,7 @@ class CompressionState:
     # ----- the link decision ----------------------------------------------------------------------------------
     def decides_by_link(self, dims: ParallelDims) -> bool:
         cfg = self.config
-        return cfg.enabled and dims.dp > 1 and cfg.compressed_stages is None
+        return cfg.enabled and dims.replicas > 1 and cfg.compressed_stages is None
 
     def measure_link(self, dims: ParallelDims, dp_group: dist.ProcessGroup, device: torch.device) -> None:
         """Time one all-reduce on every data-parallel group at once, once; the slowest decides for every rank, so all

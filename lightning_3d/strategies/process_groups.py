@@ -1,7 +1,8 @@
 """ProcessGroups: every process group one run of ``Compressed3DStrategy`` needs, and their lifetime in the process.
 
 A ``ProcessGroups`` is built at ``setup_environment`` from the layout (``ParallelDims``) and holds the
-("dp", "pp", "tp") device mesh, the extra groups (the model-parallel group of the global gradient norm, the
+("dp", "pp", ["cp",] "tp") device mesh, the context-parallel ring's group and the dp x cp group of the replicated
+parameters' gradients (docs/context_parallel.md), the extra groups (the model-parallel group of the global gradient norm, the
 tied-embedding pairs and the fused embedding-sync groups) and the pipeline's point-to-point channels, all created
 with the strategy's ``timeout``, plus this rank's coordinates. The groups of the last run stay alive after its
 teardown, because a prepared module is bound to them (its stages hold the channels, its tensor-parallel parameters
@@ -41,6 +42,7 @@ class ProcessGroups:
         self.dims = dims
         self.rank = rank
         self.dp_rank, self.pp_rank, self.tp_rank = dims.coordinates(rank)
+        self.cp_rank = dims.cp_rank(rank)
         self.created: list[dist.ProcessGroup] = []
         try:
             self._build(device, virtual_stages, timeout)
@@ -51,21 +53,30 @@ class ProcessGroups:
     def _build(self, device: torch.device, virtual_stages: int, timeout: timedelta | None) -> None:
         made, d, rank = self.created, self.dims, self.rank
         self.device_mesh: DeviceMesh | None = d.build_mesh(device.type, timeout, made)
-        self.dp_group: dist.ProcessGroup | None = self.device_mesh.get_group("dp")
         self.tp_mesh: DeviceMesh | None = self.device_mesh["tp"]
+        # Context parallelism: the ring of each (dp, pp, tp) position, and the group every use of ``dp_group`` needs
+        # then, the ranks holding the same parameters (fixed pp, tp; all dp, cp): gradient reduction (and SC), the
+        # loss terms' normalisation, the initial parameter broadcast. With cp = 1 it is the mesh's "dp" group.
+        self.cp_group: dist.ProcessGroup | None = self.device_mesh.get_group("cp") if d.cp > 1 else None
+        self.dp_group: dist.ProcessGroup | None = self.device_mesh.get_group("dp")
+        if d.cp > 1:
+            replicas = [[d.rank_of(dp, p, t, c) for dp in range(d.dp) for c in range(d.cp)]
+                        for p in range(d.pp) for t in range(d.tp)]
+            self.dp_group = new_subgroups(replicas, rank, timeout=timeout, created=made)
+        positions = [(dp, c) for dp in range(d.dp) for c in range(d.cp)]  # (dp, cp): one model replica's ranks each
         # All pipeline and tensor ranks of one replica: the group a global gradient norm is summed over.
         self.model_parallel_group = new_subgroups(
-            [[d.rank_of(dp, p, t) for p in range(d.pp) for t in range(d.tp)] for dp in range(d.dp)], rank,
+            [[d.rank_of(dp, p, t, c) for p in range(d.pp) for t in range(d.tp)] for dp, c in positions], rank,
             timeout=timeout, created=made,
         )
-        # First and last pipeline rank of each (dp, tp) pipeline: where tied embedding gradients meet.
-        tied_pairs = [[d.rank_of(dp, 0, t), d.rank_of(dp, d.pp - 1, t)] for dp in range(d.dp) for t in range(d.tp)]
+        # First and last pipeline rank of each (dp, cp, tp) pipeline: where tied embedding gradients meet.
+        tied_pairs = [[d.rank_of(dp, 0, t, c), d.rank_of(dp, d.pp - 1, t, c)] for dp, c in positions for t in range(d.tp)]
         self.tied_group = new_subgroups(tied_pairs, rank, timeout=timeout, created=made) if d.pp > 1 else None
         # Fused embedding sync: first and last stage of every replica, one group per tensor-parallel rank
         # (a group spanning tensor ranks would add up different vocabulary shards).
-        fused = [[d.rank_of(dp, p, t) for dp in range(d.dp) for p in (0, d.pp - 1)] for t in range(d.tp)]
+        fused = [[d.rank_of(dp, p, t, c) for dp, c in positions for p in (0, d.pp - 1)] for t in range(d.tp)]
         self.fused_tied_group = new_subgroups(fused, rank, timeout=timeout, created=made) if d.pp > 1 else None
-        pipelines = [d.pipeline_ranks(dp, t) for dp in range(d.dp) for t in range(d.tp)]
+        pipelines = [d.pipeline_ranks(dp, t, c) for dp, c in positions for t in range(d.tp)]
         self.channels: PipelineChannels | None = PipelineChannels(pipelines, rank, virtual_stages, device, timeout)
         made.extend(self.channels.groups)
 
@@ -73,7 +84,7 @@ class ProcessGroups:
         """Destroy this rank's groups (local: no collective) and drop every reference to them. Idempotent."""
         groups, self.created = list(self.created), []
         self.device_mesh = self.tp_mesh = self.channels = None
-        self.dp_group = self.model_parallel_group = self.tied_group = self.fused_tied_group = None
+        self.dp_group = self.cp_group = self.model_parallel_group = self.tied_group = self.fused_tied_group = None
         for group in reversed(groups):
             try:
                 dist.destroy_process_group(group)

@@ -70,6 +70,10 @@ class Parallel3DModule(Protocol):
       or the labels, and without the check its error would reach the other ranks as a lost peer (every rank of a
       pipeline holds the same batch, so all of them raise). Keep it cheap (shapes, minimum and maximum); the
       recipes use ``lightning_3d.recipes.training.check_token_batch``.
+    - ``enable_context_parallel(stage, group, layout, attention)`` (optional, needed for context_parallel_size > 1):
+      make the attention of ``stage`` span the sequence sliced over the cp ``group`` (``lightning_3d.context``); its
+      micro-batches then hold this rank's slice of every ``context_parallel_keys`` entry (default ``input_ids`` and
+      ``labels``) and the slice's global ``position_ids``. See docs/context_parallel.md.
     """
 
     def num_pipeline_layers(self) -> int: ...

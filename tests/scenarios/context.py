@@ -8,7 +8,9 @@ Cases, for the cp group spanning the world and (at world 4) for two cp=2 groups 
 3. ring and Ulysses attention, forward and backward, contiguous and zigzag, causal and full, equal full-sequence SDPA
    on one process (the matching rows of the output, of dQ, dK and dV) within the fp32 bound of ``attention_tolerance``;
 4. a tiny causal LM trained the context-parallel way (positions of the slice, loss normalised by the terms of all
-   dp x cp ranks, gradients summed over dp x cp) has the loss and gradients of one process on the full batch.
+   dp x cp ranks, gradients summed over dp x cp) has the loss and gradients of one process on the full batch;
+5. at world 4 on CPU, ``Compressed3DStrategy(context_parallel_size=...)`` itself (``context_layouts.run_all``:
+   layouts with pp, tp and dp against one process, resume across cp sizes, SC over dp x cp, bad values).
 
 Every rank checks its own slice against a reference it computes itself; rank 0 writes what all ranks measured.
 ``L3D_TEST_DEVICE=cuda`` runs the same cases on GPUs with NCCL (fp32: CUDA's memory-efficient kernel, whose local
@@ -214,8 +216,15 @@ def main() -> None:
                                   for layout in ("contiguous", "zigzag")}}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
+    report = {"world": world, "ranks": everyone}
+    if world == 4 and DEVICE.type == "cpu":
+        # 5. the strategy with a "cp" mesh dimension (tests/scenarios/context_layouts.py), in the same processes:
+        # starting them is the expensive part. (On GPUs fp32 ring slices need 64-token multiples: run it alone.)
+        from tests.scenarios.context_layouts import run_all
+
+        report["strategy"] = run_all(args.report.parent)
     if rank == 0:
-        args.report.write_text(json.dumps({"world": world, "ranks": everyone}, indent=1))
+        args.report.write_text(json.dumps(report, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -27,6 +27,7 @@ from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.schedules import Action
 from lightning_3d.recipes import T5
+from lightning_3d.recipes.data.loader import worker_options
 from tests.scenarios import t5_layouts
 from tests.scenarios.common import (
     MODEL, SEQ, VOCAB, LossRecorder, all_max, compare, make_model, parse_args, trainer, write_report,
@@ -134,7 +135,7 @@ class DynamicData(pl.LightningDataModule):
         common = dict(dp=c["dp"], pp=c["pp"], dp_rank=dp_rank, cost_model=ToyCostModel(), schedule=c["schedule"],
                       virtual_stages=c.get("v", 1), tp=c["tp"])
         if c.get("t5"):
-            return DynamicMicroBatcher(t5_collate, shape=T5_SHAPE, memory_budget=T5_BUDGET, round_to=4,
+            return DynamicMicroBatcher(t5_collate, shape=T5_SHAPE, memory_budget=c.get("budget", T5_BUDGET), round_to=4,
                                        max_seq_len=t5_layouts.ENC, max_target_len=t5_layouts.DEC,
                                        target_length=labels_length, **common)
         return DynamicMicroBatcher(pad_collate, shape=SHAPE, memory_budget=BUDGET, max_seq_len=SEQ, **common)
@@ -150,8 +151,10 @@ class DynamicData(pl.LightningDataModule):
         collate = self.batcher(rank)
         if self.cfg.get("tamper") and torch.distributed.get_rank() == 1:
             collate = Relabelled(collate)
-        # Planning in a worker process, two batches ahead, as in training.
-        return DataLoader(data, batch_size=GLOBAL, shuffle=False, collate_fn=collate, num_workers=1, prefetch_factor=2)
+        # Planning in a worker process, two batches ahead, as in training; started as the library's loaders start
+        # theirs (a fork of this threaded process can hang in the child: see recipes/data/loader.worker_options).
+        return DataLoader(data, batch_size=GLOBAL, shuffle=False, collate_fn=collate, num_workers=1, prefetch_factor=2,
+                          **worker_options(1))
 
 
 def reference(steps: int) -> tuple:
@@ -191,7 +194,9 @@ def layouts(world: int) -> list[dict]:
     if world == 2:
         return [dict(dp=1, pp=2, tp=1, schedule="1f1b"), dict(dp=1, pp=2, tp=1, schedule="1f1b", t5=True)]
     return [dict(dp=2, pp=2, tp=1, schedule="1f1b"), dict(dp=2, pp=1, tp=2, schedule="1f1b"),
-            dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", v=2), dict(dp=2, pp=2, tp=1, schedule="1f1b", t5=True)]
+            dict(dp=1, pp=2, tp=2, schedule="interleaved_1f1b", v=2), dict(dp=2, pp=2, tp=1, schedule="1f1b", t5=True),
+            dict(dp=2, pp=1, tp=2, schedule="1f1b", t5=True, budget=4e5),  # a smaller budget: several micro-batches at pp = 1
+            dict(dp=1, pp=2, tp=2, schedule="1f1b", t5=True)]
 
 
 def step_facts(cfg: dict) -> dict:

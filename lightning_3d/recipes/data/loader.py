@@ -25,6 +25,7 @@ datasets) we do not need: the datasets are map-style and the position is all the
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -196,13 +197,28 @@ def data_parallel_rank(trainer: Any) -> tuple[int, int]:
     return num_replicas, rank
 
 
+def worker_options(num_workers: int) -> dict[str, Any]:
+    """``DataLoader`` keyword arguments for ``num_workers`` worker processes.
+
+    Workers start from a fork server, not by forking the training process. A training process has other threads
+    (process groups, loader feeder threads of the previous epoch or run, loggers), and a fork copies the process at an
+    instant when one of them may hold an interpreter lock: the child then waits on it forever, and the rank waits for
+    its first batch with it (seen as a rare hang at the start of a fit; CPython 3.12 warns about forking a threaded
+    process, and 3.14 makes the fork server the default). Our data sets pickle without their data, which each worker
+    opens lazily, so starting workers this way costs an import, not a copy of the data.
+    """
+    if num_workers == 0 or "forkserver" not in multiprocessing.get_all_start_methods():
+        return {}
+    return {"multiprocessing_context": "forkserver"}
+
+
 def build_train_loader(
     dataset: Dataset, batch_size: int, *, trainer: Any, seed: int, shuffle: bool, num_workers: int
 ) -> ResumableDataLoader:
     """The training loader shared by all our data modules."""
     num_replicas, rank = data_parallel_rank(trainer)
     sampler = ResumableDistributedSampler(dataset, num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=True)
-    loader = ResumableDataLoader(dataset, batch_size, sampler, num_workers=num_workers)
+    loader = ResumableDataLoader(dataset, batch_size, sampler, num_workers=num_workers, **worker_options(num_workers))
     if len(loader) == 0:
         size = len(dataset) if isinstance(dataset, Sized) else "?"
         raise ValueError(
@@ -224,4 +240,5 @@ def build_eval_loader(dataset: Dataset, batch_size: int, *, trainer: Any, num_wo
     """An in-order validation loader split over data-parallel replicas (padded, nothing dropped)."""
     num_replicas, rank = data_parallel_rank(trainer)
     sampler = ResumableDistributedSampler(dataset, num_replicas, rank, shuffle=False, drop_last=False)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      **worker_options(num_workers))

@@ -22,7 +22,8 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_3d.recipes.data.causal_lm import cache_key, default_cache_dir
-from lightning_3d.recipes.data.loader import ResumableDataLoader, ResumableDistributedSampler, data_parallel_rank
+from lightning_3d.recipes.data.loader import (ResumableDataLoader, ResumableDistributedSampler, data_parallel_rank,
+                                             worker_options)
 from lightning_3d.recipes.data.multitask_batching import (
     MICROBATCHINGS, Sample, StepCollator, sample_input_length, sample_target_length,
 )
@@ -49,6 +50,9 @@ class MultiTaskSamples(Dataset):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}  # workers open the file themselves (see loader.worker_options)
 
     def arrays(self) -> dict[str, np.ndarray]:
         if self._arrays is None:
@@ -342,7 +346,7 @@ class MultiTaskDataModule(L.LightningDataModule):
         # One replica in the sampler: every rank reads the same global batch; the collator takes this replica's part.
         sampler = ResumableDistributedSampler(dataset, 1, 0, shuffle=shuffle, seed=hp.seed, drop_last=True)
         loader = ResumableDataLoader(dataset, hp.global_batch_size, sampler, num_workers=hp.num_workers,
-                                     collate_fn=self.collator(dp, rank))
+                                     collate_fn=self.collator(dp, rank), **worker_options(hp.num_workers))
         if len(loader) == 0:
             raise ValueError(f"{len(dataset)} samples are fewer than global_batch_size={hp.global_batch_size}: add data"
                              " or lower global_batch_size.")

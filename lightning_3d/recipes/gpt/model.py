@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+from lightning_3d.context import ring_attention, ulysses_attention
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
@@ -42,6 +43,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(h, h)
         self.head_dim = config.head_dim
         self.dropout = config.dropout
+        # Context parallelism (GPT.enable_context_parallel): (cp group, layout, "ring" | "ulysses"); the tokens are
+        # then this rank's slice of the sequence, and attention spans the whole sequence (docs/context_parallel.md).
+        self.context: tuple | None = None
         # Set by parallelize_gpt: q, k and v then run as one column-parallel GEMM on local shards.
         self.tensor_parallel: TensorParallel | None = None
 
@@ -59,7 +63,14 @@ class Attention(nn.Module):
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project_qkv(x))
         b, s = q.shape[0], q.shape[2]
         causal = mask is None  # a mask already holds causality; SDPA refuses both at once
-        if self.training and self.dropout > 0 and is_seeded():
+        if self.context is not None:
+            if mask is not None:
+                raise ValueError("Context-parallel attention is causal over whole sequences; packed documents (an"
+                                 " attention mask) need context_parallel_size=1.")
+            group, layout, kind = self.context
+            attend = ring_attention if kind == "ring" else ulysses_attention
+            y = attend(q, k, v, group, causal=True, layout=layout)  # no dropout: refused with cp (enable_context_parallel)
+        elif self.training and self.dropout > 0 and is_seeded():
             # The probabilities of this rank's own heads: their masks come from its tensor-parallel stream.
             y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=causal,
                                           dropout_p=self.dropout, device=x.device)

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
-from lightning_3d.recipes.gpt.model import GPTModel, check_packed_batch, copy_full_into
+from lightning_3d.context import check_ulysses_heads
+from lightning_3d.recipes.gpt.model import Attention, GPTModel, check_packed_batch, copy_full_into
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
 from lightning_3d.recipes.kernels import linear_cross_entropy
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
@@ -163,6 +164,23 @@ class GPT(pl.LightningModule):
                 f" tensor_parallel_size={tp_mesh.size()}."
             )
         parallelize_gpt(stage, tp_mesh, sequence_parallel)
+
+    def enable_context_parallel(self, stage: nn.Module, group: Any, layout: str, attention: str) -> None:
+        """Context parallelism (``Compressed3DStrategy(context_parallel_size=...)``): every block of ``stage`` attends
+        over the slices of the cp ``group`` (its micro-batches carry this rank's tokens and their global
+        ``position_ids``). Refuses what the ring cannot do, on every rank before any collective."""
+        cp = torch.distributed.get_world_size(group)
+        if self.config.dropout > 0:
+            raise ValueError(
+                f"dropout={self.config.dropout} with context_parallel_size={cp}: attention dropout needs one mask"
+                " consistent around the ring, which context-parallel attention does not draw. Use dropout=0.0, or"
+                " context_parallel_size=1."
+            )
+        if attention == "ulysses":
+            check_ulysses_heads(self.config.num_heads // self._tensor_parallel_size(), cp)
+        for sub in stage.modules():
+            if isinstance(sub, Attention):
+                sub.context = (group, layout, attention)
 
     def pipeline_loss(self, output: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
         if self.hparams.fused_head_loss:  # the stage's output is the final norm's: project and score chunk by chunk
