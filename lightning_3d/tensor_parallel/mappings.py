@@ -18,6 +18,7 @@ on symmetric memory) needs GPUs and is left to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -37,15 +38,15 @@ class TensorParallel:
     mesh: DeviceMesh
     sequence_parallel: bool = False
 
-    @property
+    @cached_property  # looked up per layer and micro-batch: once
     def group(self) -> dist.ProcessGroup:
         return self.mesh.get_group()
 
-    @property
+    @cached_property  # looked up per layer and micro-batch: once
     def size(self) -> int:
         return self.mesh.size()
 
-    @property
+    @cached_property  # looked up per layer and micro-batch: once
     def rank(self) -> int:
         return self.mesh.get_local_rank()
 
