@@ -97,7 +97,8 @@ class FSDPGPT(GPT):
             self.model = GPTModel(self.config, self.config.padded_vocab_size(tp_mesh.size()),
                                   self.hparams.activation_checkpointing)
         if tp_mesh.size() > 1:
-            parallelize_gpt(self.model, tp_mesh)
+            # torch's DTensor plan, as a ModelParallelStrategy user writes it (not our local-tensor layers)
+            parallelize_gpt(self.model, tp_mesh, implementation="dtensor")
             replicate_plain_parameters(self.model, tp_mesh)  # FSDP2 then shards one kind of parameter
         if self.hparams.compile:
             compile_blocks(self.model.layers.values(), self.hparams.compile)

@@ -46,6 +46,8 @@ ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", 
 COMPRESSION_MODES = {
     "off": dict(compression=False, fused_embedding_sync=False),
     "fe": dict(compression=False, fused_embedding_sync=True),
+    # fe with the optimizer state sharded over the replicas (docs/sharded_optimizer.md): against fe, its memory.
+    "fe-sharded": dict(compression=False, fused_embedding_sync=True, shard_optimizer_state=True),
     # cb, cb-lep and all use the library's CB defaults (only the schedule's cool-down sends compressed, LEP off);
     # cb-lep adds lazy error propagation, cb-every compresses every backward send.
     "cb": dict(compression=True, compressed_stages=[], fused_embedding_sync=False),

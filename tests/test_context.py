@@ -162,6 +162,9 @@ def test_ring_attention_and_cp_training_equal_one_process(tmp_path) -> None:
     for key, run in runs.items():
         assert run["mesh"] == ["dp", "pp", "cp", "tp"] and run["mesh_shape"] == list(key[:4]), run
         assert run["loss_err"] <= tolerance and run["param_err"] <= tolerance, run
+    # shard_optimizer_state with cp: the optimizer state is split over all dp x cp = 4 replicas, still exact.
+    assert [r["optimizer_sharded_over"] for r in runs.values()] == [4 if r.get("shard") else 1 for r in runs.values()]
+    assert runs[2, 1, 2, 1, "ulysses"]["optimizer_sharded_over"] == 4
     # A dp 2 x cp 2 checkpoint resumes at cp 1 and cp 4 with the straight run's third loss and parameters.
     for name in ("dp4_cp1", "dp1_cp4"):
         resumed = strategy["resume"][name]

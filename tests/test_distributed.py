@@ -46,6 +46,8 @@ def test_every_layout_and_schedule_matches_single_process_training(world: int, t
             assert 0 < after < before / 2, (kind, full["bytes"])
         assert full["bytes"]["forward_activations"][0] == full["bytes"]["forward_activations"][1] > 0  # never compressed
         assert full["bytes"]["embedding_sync"][0] > 0  # FE: the tied embedding travels in its own all-reduce
+        sharded = report["sharded_222"]  # shard_optimizer_state at (2,2,2); tests/test_sharded_optimizer.py has the rest
+        assert sharded["loss_err"] <= TOLERANCE and sharded["param_err"] <= TOLERANCE and sharded["bytes_off"] == 0.0, sharded
     for layout in layouts:
         if layout[1] > 1:  # every schedule ran for every pipelined layout
             assert {r["schedule"] for r in results if (r["dp"], r["pp"], r["tp"]) == layout} >= {"gpipe", "1f1b", "interleaved_1f1b"}

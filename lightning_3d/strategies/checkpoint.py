@@ -41,6 +41,7 @@ from lightning_3d.strategies.checkpoint_files import (
     safe_load,
     verify,
 )
+from lightning_3d.strategies.sharded_optimizer import sharding_of
 from lightning_3d.utils.compat import create_read_items
 
 # Flattened optimizer state keys every setting by parameter name ("param_groups.<fqn>.lr"); unflattened, all
@@ -53,6 +54,11 @@ def model_state(module: nn.Module) -> dict[str, Any]:
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The flattened per-parameter optimizer state; a sharded optimizer (``shard_optimizer_state``) writes the same
+    keys and shapes, gathered over the replicas, so that either loads into the other (docs/sharded_optimizer.md)."""
+    sharded = sharding_of(optimizer)
+    if sharded is not None:
+        return sharded.flat_state_dict()
     return get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
 
 
@@ -144,12 +150,17 @@ def load(
     meta = safe_load(path / META_FILE)
     state: dict[str, Any] = {"model": model_state(module)}
     for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = optimizer_state(module, opt)
+        sharded = sharding_of(opt)
+        state[f"optimizer_{i}"] = sharded.template() if sharded is not None else optimizer_state(module, opt)
     state.update(extra_sharded)
     dcp.load(state, checkpoint_id=path, planner=ReshardingLoadPlanner(padded, aliases or {}, strict))
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
-        set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIONS)
+        sharded = sharding_of(opt)
+        if sharded is not None:
+            sharded.load_flat_state_dict(state[f"optimizer_{i}"])
+        else:
+            set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_OPTIONS)
     for key in extra_sharded:
         extra_sharded[key] = state[key]
     return meta

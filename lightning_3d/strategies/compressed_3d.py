@@ -92,6 +92,10 @@ class Compressed3DStrategy(ParallelStrategy):
             "tp"); a module with ``enable_context_parallel``, e.g. the GPT recipe). ``context_parallel_layout``:
             ``"zigzag"`` (balanced causal work) or ``"contiguous"``; ``context_parallel_attention``: ``"ring"`` or
             ``"ulysses"``. See docs/context_parallel.md.
+        shard_optimizer_state: each data-parallel replica keeps and updates only its 1/dp of the optimizer state (and
+            of the fp32 master weights under bf16-true): gradients are reduce-scattered instead of all-reduced and the
+            parameters all-gathered after the step (ZeRO-1, Megatron-LM's distributed optimizer). For one element-wise
+            torch optimizer (AdamW, Adam, SGD); does nothing with data_parallel_size=1. docs/sharded_optimizer.md.
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
@@ -137,6 +141,7 @@ class Compressed3DStrategy(ParallelStrategy):
         context_parallel_size: int = 1,
         context_parallel_layout: Literal["zigzag", "contiguous"] = "zigzag",
         context_parallel_attention: Literal["ring", "ulysses"] = "ring",
+        shard_optimizer_state: bool = False,
     ) -> None:
         # Every check here runs on every rank before any process group exists.
         options = resolve_options(
@@ -147,6 +152,7 @@ class Compressed3DStrategy(ParallelStrategy):
             gradient_accumulation_fusion=gradient_accumulation_fusion, on_nonfinite=on_nonfinite,
             max_consecutive_nonfinite=max_consecutive_nonfinite, checkpoint_io=checkpoint_io,
             context_parallel=context_parallel_config(context_parallel_size, context_parallel_layout, context_parallel_attention),
+            shard_optimizer_state=shard_optimizer_state,
         )
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.compression = CompressionConfig(
@@ -283,6 +289,7 @@ class Compressed3DStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers)
+            self.engine.shard_optimizer_state(self.optimizers, module)
             self.engine.setup_selective_compression(trainer)
         self.setup_precision_plugin()
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
@@ -347,9 +354,9 @@ class Compressed3DStrategy(ParallelStrategy):
         return self.engine.train_step(self.lightning_module, args[0], args[1])
 
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.on_nonfinite != "ignore":
-            closure = functools.partial(self.engine.guarded_closure, optimizer, closure, self.lightning_module.trainer)
+        closure = functools.partial(self.engine.step_closure, optimizer, closure, self.lightning_module.trainer)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.engine.after_optimizer_step()
         self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
         return output
 

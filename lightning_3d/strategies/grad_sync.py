@@ -5,7 +5,9 @@ multi-dimensional mesh, (b) pipeline stages must reduce only after their *last* 
 (c) selective stage compression and fused embedding synchronisation need to choose per bucket and per
 parameter what travels. Buckets follow DDP's idea: gradients in reverse registration order, launched as
 soon as every gradient of a bucket is final and all earlier buckets have launched (the same order on
-every replica), overlapping the rest of the backward.
+every replica), overlapping the rest of the backward. With sharded optimizer state, the buckets the sharded
+optimizer names (``scatter``) are reduce-scattered instead: each replica receives the average of its own range
+(``take_shards``; docs/sharded_optimizer.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class Bucket:
     work: dist.Work | torch.futures.Future | None = None
     compressed: bool = False  # selective stage compression (SC) applies to this bucket
     buffer: Tensor | None = None  # fused weights: the persistent flat fp32 gradients, each weight's .grad a view of it
+    numel: int = 0  # of its gradients (the buffer and a reduce-scattered flat are padded to a multiple of dp)
+    shard: Tensor | None = None  # sharded optimizer: this replica's range of the averaged flat, once reduce-scattered
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return tuple(id(p) for p in self.params)
 
 
 class GradientSynchronizer:
@@ -49,10 +57,16 @@ class GradientSynchronizer:
         compressed_stages: set[int | None] = frozenset(),
         stats: CommunicationStats | None = None,
         fused: Sequence[nn.Parameter] = (),
+        pad_to: int = 1,
     ) -> None:
         """``exclude``: ids of parameters synchronised elsewhere (fused embedding sync); ``compressed_stages``:
         stages whose buckets go through ``compressor`` (SC); they ignore ``bucket_size_mb`` (see below); ``fused``:
-        weights of ``FusedGradLinear`` layers, whose gradients accumulate straight into their buckets (wgrad_fusion)."""
+        weights of ``FusedGradLinear`` layers, whose gradients accumulate straight into their buckets (wgrad_fusion);
+        ``pad_to``: dp where the optimizer state is sharded, so that a fused bucket's buffer can be reduce-scattered
+        as it is (``scatter``, docs/sharded_optimizer.md)."""
+        self._pad_to = pad_to
+        # Keys (parameter ids) of the buckets that are reduce-scattered instead of all-reduced (sharded optimizer).
+        self.scatter: set[tuple[int, ...]] = set()
         self._fused = {id(p) for p in fused}
         self.dp_group, self.dp_size = dp_group, dp_size
         self.compressor, self.stats = compressor, stats
@@ -113,12 +127,13 @@ class GradientSynchronizer:
         return local(p).dtype, id(p) in self._fused
 
     def _add_bucket(self, params: list[nn.Parameter], stage: int | None) -> None:
-        bucket = Bucket(params, stage)
+        bucket = Bucket(params, stage, numel=sum(local(p).numel() for p in params))
         self.buckets.append(bucket)
         for p in params:
             self._bucket_of[id(p)] = bucket
         if id(params[0]) in self._fused:
-            bucket.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            padded = -(-bucket.numel // self._pad_to) * self._pad_to
+            bucket.buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
             offset = 0
             for p in params:
                 register_slot(p, bucket.buffer[offset : offset + p.numel()].view_as(p), self._on_grad_ready)
@@ -133,7 +148,7 @@ class GradientSynchronizer:
         self._next_launch = 0
         for b in self.buckets:
             b.ready.clear()
-            b.flat, b.work = None, None
+            b.flat, b.work, b.shard = None, None, None
 
     def arm(self, stage: int | None) -> None:
         """The coming backward of ``stage`` is its last this step: its gradients become final during it."""
@@ -156,12 +171,15 @@ class GradientSynchronizer:
             self._next_launch += 1
         for b in self.buckets:
             b.work.wait()
+            if b.shard is not None:  # reduce-scattered: the sharded optimizer takes b.shard (take_shards)
+                b.flat, b.work = None, None
+                continue
             if b.compressed:  # the hook wrote the averaged, decompressed gradients into the flat buffer
                 b.flat = b.work.value()
                 self.compressor.finished(self.buckets.index(b), b.flat)
             if b.buffer is not None:  # the weights' .grad are views of the buffer, averaged in place
                 if b.flat.data_ptr() != b.buffer.data_ptr():
-                    b.buffer.copy_(b.flat)
+                    b.buffer[: b.numel].copy_(b.flat)
                 b.flat, b.work = None, None
                 continue
             offset = 0
@@ -202,13 +220,24 @@ class GradientSynchronizer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        scatter = not bucket.compressed and bucket.key in self.scatter
         if bucket.buffer is not None:
             grads = [self._grad_in_slot(p) for p in bucket.params]
-            flat = bucket.buffer  # already laid out as the bucket: no copy in, none back
+            # already laid out as the bucket: no copy in, none back (the padding only travels when reduce-scattered)
+            flat = bucket.buffer if scatter else bucket.buffer[: bucket.numel]
         else:
             grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            pad = -(-bucket.numel // self.dp_size) * self.dp_size - bucket.numel if scatter else 0
+            flat = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(pad)] if pad else []))
         bucket.flat = flat
+        if scatter:
+            # Sharded optimizer state: each replica receives the average of its own range only (docs/sharded_optimizer.md).
+            if self.stats is not None:
+                self.stats.add("dp_gradients", flat.numel() * flat.element_size())
+            flat.div_(self.dp_size)
+            bucket.shard = flat.new_empty(flat.numel() // self.dp_size)
+            bucket.work = dist.reduce_scatter_tensor(bucket.shard, flat, group=self.dp_group, async_op=True)
+            return
         if bucket.compressed:
             index = self.buckets.index(bucket)
             shapes = [g.shape for g in grads]
@@ -218,6 +247,13 @@ class GradientSynchronizer:
             self.stats.add("dp_gradients", flat.numel() * flat.element_size())
         flat.div_(self.dp_size)  # gloo has no AVG; dividing first also keeps bf16 sums in range
         bucket.work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+
+    def take_shards(self) -> dict[tuple[int, ...], Tensor]:
+        """The reduce-scattered ranges of this step, by bucket key (handed over once: the buckets forget them)."""
+        shards = {b.key: b.shard for b in self.buckets if b.shard is not None}
+        for b in self.buckets:
+            b.shard = None
+        return shards
 
     @staticmethod
     def _grad_in_slot(p: nn.Parameter) -> Tensor:

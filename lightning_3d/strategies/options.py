@@ -31,6 +31,7 @@ class PipelineOptions:
     on_nonfinite: Literal["skip", "raise", "ignore"] = "skip"
     max_consecutive_nonfinite: int = 10
     context_parallel: ContextParallelConfig = ContextParallelConfig()
+    shard_optimizer_state: bool = False
 
 
 def default_microbatches(pipeline_parallel_size: Any) -> int:
@@ -46,7 +47,7 @@ def resolve_options(
     virtual_stages: int | None, sequence_parallel: bool, pipeline_layer_split: Sequence[int] | None,
     stage_activation_checkpointing: Sequence[bool] | None, bucket_size_mb: float, gradient_accumulation_fusion: bool,
     on_nonfinite: str, max_consecutive_nonfinite: int, checkpoint_io: Any,
-    context_parallel: ContextParallelConfig = ContextParallelConfig(),
+    context_parallel: ContextParallelConfig = ContextParallelConfig(), shard_optimizer_state: bool = False,
 ) -> PipelineOptions:
     if checkpoint_io is not None:
         raise ValueError(
@@ -63,6 +64,8 @@ def resolve_options(
         raise ValueError(f"`on_nonfinite={on_nonfinite!r}` must be 'skip', 'raise' or 'ignore'.")
     if isinstance(max_consecutive_nonfinite, bool) or not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
         raise ValueError(f"`max_consecutive_nonfinite={max_consecutive_nonfinite!r}` must be a positive integer.")
+    if not isinstance(shard_optimizer_state, bool):
+        raise TypeError(f"`shard_optimizer_state={shard_optimizer_state!r}` must be True or False.")
     if num_microbatches is None:
         num_microbatches = default_microbatches(pipeline_parallel_size)
     virtual_stages = resolve_schedule_options(schedule, pipeline_parallel_size, virtual_stages, num_microbatches)
@@ -80,5 +83,5 @@ def resolve_options(
     return PipelineOptions(
         num_microbatches, schedule, virtual_stages, sequence_parallel,
         tuple(pipeline_layer_split) if pipeline_layer_split is not None else None, checkpointing, bucket_size_mb,
-        gradient_accumulation_fusion, on_nonfinite, max_consecutive_nonfinite, context_parallel,
+        gradient_accumulation_fusion, on_nonfinite, max_consecutive_nonfinite, context_parallel, shard_optimizer_state,
     )

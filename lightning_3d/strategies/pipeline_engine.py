@@ -6,10 +6,11 @@ finish the data-parallel all-reduce, sums the tied embedding gradients (FE: with
 stashes the gradients out of reach of Lightning's ``zero_grad`` until ``hand_back_gradients`` (Lightning's
 ``backward``), and reports the step's global mean loss on every rank. For every module, pipelined or plain, it
 guards the optimizer step against non-finite losses and gradients (one verdict for the world) and clips by the
-global norm over all stages, shards and replicas. It also prepares the module for that: ``prepare_pipeline`` turns
-a protocol module into this rank's stages (``stage_builder``), fuses their ``nn.Linear`` gradient accumulation, builds
-the ``PipelineRuntime`` (with CB's codec from ``CompressionState``) and the data-parallel ``GradientSynchronizer``;
-``prepare_plain`` does the data-parallel part for a plain module. It is built once per strategy (the non-finite
+global norm over all stages, shards and replicas; with ``shard_optimizer_state`` the optimizer steps on this replica's
+pieces (``ShardedOptimizer``, docs/sharded_optimizer.md). It also prepares the module for that: ``prepare_pipeline``
+turns a protocol module into this rank's stages (``stage_builder``), fuses their ``nn.Linear`` gradient accumulation,
+builds the ``PipelineRuntime`` (with CB's codec from ``CompressionState``) and the data-parallel
+``GradientSynchronizer``; ``prepare_plain`` does the data-parallel part for a plain module. It is built once per strategy (the non-finite
 streak spans its runs) and ``release`` forgets the module. See docs/architecture.md (One training step).
 """
 
@@ -39,6 +40,7 @@ from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_no
 from lightning_3d.strategies.options import PipelineOptions
 from lightning_3d.strategies.process_groups import ProcessGroups
 from lightning_3d.strategies.protocol import missing_protocol_methods
+from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer, units_of
 from lightning_3d.strategies.stage_builder import (
     broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
     tied_copies,
@@ -68,6 +70,7 @@ class PipelineEngine:
         self.sync_blocked = False
         self._stashed_grads: list[tuple[nn.Parameter, Tensor | None]] | None = None
         self._nonfinite_streak = 0
+        self.sharded: ShardedOptimizer | None = None  # shard_optimizer_state, once the optimizer is sharded
 
     # ----- preparing a module -------------------------------------------------------------------------------------
     def prepare(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, precision) -> None:
@@ -161,7 +164,10 @@ class PipelineEngine:
             exclude={id(p) for p in self.tied} if self.fused_tied else set(),
             compressed_stages=set(self.stage_params) if state.compresses_rank(g.dims, g.pp_rank) else set(),
             stats=self.stats, fused=self.fused_weights,
+            pad_to=g.dims.replicas if self.options.shard_optimizer_state else 1,
         )
+        if self.sharded is not None:
+            self.grad_sync.scatter = self.sharded.scatter_keys(full={id(p) for p in self.tied})
         if state.sc is not None:
             self.grad_sync.attach_compressor(state.sc)
         if self.runtime is not None:
@@ -200,7 +206,7 @@ class PipelineEngine:
         self.teardown()
         unfuse_gradient_accumulation(self.fused_weights)
         self.fused_weights, self.stage_params = [], {}
-        self.runtime = self.groups = None
+        self.runtime = self.groups = self.sharded = None
         self.tied, self.fused_tied = [], False
         self.sync_blocked = False
 
@@ -282,6 +288,44 @@ class PipelineEngine:
         return value
 
     # ----- the optimizer step -----------------------------------------------------------------------------------
+    def shard_optimizer_state(self, optimizers: Sequence[Optimizer], module: pl.LightningModule) -> None:
+        """With ``shard_optimizer_state``: rewrite the optimizer to step on this replica's range of every gradient
+        bucket and have the synchronizer reduce-scatter those buckets (docs/sharded_optimizer.md). With dp = 1 there
+        is nothing to shard over: the option does nothing. The replicas are dp x cp (context-parallel ranks hold the
+        same parameters and reduce gradients with the data-parallel ones), ranked as in ``dp_group``."""
+        g = self.groups
+        if not self.options.shard_optimizer_state or g.dims.replicas == 1:
+            if self.options.shard_optimizer_state:
+                rank_zero_info("Compressed3DStrategy: shard_optimizer_state=True does nothing with one replica"
+                               " (data_parallel_size x context_parallel_size = 1: nothing to shard over).")
+            return
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"shard_optimizer_state=True shards one optimizer, but configure_optimizers returned {len(optimizers)};"
+                " put all parameters into one optimizer (param groups may differ), or pass shard_optimizer_state=False."
+            )
+        optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
+        tied_skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
+        self.sharded = ShardedOptimizer(optimizer, units_of(optimizer, [b.params for b in self.grad_sync.buckets]),
+                                        {id(p): n for n, p in module.named_parameters()}, g.dp_group, g.dims.replicas,
+                                        dist.get_rank(g.dp_group), g.tp_rank, tied_skip)
+        self.grad_sync.scatter = self.sharded.scatter_keys(full={id(p) for p in self.tied})
+
+    def step_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer) -> Any:
+        """Lightning's closure (forward, backward, gradient sync), the sharded optimizer's gradients, then the
+        non-finite check (unless ``on_nonfinite="ignore"``)."""
+        if self.options.on_nonfinite != "ignore":
+            return self.guarded_closure(optimizer, closure, trainer)
+        loss = closure()
+        if self.sharded is not None:
+            self.sharded.collect_grads(self.grad_sync.take_shards())
+        return loss
+
+    def after_optimizer_step(self) -> None:
+        """Sharded: every replica's updated range goes to every replica (the parameters are whole again)."""
+        if self.sharded is not None:
+            self.sharded.gather_params()
+
     def guarded_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer) -> Any:
         """Run Lightning's closure (forward, backward, gradient sync), then decide on every rank alike whether the
         step is finite; a skipped step clears the gradients, so the optimizer leaves every parameter and its state
@@ -291,6 +335,8 @@ class PipelineEngine:
         before it. Lightning still counts the step (``global_step``, LR schedulers stepping by step), as for any
         optimizer step."""
         loss = closure()
+        if self.sharded is not None:
+            self.sharded.collect_grads(self.grad_sync.take_shards())
         grads = [local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # The max-abs norm is finite exactly when every element is (and cannot overflow the way a sum of squares can).
         bad = torch.zeros((), device=self.device)
@@ -329,6 +375,9 @@ class PipelineEngine:
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Lightning's norm clipping, by the global norm (tied copies counted once)."""
         g = self.groups
+        if self.sharded is not None:
+            self.sharded.clip(clip_val, g.model_parallel_group, self.device)
+            return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
         clip_grad_norm_(params, clip_val, g.model_parallel_group, g.tp_rank, self.device, skip)
@@ -345,15 +394,21 @@ def check_batch(module: pl.LightningModule, microbatches: list[Any]) -> None:
             check(microbatch)
 
 
+# Optimizers that shard or synchronise their work across processes themselves (beside torch.distributed.optim).
+_DISTRIBUTED_OPTIMIZER_MODULES = ("torch.distributed.optim", "apex.contrib.optimizers", "deepspeed", "megatron")
+
+
 def check_optimizers(optimizers: Sequence[Optimizer]) -> None:
-    """No ``torch.distributed.optim`` wrapper: the strategy already averages every gradient over its replicas and
-    steps each pipeline/tensor rank's own parameters; those wrappers shard or synchronise optimizer work over the
-    default group, which spans pipeline and tensor ranks holding different parameters."""
-    wrapped = [type(o).__name__ for o in (getattr(o, "_optimizer", o) for o in optimizers)
-               if type(o).__module__.startswith("torch.distributed.optim")]
+    """No distributed optimizer wrapper (``ZeroRedundancyOptimizer``, apex's ``DistributedFusedAdam``, ...): the
+    strategy already averages every gradient over its replicas and steps each pipeline/tensor rank's own parameters;
+    those wrappers shard or synchronise optimizer work over the default group, which spans pipeline and tensor ranks
+    holding different parameters. The strategy's own ``shard_optimizer_state`` does what they are for."""
+    wrapped = [f"{type(o).__name__} ({type(o).__module__})" for o in (getattr(o, "_optimizer", o) for o in optimizers)
+               if type(o).__module__.startswith(_DISTRIBUTED_OPTIMIZER_MODULES)]
     if wrapped:
         raise TypeError(
-            f"Compressed3DStrategy does not support {', '.join(wrapped)} (torch.distributed.optim) yet: it would"
-            " shard or synchronise optimizer state across ranks that hold different parameters. Use a regular"
-            " torch.optim optimizer (sharded optimizer state is not supported yet)."
+            f"Compressed3DStrategy does not take {', '.join(wrapped)}: it would shard or synchronise optimizer state"
+            " across ranks that hold different parameters (pipeline stages, tensor shards). Return a plain torch.optim"
+            " optimizer (e.g. AdamW) from configure_optimizers and pass Compressed3DStrategy(shard_optimizer_state=True)"
+            " to shard its state over the data-parallel replicas."
         )

@@ -1,7 +1,8 @@
 """Context parallelism inside ``Compressed3DStrategy`` at world 4, in one process group, against one process.
 
 1. Layouts with a "cp" mesh dimension — (cp 2, pp 2), (cp 2, tp 2 with sequence parallelism), (cp 2, dp 2,
-   contiguous slices), cp 4 alone with activation checkpointing, and Ulysses attention at (cp 2, dp 2) — train the tiny causal GPT on batches
+   contiguous slices), cp 4 alone with activation checkpointing, and Ulysses attention at (cp 2, dp 2) with the
+   optimizer state sharded over the 4 replicas (dp x cp) — train the tiny causal GPT on batches
    with randomly ignored labels (cp ranks then hold different numbers of loss terms): losses and final parameters
    equal single-process training (``common.reference``).
 2. Checkpoints: a run at dp 2 x cp 2 saved after 2 steps resumes at cp 1 (dp 4) and at cp 4 for its third step,
@@ -36,7 +37,7 @@ LAYOUTS = [
     dict(dp=1, pp=1, cp=2, tp=2, m=2, sp=True),
     dict(dp=2, pp=1, cp=2, tp=1, m=2, layout="contiguous"),
     dict(dp=1, pp=1, cp=4, tp=1, m=2, ac=True),  # the ring re-run by activation checkpointing in the backward
-    dict(dp=2, pp=1, cp=2, tp=1, m=2, attention="ulysses"),
+    dict(dp=2, pp=1, cp=2, tp=1, m=2, attention="ulysses", shard=True),  # optimizer state sharded over dp x cp = 4
 ]
 
 
@@ -49,14 +50,17 @@ def strategy(dp: int, pp: int, cp: int, tp: int, m: int, **kw) -> Compressed3DSt
 def run_layout(cfg: dict) -> dict:
     s = strategy(cfg["dp"], cfg["pp"], cfg["cp"], cfg["tp"], cfg["m"], sequence_parallel=cfg.get("sp", False),
                  context_parallel_layout=cfg.get("layout", "zigzag"), context_parallel_attention=cfg.get("attention", "ring"),
-                 stage_activation_checkpointing=[True] * cfg["pp"] if cfg.get("ac") else None)
+                 stage_activation_checkpointing=[True] * cfg["pp"] if cfg.get("ac") else None,
+                 shard_optimizer_state=cfg.get("shard", False))
     global_batch = cfg["dp"] * cfg["m"] * 2
     recorder, model = LossRecorder(), make_model()
     start = time.perf_counter()
     trainer(s, STEPS, [recorder]).fit(model, datamodule=TestData(global_batch, masked=True))
     result = compare(model, recorder.losses, reference(STEPS, global_batch, masked=True))
     mesh = s.device_mesh
+    sharded = s.engine.sharded  # kept until the next setup releases the module
     return {**cfg, "mesh": list(mesh.mesh_dim_names), "mesh_shape": list(mesh.mesh.shape),
+            "optimizer_sharded_over": sharded.dp_size if sharded is not None else 1,
             "loss_err": all_max(result["loss_err"]), "param_err": all_max(result["param_err"]),
             "seconds": round(time.perf_counter() - start, 2)}
 

@@ -137,9 +137,10 @@ def main() -> None:
         write_report(args.report, {"results": results})  # partial results survive a later failure
     if args.world == 8 and args.extra != "gpu_subset":  # (2,2,2) with compression, in the same process group
         from tests.scenarios.compression import exact_at_full_rank, full_stack_222
+        from tests.scenarios.sharded_optimizer import layout as sharded_layout
 
         write_report(args.report, {"results": results, "exact_222": exact_at_full_rank(2, 2, 2),
-                                   "full_stack_222": full_stack_222()})
+                                   "full_stack_222": full_stack_222(), "sharded_222": sharded_layout(2, 2, 2, 4)})
 
 
 if __name__ == "__main__":

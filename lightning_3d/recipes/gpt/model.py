@@ -25,14 +25,16 @@ from torch.utils.checkpoint import checkpoint
 from lightning_3d.context import ring_attention, ulysses_attention
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
+from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
 
 
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         h = config.hidden_size
-        # Separate q/k/v projections so that column sharding splits whole heads (a fused qkv weight would
-        # hand each tensor-parallel rank a slice that mixes q, k and v rows).
+        # Separate q/k/v parameters so that column sharding splits whole heads (a fused qkv weight would hand each
+        # tensor-parallel rank a slice that mixes q, k and v rows); under tensor parallelism they still run as one GEMM
+        # (project_qkv).
         self.q = nn.Linear(h, h)
         # No key bias by default: it adds q·b to every score of a query, which softmax cancels, so its gradient
         # is exactly zero and Adam would only amplify rounding noise into it (Whisper drops it too).
@@ -44,13 +46,22 @@ class Attention(nn.Module):
         # Context parallelism (GPT.enable_context_parallel): (cp group, layout, "ring" | "ulysses"); the tokens are
         # then this rank's slice of the sequence, and attention spans the whole sequence (docs/context_parallel.md).
         self.context: tuple | None = None
+        # Set by parallelize_gpt: q, k and v then run as one column-parallel GEMM on local shards.
+        self.tensor_parallel: TensorParallel | None = None
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of ``x``: this rank's heads' columns under tensor parallelism, all tokens (x holds 1/tp of them
+        under sequence parallelism)."""
+        if self.tensor_parallel is None:
+            return self.q(x), self.k(x), self.v(x)
+        return fused_column_parallel(x, (self.q, self.k, self.v), self.tensor_parallel)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """``mask``: None (plain causal attention) or a boolean (batch, 1, queries, keys) mask, True where a query may
         attend (block-diagonal causal for packed documents, see :func:`document_mask`)."""
-        b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
-        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project_qkv(x))
+        b, s = q.shape[0], q.shape[2]
         causal = mask is None  # a mask already holds causality; SDPA refuses both at once
         if self.context is not None:
             if mask is not None:

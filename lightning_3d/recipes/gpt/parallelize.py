@@ -1,10 +1,19 @@
-"""Pipeline stages and the tensor-parallel plan for the GPT recipe (torchtitan's "parallelize per model")."""
+"""Pipeline stages and the tensor-parallel plan for the GPT recipe (torchtitan's "parallelize per model").
+
+Tensor parallelism runs Megatron-style on local tensors with explicit collectives (lightning_3d.tensor_parallel,
+docs/tensor_parallel.md); the parameters stay DTensors. The DTensor-module plan (torch's ``parallelize_module``)
+is kept as ``parallelize_gpt(..., implementation="dtensor")`` for the host-time comparison in
+benchmarks/tp_host_time.py.
+"""
 
 from __future__ import annotations
 
+import os
+
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -15,7 +24,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_3d.dynamic import with_microbatch_checkpointing
-from lightning_3d.recipes.gpt.model import GPTModel, packing_inputs, run_layers
+from lightning_3d.recipes.gpt.model import Embedding, GPTModel, LMHead, packing_inputs, run_layers
+from lightning_3d.tensor_parallel import (
+    TensorParallel, column_parallel, local_view, replicated, row_parallel, split_sequence, vocab_parallel_embedding,
+)
+
+IMPLEMENTATIONS = ("local", "dtensor")
 
 
 class GPTStage(nn.Module):
@@ -49,8 +63,86 @@ class GPTStage(nn.Module):
         return run_layers(self, x, self.layers.values(), mask)  # type: ignore[arg-type]
 
 
-def parallelize_gpt(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
-    """Megatron column/row sharding of attention and MLP, vocab-parallel embedding and output projection.
+class _SequenceParallelEmbedding(Embedding):
+    """The embeddings (and their dropout) on the full sequence, then this rank's chunk of it."""
+
+    tensor_parallel: TensorParallel
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        return split_sequence(super().forward(input_ids, position_ids), self.tensor_parallel.group)
+
+
+class _VocabParallelHead(LMHead):
+    """This rank's vocabulary columns of the logits, handed on as a ``Shard(-1)`` DTensor for ``loss_parallel``."""
+
+    tensor_parallel: TensorParallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        tp = self.tensor_parallel
+        logits = F.linear(tp.enter(x), local_view(self.weight))
+        if self.padding_mask is not None:
+            logits = logits + self.padding_mask.to_local().to(logits.dtype)
+        return DTensor.from_local(logits, tp.mesh, [Shard(-1)], run_check=False)
+
+
+def parallelize_gpt(
+    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, implementation: str | None = None
+) -> None:
+    """Megatron column/row sharding of attention and MLP, vocab-parallel embedding and output projection, on local
+    tensors with explicit collectives; q, k and v run as one GEMM. ``implementation="dtensor"``: torch's DTensor
+    modules instead (same sharding, same results; slower on the host, kept for benchmarks/tp_host_time.py); None:
+    the environment variable ``L3D_TP_IMPLEMENTATION`` if set (to compare both in a GPU benchmark run), else "local".
+
+    The output projection hands its logits on as a DTensor sharded over the vocabulary, consumed by torch's
+    ``loss_parallel`` cross-entropy: no rank ever holds the full vocabulary of logits. With ``sequence_parallel`` the
+    residual stream between blocks (and the pipeline boundary) is sharded over the sequence: LayerNorms run on 1/tp
+    of the tokens and the all-reduces become all-gathers and reduce-scatters.
+    """
+    if implementation is None:
+        implementation = os.environ.get("L3D_TP_IMPLEMENTATION", "local")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"Tensor-parallel implementation {implementation!r} (argument or L3D_TP_IMPLEMENTATION) is"
+                         f" not one of {IMPLEMENTATIONS}: use 'local' (the default) or 'dtensor'.")
+    if implementation == "dtensor":
+        _parallelize_gpt_dtensor(module, tp_mesh, sequence_parallel)
+        return
+    tp = TensorParallel(tp_mesh, sequence_parallel)
+    memo: dict[int, nn.Parameter] = {}  # keeps a tied embedding and head one parameter
+    embed = getattr(module, "embed", None)
+    if embed is not None:
+        vocab_parallel_embedding(embed.wte, tp, memo)
+        replicated(embed.wpe, tp, memo)
+        if sequence_parallel:
+            embed.__class__ = _SequenceParallelEmbedding
+            embed.tensor_parallel = tp
+    for block in module.layers.values():
+        for proj in (block.attn.q, block.attn.k, block.attn.v, block.mlp.fc):
+            column_parallel(proj, tp, memo)
+        row_parallel(block.attn.proj, tp, memo)
+        row_parallel(block.mlp.proj, tp, memo)
+        block.attn.tensor_parallel = tp
+        replicated(block.ln1, tp, memo)
+        replicated(block.ln2, tp, memo)
+        # Under sequence parallelism the residual dropout sees this rank's tokens only: its own masks.
+        block.drop.sharded = sequence_parallel
+    head = getattr(module, "head", None)
+    if head is not None:
+        replicated(module.norm, tp, memo)
+        weight = memo.get(id(head.weight))
+        if weight is None:
+            weight = nn.Parameter(distribute_tensor(head.weight.data, tp_mesh, [Shard(0)]),
+                                  requires_grad=head.weight.requires_grad)
+        head.weight = weight
+        if head.padding_mask is not None:  # sharded like the logits, so the mask add stays local
+            head.padding_mask = distribute_tensor(head.padding_mask, tp_mesh, [Shard(0)])
+        if type(head) is not LMHead:
+            raise TypeError(f"{type(head).__name__} cannot be made vocabulary-parallel: only LMHead can.")
+        head.__class__ = _VocabParallelHead
+        head.tensor_parallel = tp
+
+
+def _parallelize_gpt_dtensor(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """torch's DTensor modules (``parallelize_module``) with the sharding of :func:`parallelize_gpt`.
 
     The output projection keeps its logits as a DTensor sharded over the vocabulary, consumed by torch's
     ``loss_parallel`` cross-entropy: no rank ever holds the full vocabulary of logits. With

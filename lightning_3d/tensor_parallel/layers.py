@@ -1,0 +1,158 @@
+"""Tensor-parallel layers that compute on local tensors, with DTensor parameters.
+
+The layers are the model's own ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm`` modules, turned in place into the
+subclasses below (names, state dicts and checkpoints unchanged). Their parameters become DTensors sharded as Megatron
+shards them (column: ``Shard(0)``, row: ``Shard(1)``, vocabulary: ``Shard(0)``, the rest ``Replicate``), so
+checkpoints, resharding, clipping and export keep reading DTensors; the forward computes on ``param.to_local()``
+views and crosses ranks only through the explicit collectives of :mod:`lightning_3d.tensor_parallel.mappings`. The
+gradient of a ``to_local`` view lands in the DTensor parameter's ``.grad`` with the parameter's placements; that of
+a replicated parameter whose input is sharded over the sequence (norms and row biases under sequence parallelism)
+lands as ``Partial``, which the gradient synchronizer reduces once after the last micro-batch. Why not DTensor
+modules: docs/tensor_parallel.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+
+from lightning_3d.tensor_parallel.mappings import TensorParallel, reduce_from_region
+
+_PARTIAL = (Partial(),)
+
+
+def local_view(param: Tensor, partial_grad: bool = False) -> Tensor:
+    """This rank's part of ``param`` as a plain tensor whose gradient flows into the DTensor's ``.grad``.
+    ``partial_grad``: each rank's gradient is a partial sum (the parameter saw only this rank's tokens)."""
+    if not isinstance(param, DTensor):
+        return param
+    return param.to_local(grad_placements=_PARTIAL if partial_grad else None)
+
+
+def distribute_parameters(module: nn.Module, placements: dict[str, Placement], tp: TensorParallel,
+                          memo: dict[int, nn.Parameter]) -> None:
+    """Make ``module``'s own parameters DTensors with the given placement. ``memo`` (old id -> new parameter) keeps a
+    parameter shared by two modules (a tied embedding and head) one parameter."""
+    for name, placement in placements.items():
+        param = getattr(module, name)
+        if param is None or isinstance(param, DTensor):
+            continue
+        new = memo.get(id(param))
+        if new is None:
+            new = nn.Parameter(distribute_tensor(param.data, tp.mesh, [placement]), requires_grad=param.requires_grad)
+            memo[id(param)] = new
+        setattr(module, name, new)
+
+
+def _swap(module: nn.Module, base: type, cls: type, tp: TensorParallel) -> None:
+    if type(module) is not base:
+        raise TypeError(f"{type(module).__name__} cannot become a {cls.__name__}: only a plain {base.__name__} can"
+                        " (a subclass's own forward would be lost).")
+    module.__class__ = cls
+    module.tensor_parallel = tp
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features sharded: the full input (f, or the sequence all-gather) times this rank's rows."""
+
+    tensor_parallel: TensorParallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(self.tensor_parallel.enter(x), local_view(self.weight), local_view(self.bias)
+                        if self.bias is not None else None)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features sharded: this rank's partial product, reduced (g, or the sequence reduce-scatter), plus the bias
+    once."""
+
+    tensor_parallel: TensorParallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        tp = self.tensor_parallel
+        y = tp.exit(F.linear(x, local_view(self.weight)))
+        if self.bias is None:
+            return y
+        return y + local_view(self.bias, partial_grad=tp.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Vocabulary rows sharded: each rank looks up the ids in its range (zeros elsewhere), then the sum (g)."""
+
+    tensor_parallel: TensorParallel
+
+    def forward(self, ids: Tensor) -> Tensor:
+        weight = local_view(self.weight)
+        start = self.tensor_parallel.rank * weight.shape[0]
+        shifted = ids - start
+        outside = (shifted < 0) | (shifted >= weight.shape[0])
+        out = F.embedding(torch.where(outside, 0, shifted), weight)
+        return reduce_from_region(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tensor_parallel.group)
+
+
+class ReplicatedLayerNorm(nn.LayerNorm):
+    """A norm with replicated parameters on local activations (this rank's tokens under sequence parallelism)."""
+
+    tensor_parallel: TensorParallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        partial = self.tensor_parallel.sequence_parallel
+        weight = local_view(self.weight, partial) if self.weight is not None else None
+        bias = local_view(self.bias, partial) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class ReplicatedEmbedding(nn.Embedding):
+    """An embedding table replicated on every rank, looked up by full (replicated) ids (positions)."""
+
+    tensor_parallel: TensorParallel
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, local_view(self.weight))
+
+
+def column_parallel(linear: nn.Linear, tp: TensorParallel, memo: dict[int, nn.Parameter]) -> None:
+    distribute_parameters(linear, {"weight": Shard(0), "bias": Shard(0)}, tp, memo)
+    _swap(linear, nn.Linear, ColumnParallelLinear, tp)
+
+
+def row_parallel(linear: nn.Linear, tp: TensorParallel, memo: dict[int, nn.Parameter]) -> None:
+    distribute_parameters(linear, {"weight": Shard(1), "bias": Replicate()}, tp, memo)
+    _swap(linear, nn.Linear, RowParallelLinear, tp)
+
+
+def vocab_parallel_embedding(embedding: nn.Embedding, tp: TensorParallel, memo: dict[int, nn.Parameter]) -> None:
+    if embedding.num_embeddings % tp.size:
+        raise ValueError(f"The vocabulary of {embedding.num_embeddings} rows does not split over"
+                         f" tensor_parallel_size={tp.size}: pad it to a multiple (GPTConfig.padded_vocab_size).")
+    distribute_parameters(embedding, {"weight": Shard(0)}, tp, memo)
+    _swap(embedding, nn.Embedding, VocabParallelEmbedding, tp)
+
+
+def replicated(module: nn.Module, tp: TensorParallel, memo: dict[int, nn.Parameter]) -> None:
+    """A LayerNorm or an embedding (of replicated ids) with replicated parameters."""
+    distribute_parameters(module, {n: Replicate() for n, _ in module.named_parameters(recurse=False)}, tp, memo)
+    if type(module) is nn.LayerNorm:
+        _swap(module, nn.LayerNorm, ReplicatedLayerNorm, tp)
+    else:
+        _swap(module, nn.Embedding, ReplicatedEmbedding, tp)
+
+
+def fused_column_parallel(x: Tensor, linears: Sequence[nn.Linear], tp: TensorParallel) -> tuple[Tensor, ...]:
+    """Several column-parallel layers of one input as one GEMM (q, k, v): one f (or all-gather) forward, one
+    all-reduce (or reduce-scatter) of the input gradient backward, and one GEMM of this rank's rows of each.
+
+    The parameters stay separate (checkpoints and export see ``q``, ``k``, ``v``); the fused weight is their local
+    shards side by side, so the result is ``(linear(x) for linear in linears)`` with this rank's columns. A layer
+    without bias contributes zeros to the fused bias when another has one."""
+    weights = [local_view(l.weight) for l in linears]
+    biases = [local_view(l.bias) if l.bias is not None else None for l in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+    out = F.linear(tp.enter(x), torch.cat(weights), bias)
+    return out.split([w.shape[0] for w in weights], dim=-1)

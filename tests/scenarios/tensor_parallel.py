@@ -1,0 +1,225 @@
+"""Tensor-parallel operators and layers on local tensors (world 2, gloo) against their mathematical definition.
+
+The communication operators' forward and backward are compared exactly with what they must compute from every
+rank's inputs (each rank draws all ranks' tensors from shared seeds; a sum of two fp32 numbers is the same in either
+order). The fused q/k/v projection and a column -> row MLP are compared with the same layers unsharded in this
+process, within the summation-order tolerance of tests/tolerance.py, forward and backward, with and without sequence
+parallelism; gradients must land in the DTensor parameters' ``.grad`` with the parameters' placements (``Partial``
+for replicated parameters that saw only this rank's tokens). A two-block GPT stage under the local layers equals it
+under torch's DTensor plan, and ``L3D_TP_IMPLEMENTATION`` selects the plan.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from lightning_3d.tensor_parallel import (
+    TensorParallel, column_parallel, copy_to_region, fused_column_parallel, gather_sequence, reduce_from_region,
+    reduce_scatter_sequence, replicated, row_parallel, split_sequence,
+)
+from tests.scenarios.common import parse_args, write_report
+from tests.tolerance import chain_tolerance, scaled_error
+
+B, S, H = 2, 6, 8
+
+
+def per_rank(seed: int, shape: tuple[int, ...], world: int) -> list[torch.Tensor]:
+    """Every rank's tensor of one role (the same list on every rank)."""
+    return [torch.randn(shape, generator=torch.Generator().manual_seed(seed * 100 + r)) for r in range(world)]
+
+
+def check_mappings(rank: int, world: int) -> dict[str, bool]:
+    group = dist.group.WORLD
+    full, chunk = (B, S, H), (B, S // world, H)
+    cases = {
+        # name: (op, inputs, upstream grads, expected output, expected input grad)
+        "copy_to_region": (copy_to_region, per_rank(1, full, world), per_rank(2, full, world),
+                           lambda xs, r: xs[r], lambda gs, r: sum(gs)),
+        "reduce_from_region": (reduce_from_region, per_rank(3, full, world), per_rank(4, full, world),
+                               lambda xs, r: sum(xs), lambda gs, r: gs[r]),
+        "gather_sequence": (gather_sequence, per_rank(5, chunk, world), per_rank(6, full, world),
+                            lambda xs, r: torch.cat(xs, 1), lambda gs, r: sum(gs).chunk(world, 1)[r]),
+        "reduce_scatter_sequence": (reduce_scatter_sequence, per_rank(7, full, world), per_rank(8, chunk, world),
+                                    lambda xs, r: sum(xs).chunk(world, 1)[r], lambda gs, r: torch.cat(gs, 1)),
+        "split_sequence": (split_sequence, [per_rank(9, full, 1)[0]] * world, per_rank(10, chunk, world),
+                           lambda xs, r: xs[r].chunk(world, 1)[r], lambda gs, r: torch.cat(gs, 1)),
+    }
+    results = {}
+    for name, (op, xs, gs, want_out, want_grad) in cases.items():
+        x = xs[rank].clone().requires_grad_()
+        out = op(x, group)
+        out.backward(gs[rank])
+        results[name] = torch.equal(out, want_out(xs, rank)) and torch.equal(x.grad, want_grad(gs, rank))
+    return results
+
+
+class QKV(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, H, bias=False), nn.Linear(H, H)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc, self.proj = nn.LayerNorm(H), nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.relu(self.fc(self.norm(x))))
+
+
+def rows(t: torch.Tensor, rank: int, world: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(world, dim)[rank]
+
+
+def check_layers(rank: int, world: int, sequence_parallel: bool) -> dict[str, float | bool]:
+    torch.manual_seed(0)  # the same full layers and data on every rank
+    mesh = init_device_mesh("cpu", (world,))
+    tp = TensorParallel(mesh, sequence_parallel)
+    x_full, g_full = torch.randn(B, S, H), torch.randn(B, S, 3 * H)
+    local_in = (lambda t: rows(t, rank, world, 1)) if sequence_parallel else (lambda t: t)
+
+    ref = QKV()
+    for p in ref.parameters():
+        p.data.normal_()
+    sharded = copy.deepcopy(ref)
+    memo: dict = {}
+    for proj in (sharded.q, sharded.k, sharded.v):
+        column_parallel(proj, tp, memo)
+    x_ref = x_full.clone().requires_grad_()
+    outs_ref = [ref.q(x_ref), ref.k(x_ref), ref.v(x_ref)]
+    torch.cat(outs_ref, -1).backward(g_full)
+    x = local_in(x_full).clone().requires_grad_()
+    outs = fused_column_parallel(x, (sharded.q, sharded.k, sharded.v), tp)
+    # This rank's columns of each projection, and the upstream gradient of those columns.
+    torch.cat(outs, -1).backward(torch.cat([rows(g, rank, world, -1) for g in g_full.chunk(3, -1)], -1))
+    tol = chain_tolerance(1, H)  # one dot product of H terms (a second order of the same sum)
+    result: dict[str, float | bool] = {"tolerance": tol}
+    result["qkv_out"] = max(scaled_error(o, rows(r, rank, world, -1)) for o, r in zip(outs, outs_ref))
+    result["qkv_input_grad"] = scaled_error(x.grad, local_in(x_ref.grad))
+    result["qkv_weight_grads"] = max(
+        scaled_error(getattr(sharded, n).weight.grad.to_local(), rows(getattr(ref, n).weight.grad, rank, world))
+        for n in "qkv")
+    result["qkv_grads_are_shard0_dtensors"] = all(
+        isinstance(getattr(sharded, n).weight.grad, DTensor) and getattr(sharded, n).weight.grad.placements == (Shard(0),)
+        for n in "qkv") and sharded.k.bias is None
+
+    ref_mlp = MLP()
+    for p in ref_mlp.parameters():
+        p.data.normal_()
+    mlp = copy.deepcopy(ref_mlp)
+    memo = {}
+    replicated(mlp.norm, tp, memo)
+    column_parallel(mlp.fc, tp, memo)
+    row_parallel(mlp.proj, tp, memo)
+    x_ref = x_full.clone().requires_grad_()
+    out_ref = ref_mlp(x_ref)
+    out_ref.backward(g_full[..., :H])
+    x = local_in(x_full).clone().requires_grad_()
+    out = mlp(x)
+    out.backward(local_in(g_full[..., :H]))
+    result["mlp_tolerance"] = chain_tolerance(3, 4 * H)
+    result["mlp_out"] = scaled_error(out, local_in(out_ref))
+    result["mlp_input_grad"] = scaled_error(x.grad, local_in(x_ref.grad))
+    norm_grad = mlp.norm.weight.grad
+    want = Partial() if sequence_parallel else Replicate()
+    result["norm_grad_placement"] = isinstance(norm_grad, DTensor) and norm_grad.placements == (want,)
+    grads = {
+        "fc.weight": (mlp.fc.weight.grad.full_tensor(), ref_mlp.fc.weight.grad),
+        "proj.weight": (mlp.proj.weight.grad.full_tensor(), ref_mlp.proj.weight.grad),
+        "proj.bias": (mlp.proj.bias.grad.full_tensor(), ref_mlp.proj.bias.grad),  # a Partial one sums here
+        "norm.weight": (norm_grad.full_tensor(), ref_mlp.norm.weight.grad),
+    }
+    result["mlp_param_grads"] = max(scaled_error(a, b) for a, b in grads.values())
+    result["weights_placements"] = (mlp.fc.weight.placements, mlp.proj.weight.placements) == ((Shard(0),), (Shard(1),))
+    return result
+
+
+def gpt_stage(implementation: str | None, mesh, sequence_parallel: bool):
+    from lightning_3d.recipes.gpt.config import preset
+    from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
+    from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
+    from lightning_3d.strategies.stage_builder import replicate_plain_parameters
+    from lightning_3d.utils.tensors import materialize_
+
+    # No key bias (the default): its exact gradient is zero, so both plans would only compare rounding noise.
+    config = preset("tiny", vocab_size=50, seq_length=8, num_layers=2, hidden_size=16, num_heads=4, dropout=0.0)
+    with torch.device("meta"):
+        model = GPTModel(config, config.padded_vocab_size(mesh.size()))
+    stage = GPTStage(model, range(2), first=True, last=True)
+    parallelize_gpt(stage, mesh, sequence_parallel, implementation=implementation)
+    replicate_plain_parameters(stage, mesh)
+    materialize_(model, torch.device("cpu"))
+    model.init_weights(7)
+    mask = torch.zeros(model.head.out_features)
+    mask[config.vocab_size:] = float("-inf")
+    copy_full_into(model.head.padding_mask, mask)
+    return config, stage
+
+
+def check_gpt_plans(world: int) -> dict[str, float | bool | str]:
+    """The GPT stage under the local layers equals it under torch's DTensor plan (loss and every gradient)."""
+    import os
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_3d.recipes.training import summed_token_cross_entropy
+    from lightning_3d.tensor_parallel import ColumnParallelLinear
+    from tests.tolerance import gpt_tolerance
+
+    mesh = init_device_mesh("cpu", (world,))
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    microbatch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    # Two summation orders of the forward chain (gpt_tolerance) and, for the gradients, of the backward chain through
+    # the same reductions again: twice as many; the widest reduction is the MLP's 64 (and the padded vocabulary's 64).
+    result: dict[str, float | bool | str] = {"tolerance": 2 * gpt_tolerance(2, 64)}
+    for sp in (False, True):
+        runs = {}
+        for implementation in ("local", "dtensor"):
+            os.environ["L3D_TP_IMPLEMENTATION"] = implementation  # the environment's choice, with no argument
+            _, stage = gpt_stage(None, mesh, sp)
+            with loss_parallel():
+                loss = summed_token_cross_entropy(stage(microbatch=microbatch), microbatch["labels"])
+                loss.backward()
+            grads = {}
+            for name, p in stage.named_parameters():
+                g = p.grad.redistribute(p.device_mesh, p.placements)  # Partial (norms under SP) -> Replicate
+                grads[name] = g.full_tensor()
+            runs[implementation] = (loss.detach(), grads, isinstance(stage.layers["0"].attn.q, ColumnParallelLinear))
+        (loss_l, grads_l, local_l), (loss_d, grads_d, local_d) = runs["local"], runs["dtensor"]
+        result[f"sp{sp}_loss"] = abs(loss_l - loss_d).item() / abs(loss_d).item()
+        errors = {n: scaled_error(grads_l[n], grads_d[n]) for n in grads_d}
+        result[f"sp{sp}_grads"] = max(errors.values())
+        result[f"sp{sp}_worst"] = max(errors, key=errors.get)
+        result[f"sp{sp}_selected"] = local_l and not local_d
+    os.environ["L3D_TP_IMPLEMENTATION"] = "fast"
+    try:
+        gpt_stage(None, mesh, False)
+        result["bad_value_error"] = ""
+    except ValueError as e:
+        result["bad_value_error"] = str(e)
+    del os.environ["L3D_TP_IMPLEMENTATION"]
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {"mappings": check_mappings(rank, world),
+              "layers": {str(sp): check_layers(rank, world, sp) for sp in (False, True)},
+              "gpt": check_gpt_plans(world)}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, report)
+    write_report(args.report, {"ranks": gathered})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
