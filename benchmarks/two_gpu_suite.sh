@@ -13,21 +13,21 @@ export PYTHONPATH=$PWD OMP_NUM_THREADS=8
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.csv" 2>&1
 python -c "import torch, lightning; print(torch.__version__, lightning.__version__)" > "$OUT/versions.txt" 2>&1
 
-L3D_TEST_DEVICE=cuda timeout 150 python -m tests.scenarios.transport_gpu --out "$OUT/transport" --budget 130 \
+L3D_TEST_DEVICE=cuda timeout 125 python -m tests.scenarios.transport_gpu --out "$OUT/transport" --budget 110 \
     > "$OUT/transport.log" 2>&1; echo "transport rc=$?" >> "$OUT/steps.txt"
 
-COMMON="--preset 1.3b --seq-length 2048 --micro-batch-size 4 --num-microbatches 4 --steps 6 --warmup 2 --timeout 100"
-timeout 170 python benchmarks/train_throughput.py $COMMON --layouts 2,1,1 --compression fe fe-sharded \
+COMMON="--preset 1.3b --seq-length 2048 --micro-batch-size 4 --num-microbatches 4 --steps 6 --warmup 2 --timeout 70"
+timeout 150 python benchmarks/train_throughput.py $COMMON --layouts 2,1,1 --compression fe fe-sharded \
     --out "$OUT/dp2_sharded_1.3b.json" > "$OUT/dp2_sharded_1.3b.txt" 2>&1; echo "dp2 rc=$?" >> "$OUT/steps.txt"
-timeout 90 python benchmarks/train_throughput.py $COMMON --layouts 1,1,2 --compression fe \
+timeout 75 python benchmarks/train_throughput.py $COMMON --layouts 1,1,2 --compression fe \
     --out "$OUT/tp2_local_1.3b.json" > "$OUT/tp2_local_1.3b.txt" 2>&1; echo "tp2 local rc=$?" >> "$OUT/steps.txt"
-L3D_TP_IMPLEMENTATION=dtensor timeout 90 python benchmarks/train_throughput.py $COMMON --layouts 1,1,2 --compression fe \
+L3D_TP_IMPLEMENTATION=dtensor timeout 75 python benchmarks/train_throughput.py $COMMON --layouts 1,1,2 --compression fe \
     --out "$OUT/tp2_dtensor_1.3b.json" > "$OUT/tp2_dtensor_1.3b.txt" 2>&1; echo "tp2 dtensor rc=$?" >> "$OUT/steps.txt"
 
-L3D_TEST_DEVICE=cuda timeout 90 python -c "
+L3D_TEST_DEVICE=cuda timeout 60 python -c "
 import json, os
 from pathlib import Path
 from tests.launch import run_scenario
-r = run_scenario(2, 'context', ['--world', '2'], Path(os.environ['OUT']) / 'context_cuda.json', timeout=80)
+r = run_scenario(2, 'context', ['--world', '2'], Path(os.environ['OUT']) / 'context_cuda.json', timeout=55)
 print(json.dumps(r)[:3000])" > "$OUT/context_cuda.log" 2>&1; echo "context rc=$?" >> "$OUT/steps.txt"
 cat "$OUT/steps.txt"
