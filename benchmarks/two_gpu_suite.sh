@@ -31,3 +31,17 @@ from tests.launch import run_scenario
 r = run_scenario(2, 'context', ['--world', '2'], Path(os.environ['OUT']) / 'context_cuda.json', timeout=55)
 print(json.dumps(r)[:3000])" > "$OUT/context_cuda.log" 2>&1; echo "context rc=$?" >> "$OUT/steps.txt"
 cat "$OUT/steps.txt"
+# A device call brings back only a few files: print the results that matter, so they come back in the output.
+python - <<'PY'
+import json, os, pathlib
+out = pathlib.Path(os.environ["OUT"])
+summary = out / "transport" / "summary.json"
+if summary.exists():
+    for key, run in json.loads(summary.read_text()).items():
+        print("transport", key, "ok" if "report" in run else run.get("error", run)[:400], run.get("seconds"))
+for name in ("dp2_sharded_1.3b", "tp2_local_1.3b", "tp2_dtensor_1.3b"):
+    path = out / f"{name}.json"
+    for r in json.loads(path.read_text())["results"] if path.exists() else []:
+        print(name, r["layout"], r["variant"], round(r["tokens_per_s"]), "tok/s", f"{r['mfu']:.3f}", "MFU",
+              r["step_ms"]["median"], "ms", r.get("peak_mem_gb"), "GB")
+PY
