@@ -80,6 +80,8 @@ def outcome(run) -> list:
 
 
 def on_rank0(action) -> None:
+    """Rank 0 changes the shared folder while the others wait, before (they may still be reading it) and after."""
+    dist.barrier()
     if dist.get_rank() == 0:
         action()
     dist.barrier()
