@@ -337,14 +337,20 @@ def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir
     cmd = [sys.executable, str(Path(__file__).resolve()), *worker_argv, "--worker",
            "--layout", ",".join(map(str, layout)), "--result", str(result_path)]
     procs, logs = [], []
-    for rank in range(world):
-        logs.append(log_dir / f"{name}.rank{rank}.log")
-        env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", GROUP_RANK="0")
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                          start_new_session=True))
     start, failure = time.monotonic(), None
     try:
+        # A SIGTERM while a worker is being started would leave that worker (already forked, not yet in `procs`) out
+        # of the cleanup below: hold it until every worker is tracked (see _on_sigterm).
+        _SIGTERM["deferred"] = True
+        for rank in range(world):
+            logs.append(log_dir / f"{name}.rank{rank}.log")
+            env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", GROUP_RANK="0")
+            with open(logs[-1], "w") as log:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                              start_new_session=True))
+        _SIGTERM["deferred"] = False
+        if _SIGTERM["pending"] is not None:
+            sys.exit(128 + _SIGTERM["pending"])
         while any(p.poll() is None for p in procs):
             bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
             if bad:
@@ -360,6 +366,7 @@ def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir
                 break
             time.sleep(0.2)
     finally:  # also when the driver itself is stopped (SIGTERM, Ctrl-C): no worker may outlive it on the GPUs
+        _SIGTERM["deferred"] = False
         for p in procs:  # each worker leads its own session: stop it and whatever it started, then reap it
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
@@ -499,6 +506,18 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
     print("\n" + table(report["results"], header) + f"\n\nJSON: {args.out}  worker logs: {log_dir}")
 
 
+_SIGTERM: dict = {"deferred": False, "pending": None}
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """The driver's SIGTERM: exit through the launch's cleanup, or, while workers are being started, once they are all
+    tracked by it."""
+    if _SIGTERM["deferred"]:
+        _SIGTERM["pending"] = signum
+        return
+    sys.exit(128 + signum)
+
+
 def main() -> None:
     args = parse_args(sys.argv[1:])
     if args.worker:
@@ -507,7 +526,7 @@ def main() -> None:
         # `timeout` and job control stop the driver with SIGTERM: turn it into SystemExit, so that the launch's
         # cleanup kills the workers (their own sessions would otherwise keep the GPUs busy) and the JSON of the
         # layouts already measured stays written.
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, _on_sigterm)
         driver(args, sys.argv[1:])
 
 
