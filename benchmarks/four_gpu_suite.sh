@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Four-GPU checks and measurements that fit one device call (10 minutes), most important first; every step has its
+# own time limit, so one that runs out leaves the others' results intact. A device call brings back few files, so the
+# results that matter are printed at the end.
+#   diagnose: the pipeline transport on NCCL (issue 18), NCCL collective times (2 and 4 GPUs), a profiled tp = 2 step
+#             (issue 26), tp = 4, dp = 4 with and without sharded optimizer state (issue 26), context-parallel
+#             scaling at cp = 1, 2, 4 (issue 27)
+# Usage on a 4-GPU machine: OUT=/some/dir bash benchmarks/four_gpu_suite.sh diagnose
+set -u
+OUT=${OUT:?set OUT to a writable folder}
+part=${1:-diagnose}
+export PYTHONPATH=$PWD OMP_NUM_THREADS=8 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpus.csv" 2>&1
+python -c "import torch, lightning; print(torch.__version__, lightning.__version__, torch.cuda.nccl.version())" \
+    > "$OUT/versions.txt" 2>&1
+step() { echo "== $1 rc=$2 $(date +%T)" | tee -a "$OUT/steps.txt"; }
+GPT="--preset 1.3b --seq-length 2048 --micro-batch-size 4 --num-microbatches 4 --steps 5 --warmup 2"
+
+case $part in
+  diagnose)
+    CUDA_VISIBLE_DEVICES=0,1 L3D_TEST_DEVICE=cuda timeout 100 python -m tests.scenarios.transport_gpu \
+        --out "$OUT/transport" --budget 90 > "$OUT/transport.log" 2>&1; step transport $?
+    timeout 60 python -c "
+import json
+from lightning_3d.planner.profile import measure_collectives
+d = measure_collectives(4, sizes=(2**22, 2**25, 2**27))
+print(json.dumps({k: d[k] for k in ('all_reduce', 'reduce_scatter', 'all_gather', 'p2p')}))" > "$OUT/collectives.txt" 2>&1
+    step collectives $?
+    timeout 100 python benchmarks/train_throughput.py $GPT --layouts 1,1,2 --compression fe --profile --timeout 90 \
+        --out "$OUT/tp2_profile.json" > "$OUT/tp2_profile.txt" 2>&1; step tp2_profile $?
+    timeout 130 python benchmarks/train_throughput.py $GPT --layouts 4,1,1 --compression fe fe-sharded --timeout 70 \
+        --out "$OUT/dp4.json" > "$OUT/dp4.txt" 2>&1; step dp4 $?
+    timeout 75 python benchmarks/train_throughput.py $GPT --layouts 1,1,4 --compression fe --timeout 70 \
+        --out "$OUT/tp4.json" > "$OUT/tp4.txt" 2>&1; step tp4 $?
+    timeout 125 python benchmarks/context_parallel_scaling.py --preset 1.3b --seq 65536 --cp 1 2 4 --steps 2 --warmup 1 \
+        --timeout 60 --out "$OUT/cp_scaling.json" > "$OUT/cp_scaling.txt" 2>&1; step cp_scaling $?
+    ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
+
+python - <<'PY'
+import json, os, pathlib
+out = pathlib.Path(os.environ["OUT"])
+print((out / "gpus.csv").read_text(), (out / "versions.txt").read_text())
+summary = out / "transport" / "summary.json"
+if summary.exists():
+    for key, run in json.loads(summary.read_text()).items():
+        print("transport", key, "ok" if "report" in run else str(run.get("error", run))[-600:], run.get("seconds"))
+for name in ("collectives.txt",):
+    if (out / name).exists():
+        print(name, (out / name).read_text()[-3000:])
+for name in ("tp2_profile", "dp4", "tp4"):
+    path = out / f"{name}.json"
+    for r in json.loads(path.read_text())["results"] if path.exists() else []:
+        print(name, r["layout"], r["variant"], round(r["tokens_per_s"]), "tok/s", f"{r['mfu']:.3f}", "MFU",
+              r["step_ms"], "ms", r.get("peak_mem_gb"), "GB")
+    text = out / f"{name}.txt"
+    if text.exists() and not path.exists():
+        print(name, "FAILED:", text.read_text()[-1500:])
+for log in sorted(out.glob("tp2_profile_logs/*rank0.log")):  # rank 0 prints the profiler's tables into its log
+    text = log.read_text()
+    if "PROFILE" in text:
+        print(log.name, text[text.index("PROFILE"):][:9000])
+path = out / "cp_scaling.json"
+if path.exists():
+    print("cp_scaling", path.read_text()[:3000])
+elif (out / "cp_scaling.txt").exists():
+    print("cp_scaling FAILED:", (out / "cp_scaling.txt").read_text()[-1500:])
+PY
