@@ -2,6 +2,8 @@
 # Four-GPU checks and measurements that fit one device call (10 minutes), most important first; every step has its
 # own time limit, so one that runs out leaves the others' results intact. A device call brings back few files, so the
 # results that matter are printed at the end.
+#   tp:       issue 26 item 1: ours dp vs tp vs ModelParallelStrategy at 2 and 4 GPUs, a profiled sequence-parallel
+#             tp = 2 step, the transport on NCCL again
 #   diagnose: the pipeline transport on NCCL (issue 18), NCCL collective times (2 and 4 GPUs), a profiled tp = 2 step
 #             (issue 26), tp = 4, dp = 4 with and without sharded optimizer state (issue 26), context-parallel
 #             scaling at cp = 1, 2, 4 (issue 27)
@@ -35,6 +37,19 @@ print(json.dumps({k: d[k] for k in ('all_reduce', 'reduce_scatter', 'all_gather'
     timeout 125 python benchmarks/context_parallel_scaling.py --preset 1.3b --seq 65536 --cp 1 2 4 --steps 2 --warmup 1 \
         --timeout 60 --out "$OUT/cp_scaling.json" > "$OUT/cp_scaling.txt" 2>&1; step cp_scaling $?
     ;;
+  tp)
+    # Issue 26 item 1 after the local optimizer step and bf16 collectives: dp against tp and Lightning's
+    # ModelParallelStrategy (FSDP2 + TP), side by side per GPU count (eager, the same micro-batches per replica).
+    PEERS="--preset 1.3b --seq-length 2048 --micro-batch-size 4 --num-microbatches 4 --warmup 2 --steps 5 --timeout 110"
+    timeout 200 python benchmarks/peers.py $PEERS --gpus 2 --systems ours@2,1,1 ours@1,1,2 fsdp@1,2 \
+        --out "$OUT/peers_tp2.json" > "$OUT/peers_tp2.txt" 2>&1; step peers_tp2 $?
+    timeout 250 python benchmarks/peers.py $PEERS --gpus 4 --systems ours@4,1,1 ours@1,1,4 fsdp@1,4 ours@2,1,2 \
+        --out "$OUT/peers_tp4.json" > "$OUT/peers_tp4.txt" 2>&1; step peers_tp4 $?
+    timeout 90 python benchmarks/train_throughput.py $GPT --layouts 1,1,2 --sequence-parallel --compression fe \
+        --profile --timeout 80 --out "$OUT/tp2_profile.json" > "$OUT/tp2_profile.txt" 2>&1; step tp2_sp_profile $?
+    CUDA_VISIBLE_DEVICES=0,1 L3D_TEST_DEVICE=cuda timeout 100 python -m tests.scenarios.transport_gpu \
+        --out "$OUT/transport" --budget 90 > "$OUT/transport.log" 2>&1; step transport $?
+    ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 
@@ -42,10 +57,6 @@ python - <<'PY'
 import json, os, pathlib
 out = pathlib.Path(os.environ["OUT"])
 print((out / "gpus.csv").read_text(), (out / "versions.txt").read_text())
-summary = out / "transport" / "summary.json"
-if summary.exists():
-    for key, run in json.loads(summary.read_text()).items():
-        print("transport", key, "ok" if "report" in run else str(run.get("error", run))[-600:], run.get("seconds"))
 for name in ("collectives.txt",):
     if (out / name).exists():
         print(name, (out / name).read_text()[-3000:])
@@ -61,9 +72,16 @@ for log in sorted(out.glob("tp2_profile_logs/*rank0.log")):  # rank 0 prints the
     text = log.read_text()
     if "PROFILE" in text:
         print(log.name, text[text.index("PROFILE"):][:9000])
+for name in ("peers_tp2", "peers_tp4"):
+    if (out / f"{name}.txt").exists():  # peers.py ends its output with the side-by-side table
+        print(name, (out / f"{name}.txt").read_text()[-2500:])
 path = out / "cp_scaling.json"
 if path.exists():
     print("cp_scaling", path.read_text()[:3000])
 elif (out / "cp_scaling.txt").exists():
     print("cp_scaling FAILED:", (out / "cp_scaling.txt").read_text()[-1500:])
+summary = out / "transport" / "summary.json"  # last: the output's tail is what surely comes back
+if summary.exists():
+    for key, run in json.loads(summary.read_text()).items():
+        print("transport", key, "ok" if "report" in run else str(run.get("error", run))[-600:], run.get("seconds"))
 PY

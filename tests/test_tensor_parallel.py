@@ -28,6 +28,7 @@ def test_operators_and_layers_match_their_definition(tmp_path: Path) -> None:
             assert gpt[f"sp{sp}_loss"] <= gpt["tolerance"] and gpt[f"sp{sp}_grads"] <= gpt["tolerance"], (rank, gpt)
             assert gpt[f"sp{sp}_selected"], (rank, gpt)
         assert "'fast'" in gpt["bad_value_error"] and "L3D_TP_IMPLEMENTATION" in gpt["bad_value_error"], gpt
+        assert all(result["autocast_and_optimizer"].values()), (rank, result["autocast_and_optimizer"])
 
 
 def test_host_time_benchmark_times_both_plans_on_the_same_model(tmp_path: Path) -> None:

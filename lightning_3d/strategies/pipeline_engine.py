@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 
@@ -40,7 +41,7 @@ from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_no
 from lightning_3d.strategies.options import PipelineOptions
 from lightning_3d.strategies.process_groups import ProcessGroups
 from lightning_3d.strategies.protocol import missing_protocol_methods
-from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer, units_of
+from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer, local_optimizer, sharding_of, units_of
 from lightning_3d.strategies.stage_builder import (
     broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
     tied_copies,
@@ -294,10 +295,20 @@ class PipelineEngine:
         is nothing to shard over: the option does nothing. The replicas are dp x cp (context-parallel ranks hold the
         same parameters and reduce gradients with the data-parallel ones), ranked as in ``dp_group``."""
         g = self.groups
+        self.sharded = None
+        fqns = {id(p): n for n, p in module.named_parameters()}
+        tied_skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
         if not self.options.shard_optimizer_state or g.dims.replicas == 1:
             if self.options.shard_optimizer_state:
                 rank_zero_info("Compressed3DStrategy: shard_optimizer_state=True does nothing with one replica"
                                " (data_parallel_size x context_parallel_size = 1: nothing to shard over).")
+            # Tensor-parallel (DTensor) parameters: the optimizer steps their local shards (local_optimizer says why).
+            for opt in optimizers:
+                opt = getattr(opt, "_optimizer", opt)
+                if local_optimizer(opt, fqns, g.tp_rank, tied_skip) is None and any(
+                        isinstance(p, DTensor) for group in opt.param_groups for p in group["params"]):
+                    rank_zero_info(f"Compressed3DStrategy: {type(opt).__name__} is not a known element-wise optimizer,"
+                                   " so it steps the DTensor parameters themselves (correct, but slow on the host).")
             return
         if len(optimizers) != 1:
             raise ValueError(
@@ -305,10 +316,9 @@ class PipelineEngine:
                 " put all parameters into one optimizer (param groups may differ), or pass shard_optimizer_state=False."
             )
         optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-        tied_skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
         self.sharded = ShardedOptimizer(optimizer, units_of(optimizer, [b.params for b in self.grad_sync.buckets]),
-                                        {id(p): n for n, p in module.named_parameters()}, g.dp_group, g.dims.replicas,
-                                        dist.get_rank(g.dp_group), g.tp_rank, tied_skip)
+                                        fqns, g.dp_group, g.dims.replicas, dist.get_rank(g.dp_group), g.tp_rank,
+                                        tied_skip)
         self.grad_sync.scatter = self.sharded.scatter_keys(full={id(p) for p in self.tied})
 
     def step_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer) -> Any:
@@ -317,9 +327,14 @@ class PipelineEngine:
         if self.options.on_nonfinite != "ignore":
             return self.guarded_closure(optimizer, closure, trainer)
         loss = closure()
-        if self.sharded is not None:
-            self.sharded.collect_grads(self.grad_sync.take_shards())
+        self._collect_grads(optimizer)
         return loss
+
+    def _collect_grads(self, optimizer: Optimizer) -> None:
+        """Hand the gradients to the pieces the optimizer steps (sharded, or tensor-parallel local shards)."""
+        pieces = sharding_of(getattr(optimizer, "_optimizer", optimizer))
+        if pieces is not None:
+            pieces.collect_grads(self.grad_sync.take_shards() if pieces is self.sharded else {})
 
     def after_optimizer_step(self) -> None:
         """Sharded: every replica's updated range goes to every replica (the parameters are whole again)."""
@@ -335,8 +350,7 @@ class PipelineEngine:
         before it. Lightning still counts the step (``global_step``, LR schedulers stepping by step), as for any
         optimizer step."""
         loss = closure()
-        if self.sharded is not None:
-            self.sharded.collect_grads(self.grad_sync.take_shards())
+        self._collect_grads(optimizer)
         grads = [local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # The max-abs norm is finite exactly when every element is (and cannot overflow the way a sum of squares can).
         bad = torch.zeros((), device=self.device)
@@ -375,8 +389,9 @@ class PipelineEngine:
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Lightning's norm clipping, by the global norm (tied copies counted once)."""
         g = self.groups
-        if self.sharded is not None:
-            self.sharded.clip(clip_val, g.model_parallel_group, self.device)
+        pieces = sharding_of(getattr(optimizer, "_optimizer", optimizer))
+        if pieces is not None:
+            pieces.clip(clip_val, g.model_parallel_group, self.device)
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()

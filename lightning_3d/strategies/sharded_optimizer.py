@@ -95,12 +95,13 @@ class ShardedOptimizer:
     """
 
     def __init__(self, optimizer: Optimizer, units: Sequence[Sequence[nn.Parameter]], fqns: dict[int, str],
-                 dp_group: dist.ProcessGroup, dp_size: int, dp_rank: int, tp_rank: int,
-                 tied_skip: set[int] = frozenset()) -> None:
+                 dp_group: dist.ProcessGroup | None, dp_size: int, dp_rank: int, tp_rank: int,
+                 tied_skip: set[int] = frozenset(), masters: bool = True) -> None:
         if optimizer.state:
+            why = "shard_optimizer_state=True" if dp_size > 1 else "Tensor parallelism's local optimizer step"
             raise RuntimeError(
-                f"shard_optimizer_state=True needs a fresh optimizer, but {type(optimizer).__name__} already holds state"
-                " for some parameters; return a new optimizer from configure_optimizers (a checkpoint restores its state)."
+                f"{why} needs a fresh optimizer, but {type(optimizer).__name__} already holds state for some"
+                " parameters; return a new optimizer from configure_optimizers (a checkpoint restores its state)."
             )
         self.optimizer, self.fqns = optimizer, fqns
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
@@ -120,7 +121,7 @@ class ShardedOptimizer:
                     piece = Piece(p, a - offset, b - offset, a - lo)
                     unit.pieces.append(piece)
                     if id(p) in group_of:
-                        piece.main = _main_tensor(p, piece.start, piece.end)
+                        piece.main = _main_tensor(p, piece.start, piece.end, masters)
                         tensor_sharded = isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)
                         piece.counted = (tensor_sharded or tp_rank == 0) and id(p) not in tied_skip
                         pieces_of_group[group_of[id(p)]].append(piece.main)
@@ -159,7 +160,9 @@ class ShardedOptimizer:
                 else:
                     piece.main.grad = None
                     continue
-                piece.main.grad = grad.to(torch.float32, copy=True)
+                # Local mode: the parameter's own averaged gradient, viewed (nothing else writes it before the step).
+                piece.main.grad = (grad.to(piece.main.dtype) if self.dp_size == 1 else
+                                   grad.to(torch.float32, copy=True))
             for p in unit.params:
                 p.grad = None
 
@@ -189,6 +192,8 @@ class ShardedOptimizer:
             target = _flat(piece.param)[piece.start : piece.end]
             if piece.main.data_ptr() != target.data_ptr():
                 target.copy_(piece.main)
+        if self.dp_size == 1:  # local mode: every piece is a whole parameter, nothing to gather
+            return
         pending = []
         for unit in self.units:
             dtype = local(unit.params[0]).dtype
@@ -224,8 +229,7 @@ class ShardedOptimizer:
                         " or SGD, or pass shard_optimizer_state=False."
                     )
                 mine[name] = ("scalar" if value.ndim == 0 else "element", str(value.dtype).removeprefix("torch."))
-        gathered: list[Any] = [None] * self.dp_size
-        dist.all_gather_object(gathered, mine, group=self.dp_group)
+        gathered: list[Any] = self._all_gather_object(mine)
         merged = {k: v for part in gathered for k, v in part.items()}
         return {k: (kind, getattr(torch, dtype)) for k, (kind, dtype) in sorted(merged.items())}
 
@@ -237,13 +241,19 @@ class ShardedOptimizer:
             if state:
                 mine.setdefault(self.fqns[id(piece.param)], {}).update(
                     {k: float(v) for k, v in state.items() if v.ndim == 0})
-        gathered: list[Any] = [None] * self.dp_size
-        dist.all_gather_object(gathered, mine, group=self.dp_group)
+        gathered: list[Any] = self._all_gather_object(mine)
         merged: dict[str, dict[str, float]] = {}
         for part in gathered:
             for fqn, values in part.items():
                 merged.setdefault(fqn, {}).update(values)
         return merged
+
+    def _all_gather_object(self, mine: Any) -> list[Any]:
+        if self.dp_size == 1:
+            return [mine]
+        gathered: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(gathered, mine, group=self.dp_group)
+        return gathered
 
     def _groups(self) -> dict[str, Any]:
         out = {}
@@ -274,6 +284,9 @@ class ShardedOptimizer:
                     value = self.optimizer.state.get(piece.main, {}).get(name) if piece.main is not None else None
                     if value is not None:
                         send[piece.offset : piece.offset + piece.end - piece.start] = value
+                if self.dp_size == 1:
+                    gathered[name] = send
+                    continue
                 full = send.new_empty(unit.shard * self.dp_size)
                 dist.all_gather_into_tensor(full, send, group=self.dp_group)
                 gathered[name] = full
@@ -349,11 +362,33 @@ def _flat(p: nn.Parameter) -> Tensor:
     return local(p).detach().view(-1)
 
 
-def _main_tensor(p: nn.Parameter, start: int, end: int) -> Tensor:
+def _main_tensor(p: nn.Parameter, start: int, end: int, masters: bool = True) -> Tensor:
     """What the optimizer steps for ``[start, end)`` of ``p``: a view of an fp32 parameter (no copy: the parameter is
-    updated in place), else an fp32 master copy (bf16-true: the master weights are sharded with the state)."""
+    updated in place), else an fp32 master copy (bf16-true: the master weights are sharded with the state); without
+    ``masters`` always the view (local mode: the optimizer steps the parameter's own dtype, as it would unwrapped)."""
     view = _flat(p)[start:end]
-    return view if view.dtype == torch.float32 else view.float().clone()
+    return view if view.dtype == torch.float32 or not masters else view.float().clone()
+
+
+# Optimizers whose update of an element depends only on that element's gradient and state (and scalars): they step a
+# flat piece of a parameter exactly as the whole parameter. Shape- or norm-aware ones (Adafactor, LAMB, LARS, Muon)
+# are not among them.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad,
+                          torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
+
+
+def local_optimizer(optimizer: Optimizer, fqns: dict[int, str], tp_rank: int,
+                    tied_skip: set[int] = frozenset()) -> ShardedOptimizer | None:
+    """Tensor parallelism's optimizer step on local tensors (docs/tensor_parallel.md): an element-wise optimizer whose
+    parameters include DTensors steps their local shards as plain tensors instead, one piece per parameter, in the
+    parameters' own dtype. A torch optimizer's step over DTensors dispatches every element-wise op of every parameter
+    through DTensor on the host, which costs more than the whole GPU step of a tensor-parallel layer; on local tensors
+    its fused or foreach kernels run as for a data-parallel model. Checkpoints keep the unsharded format. Returns None
+    (the optimizer unchanged) when no parameter is a DTensor or the optimizer is not known to be element-wise."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(isinstance(p, DTensor) for p in params) or type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        return None
+    return ShardedOptimizer(optimizer, [[p] for p in params], fqns, None, 1, 0, tp_rank, tied_skip, masters=False)
 
 
 def _like(p: nn.Parameter, value: Tensor) -> Tensor:

@@ -51,7 +51,16 @@ class TensorParallel:
         return self.mesh.get_local_rank()
 
     def enter(self, x: Tensor) -> Tensor:
-        """The input of a column-parallel layer: the full activation on every rank (f, or the sequence all-gather)."""
+        """The input of a column-parallel layer: the full activation on every rank (f, or the sequence all-gather).
+
+        Under autocast the GEMM that follows casts its input to the autocast dtype anyway; casting before the
+        collective instead makes the backward all-reduce (or the sequence all-gather and its reduce-scatter) move
+        bf16, not the fp32 that a LayerNorm's output has under autocast: half the bytes, as Megatron's activations."""
+        device = x.device.type
+        if x.is_floating_point() and torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            if x.dtype != dtype:
+                x = x.to(dtype)
         return gather_sequence(x, self.group) if self.sequence_parallel else copy_to_region(x, self.group)
 
     def exit(self, x: Tensor) -> Tensor:

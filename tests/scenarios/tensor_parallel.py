@@ -141,6 +141,82 @@ def check_layers(rank: int, world: int, sequence_parallel: bool) -> dict[str, fl
     return result
 
 
+def check_autocast_and_optimizer(rank: int, world: int) -> dict[str, bool]:
+    """Under autocast the column-parallel input's collectives carry the autocast dtype (bf16), not the LayerNorm's
+    fp32; an element-wise optimizer steps the local shards (plain tensors) exactly as it steps the DTensors, and its
+    checkpoint state is the unsharded optimizer's, key for key and value for value."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from lightning_3d.strategies.sharded_optimizer import local_optimizer, sharding_of
+    from lightning_3d.tensor_parallel import mappings
+
+    mesh = init_device_mesh("cpu", (world,))
+    result: dict[str, bool] = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        mlp, tp, memo = MLP(), TensorParallel(mesh, sp), {}
+        column_parallel(mlp.fc, tp, memo)
+        row_parallel(mlp.proj, tp, memo)
+        replicated(mlp.norm, tp, memo)
+        seen: list[torch.dtype] = []
+        real = (dist.all_reduce, mappings._all_gather_single, mappings._reduce_scatter_single)
+
+        def spy(fn):
+            def call(*args, **kwargs):
+                seen.append(next(a for a in args if isinstance(a, torch.Tensor)).dtype)
+                return fn(*args, **kwargs)
+            return call
+
+        dist.all_reduce = spy(real[0])
+        mappings._all_gather_single, mappings._reduce_scatter_single = spy(real[1]), spy(real[2])
+        try:
+            x = torch.randn(B, S // world if sp else S, H).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = mlp(x)
+            y.float().sum().backward()
+        finally:
+            dist.all_reduce, mappings._all_gather_single, mappings._reduce_scatter_single = real
+        result[f"sp{sp}_collectives_bf16"] = bool(seen) and all(d == torch.bfloat16 for d in seen)
+        result[f"sp{sp}_input_grad_fp32"] = x.grad.dtype == torch.float32
+
+    def sharded_mlp() -> MLP:
+        torch.manual_seed(1)
+        mlp, tp, memo = MLP(), TensorParallel(mesh, False), {}
+        column_parallel(mlp.fc, tp, memo)
+        row_parallel(mlp.proj, tp, memo)
+        replicated(mlp.norm, tp, memo)
+        return mlp
+
+    mlp, twin = sharded_mlp(), sharded_mlp()
+    fqns = {id(p): n for n, p in mlp.named_parameters()}
+    opt, ref = torch.optim.AdamW(mlp.parameters(), lr=0.1), torch.optim.AdamW(twin.parameters(), lr=0.1)
+    pieces = local_optimizer(opt, fqns, rank)
+    result["optimizer_steps_plain_tensors"] = (
+        pieces is not None and sharding_of(opt) is pieces
+        and all(type(p) is torch.Tensor for g in opt.param_groups for p in g["params"]))
+    for step in range(2):
+        for module in (mlp, twin):
+            torch.manual_seed(10 + step)
+            module(torch.randn(B, S, H)).pow(2).sum().backward()
+        pieces.collect_grads({})
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    result["same_parameters_as_dtensor_step"] = all(
+        torch.equal(a.to_local(), b.to_local()) for a, b in zip(mlp.parameters(), twin.parameters()))
+    mine = pieces.flat_state_dict()
+    want = get_optimizer_state_dict(twin, ref, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    result["checkpoint_state_as_unsharded"] = mine.keys() == want.keys() and all(
+        torch.equal(torch.as_tensor(mine[k].to_local() if isinstance(mine[k], DTensor) else mine[k]),
+                    torch.as_tensor(want[k].to_local() if isinstance(want[k], DTensor) else want[k]))
+        if isinstance(want[k], torch.Tensor) else mine[k] == want[k] for k in want)
+    shaped = getattr(torch.optim, "Adafactor", None)
+    result["shape_aware_optimizer_left_alone"] = shaped is None or local_optimizer(
+        shaped(sharded_mlp().parameters()), {}, rank) is None
+    return result
+
+
 def gpt_stage(implementation: str | None, mesh, sequence_parallel: bool):
     from lightning_3d.recipes.gpt.config import preset
     from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
@@ -214,7 +290,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {"mappings": check_mappings(rank, world),
               "layers": {str(sp): check_layers(rank, world, sp) for sp in (False, True)},
-              "gpt": check_gpt_plans(world)}
+              "gpt": check_gpt_plans(world),
+              "autocast_and_optimizer": check_autocast_and_optimizer(rank, world)}
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
     write_report(args.report, {"ranks": gathered})
