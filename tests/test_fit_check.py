@@ -208,3 +208,43 @@ def test_every_rank_stops_with_the_same_message(tmp_path) -> None:
     assert ranks[0]["too_small"]["error"] == ranks[1]["too_small"]["error"]
     # "warn": the same message as a warning, once (on rank 0).
     assert ranks[0]["too_small_warn"]["warnings"] == [ranks[0]["too_small"]["error"].removeprefix("DoesNotFitError: ")]
+
+
+def config_workload(name: str, **strategy_overrides):
+    """The fit check's workload of a packaged config, as the strategy would read it on its GPUs."""
+    from importlib import resources
+
+    import yaml
+
+    cfg = yaml.safe_load(resources.files("lightning_3d.recipes").joinpath("configs", f"{name}.yaml").read_text())
+    init = {**cfg["trainer"]["strategy"]["init_args"], **strategy_overrides}
+    strategy = Compressed3DStrategy(**init)
+    data = cfg["data"]["init_args"]
+    module = GPT(**{**cfg["model"]["init_args"], "vocab_size": data["tokenizer_vocab_size"], "seq_length": data["seq_length"]})
+    cp, world = init.get("context_parallel_size", 1), cfg["trainer"]["devices"]
+    return read_workload(module, SimpleNamespace(hparams=data), dp=world // cp, pp=1, tp=1, cp=cp,
+                         precision=cfg["trainer"]["precision"], options=strategy.options), cfg
+
+
+def test_the_long_config_parses_and_fits_an_h100(capsys) -> None:
+    from lightning_3d.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", "gpt_1.3b_long", "--print_config"])
+    assert exc.value.code in (0, None)
+    printed = capsys.readouterr().out
+    for line in ("context_parallel_size: 2", "shard_optimizer_state: true", "memory_check: error", "seq_length: 262144",
+                 "activation_checkpointing: true", "fused_head_loss: true", "preset_name: 1.3b"):
+        assert line in printed, line
+    w, cfg = config_workload("gpt_1.3b_long")
+    assert (w.layout.dp, w.layout.cp, w.seq_len, w.layout.microbatch_size) == (4, 2, 262144, 1)
+    h100 = FitReport(w, w.estimate(), 80 * GIB)
+    assert h100.verdict() == "fits" and h100.peak < 0.8 * h100.usable  # room for the model's error
+    # Without context parallelism and the sharded optimizer the same sequences are over one H100; the message offers
+    # both changes, each of which fits.
+    alone, _ = config_workload("gpt_1.3b_long", context_parallel_size=1, shard_optimizer_state=False)
+    report = FitReport(alone, alone.estimate(), 80 * GIB)
+    assert report.peak > report.usable and report.verdict() != "fits"
+    fixes = dict(report.fixes())
+    assert fixes["context_parallel_size=2 (2x the GPUs, or data_parallel_size / 2)"] <= report.usable
+    assert fixes["shard_optimizer_state=True"] <= report.usable
