@@ -17,9 +17,9 @@ import torch
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, device_spec, layer_parameters
-from lightning_3d.costs.memory import LOSS_CHUNK_ELEMENTS, MemoryLayout, TrainingState, layout_memory
+from lightning_3d.costs.memory import LOSS_CHUNK_ELEMENTS, TrainingState, layout_memory
 from lightning_3d.planner.model import Candidate, Workload as PlannerWorkload, predict
-from lightning_3d.recipes import GPT
+from lightning_3d.recipes import GPT, T5
 from lightning_3d.recipes.kernels import CHUNK_ELEMENTS
 from lightning_3d.strategies.fit_check import (
     CAPACITY_ENV, GIB, MARGIN, RESERVE, DoesNotFitError, FitReport, check_fit, device_capacity, read_workload, size,
@@ -125,6 +125,12 @@ def test_read_workload_knows_the_recipes_only() -> None:
     assert w.layout.stage_checkpointing == (True,) and w.layout.chunked_loss and w.layout.microbatch_size == 1
     assert w.seq_len == module.config.seq_length and w.shape.bytes_per_element == 4
 
+    # T5: encoder and decoder blocks cut into stages, the target length from the data module.
+    t5 = read_workload(T5("tiny"), SimpleNamespace(hparams={"input_length": 64, "target_length": 16, "batch_size": 4}),
+                       dp=1, pp=2, tp=1, cp=1, precision="32-true", options=options(2, m=2))
+    assert (t5.name, t5.seq_len, t5.target_len, t5.layout.layer_split, t5.layout.microbatch_size) == ("T5", 64, 16, (2, 2), 2)
+    assert not t5.layout.chunked_loss and t5.layout.position_parameters == 0 and len(t5.estimate()) == 2
+
     class Own(torch.nn.Module):
         config = module.config
 
@@ -204,6 +210,7 @@ def test_every_rank_stops_with_the_same_message(tmp_path) -> None:
         assert seen["too_small_off"] == {"error": None, "warnings": [], "estimate": False}
         assert seen["large"] == {"error": None, "warnings": [], "estimate": True}
         assert seen["own_model"] == {"error": None, "warnings": [], "estimate": False}  # not a model it knows
+        assert seen["validate"] == {"estimate": False}
         assert len(seen["healthy_losses"]) == 2
     assert ranks[0]["too_small"]["error"] == ranks[1]["too_small"]["error"]
     # "warn": the same message as a warning, once (on rank 0).

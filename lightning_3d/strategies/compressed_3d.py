@@ -97,7 +97,7 @@ class Compressed3DStrategy(ParallelStrategy):
             of the fp32 master weights under bf16-true): gradients are reduce-scattered instead of all-reduced and the
             parameters all-gathered after the step (ZeRO-1, Megatron-LM's distributed optimizer). For one element-wise
             torch optimizer (AdamW, Adam, SGD); does nothing with data_parallel_size=1. docs/sharded_optimizer.md.
-        memory_check: before any collective, every rank estimates the peak memory per GPU of this layout for a
+        memory_check: before any collective of a fit, every rank estimates the peak memory per GPU of this layout for a
             model the memory model knows (the GPT and T5 recipes) and compares it with its card: ``"error"`` (the
             default) stops with the estimate per component and the changes that would fit when it exceeds the usable
             memory by more than the model's error margin (and warns below that); ``"warn"`` only warns; ``"off"``
@@ -273,11 +273,15 @@ class Compressed3DStrategy(ParallelStrategy):
 
     def _check_fit(self, precision: str, dp: int, pp: int, tp: int) -> None:
         """The fit check (fit_check.py), on every rank before the first collective."""
+        self.memory_estimate = None
         module = self.lightning_module
         try:
-            datamodule = module.trainer.datamodule  # None when the loaders were passed directly
+            trainer = module.trainer
         except RuntimeError:  # a module not attached to a Trainer
-            datamodule = None
+            return
+        if trainer.state.fn != TrainerFn.FITTING:  # the estimate is training's (gradients, optimizer state)
+            return
+        datamodule = trainer.datamodule  # None when the loaders were passed directly
         self.memory_estimate = check_fit(
             self.memory_check, lambda: read_workload(module, datamodule, dp=dp, pp=pp, tp=tp, cp=self._sizes[3],
                                                      precision=precision, options=self.options),

@@ -135,9 +135,10 @@ def read_workload(module: Any, datamodule: Any, *, dp: int, pp: int, tp: int, cp
     checkpointing = options.stage_activation_checkpointing
     if checkpointing is None:
         checkpointing = (bool(hparams.get("activation_checkpointing", False)),) * stages
-    batch = data.get("batch_size") or data.get("micro_batch_size")
+    batch = data.get("batch_size")
     m = options.num_microbatches
-    # An unknown batch counts as one sequence per micro-batch: the estimate may then only be low, never high.
+    # An unknown batch (loaders passed directly, or a data module that forms its own micro-batches) counts as one
+    # sequence per micro-batch: the estimate may then only be low, never high.
     microbatch = max(1, math.ceil(int(batch) / m)) if isinstance(batch, int) and not isinstance(batch, bool) else 1
     config = module.config
     positions = config.seq_length * config.hidden_size if shape.family == "gpt" and hasattr(config, "seq_length") else 0

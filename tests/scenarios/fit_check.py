@@ -1,6 +1,6 @@
 """The fit check on every rank: a layout that cannot fit the (injected) device memory stops on every rank with the
 same message before any collective; "warn" trains with a warning; a layout that fits trains; a module the memory
-model does not know is not checked. A healthy fit at the end proves no rank was left inside a collective.
+model does not know is not checked, nor is validation. A healthy fit at the end proves no rank was left inside a collective.
 
 Each rank writes what it saw to ``<report>.rank<r>.json`` (the test compares the ranks' messages).
 """
@@ -48,6 +48,11 @@ def main() -> None:
     seen["too_small_off"] = fit(pipeline(memory_check="off"), capacity=TINY_GIB)
     seen["large"] = fit(pipeline(), capacity=LARGE_GIB)
     seen["own_model"] = fit(Compressed3DStrategy(), PlainModule(), capacity=TINY_GIB)
+    os.environ[CAPACITY_ENV] = str(TINY_GIB)  # validation holds no gradients or optimizer state: not checked
+    strategy = pipeline()
+    trainer(strategy, 1, limit_val_batches=1).validate(make_model(), datamodule=TestData(8))
+    seen["validate"] = {"estimate": strategy.memory_estimate is not None}
+    del os.environ[CAPACITY_ENV]
     recorder = LossRecorder()  # the group still works after all of the above
     trainer(pipeline(), 2, [recorder]).fit(make_model(), datamodule=TestData(8))
     seen["healthy_losses"] = recorder.losses
