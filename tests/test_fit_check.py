@@ -253,5 +253,5 @@ def test_the_long_config_parses_and_fits_an_h100(capsys) -> None:
     report = FitReport(alone, alone.estimate(), 80 * GIB)
     assert report.peak > report.usable and report.verdict() != "fits"
     fixes = dict(report.fixes())
-    assert fixes["context_parallel_size=2 (2x the GPUs, or data_parallel_size / 2)"] <= report.usable
+    assert fixes["context_parallel_size=2 (2x the GPUs, or data_parallel_size=4)"] <= report.usable
     assert fixes["shard_optimizer_state=True"] <= report.usable

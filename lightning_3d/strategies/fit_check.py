@@ -175,7 +175,8 @@ class FitReport:
         return "may not fit" if self.peak <= self.usable * (1 + MARGIN) else "does not fit"
 
     def fixes(self) -> list[tuple[str, float]]:
-        """Changes to the configuration with the peak each would have (GiB kept in bytes), the cheapest first."""
+        """Changes to the configuration, each with the peak (bytes) it would have: those on the same GPUs first, then
+        those that take more (context and tensor parallelism, up to the first degree that fits)."""
         lay, w = self.workload.layout, self.workload
         out: list[tuple[str, MemoryLayout]] = []
         if not all(lay.stage_checkpointing):
@@ -194,8 +195,12 @@ class FitReport:
                 break
             mbs //= 2
         for size in (2, 4, 8):
-            out.append((f"context_parallel_size={lay.cp * size} ({size}x the GPUs, or data_parallel_size / {size})",
-                        replace(lay, cp=lay.cp * size)))
+            cp = lay.cp * size
+            # Context parallelism is the GPT recipe's (T5 has none), on sequences that split into 2·cp zigzag chunks.
+            if w.shape.family != "gpt" or w.seq_len % (2 * cp):
+                break
+            fewer = f", or data_parallel_size={lay.dp // size}" if lay.dp % size == 0 else ""
+            out.append((f"context_parallel_size={cp} ({size}x the GPUs{fewer})", replace(lay, cp=cp)))
             if self._peak(out[-1][1]) <= self.usable:
                 break
         heads = w.shape.num_heads
@@ -203,7 +208,8 @@ class FitReport:
             tp = lay.tp * size
             if heads % tp or w.shape.hidden_size % tp:
                 break
-            out.append((f"tensor_parallel_size={tp} ({size}x the GPUs)", replace(lay, tp=tp, chunked_loss=False)))
+            note = "; without the chunked loss, which needs tp 1" if lay.chunked_loss else ""
+            out.append((f"tensor_parallel_size={tp} ({size}x the GPUs{note})", replace(lay, tp=tp, chunked_loss=False)))
             if self._peak(out[-1][1]) <= self.usable:
                 break
         same_gpus = [(n, lay_) for n, lay_ in out if "GPUs" not in n and "micro-batches" not in n]
@@ -212,7 +218,8 @@ class FitReport:
                            chunked_loss=lay.chunked_loss or (lay.tp == 1 and w.shape.family == "gpt"),
                            shard_optimizer_state=lay.shard_optimizer_state or lay.dp > 1, microbatch_size=1,
                            num_microbatches=lay.num_microbatches * lay.microbatch_size)
-            out.append(("all of the above on the same GPUs, with micro-batches of 1", both))
+            smaller = ", with micro-batches of 1" if lay.microbatch_size > 1 else ""
+            out.append((f"all of the above on the same GPUs{smaller}", both))
         return [(name, self._peak(layout)) for name, layout in out]
 
     def _peak(self, layout: MemoryLayout) -> float:
