@@ -90,6 +90,9 @@ def test_each_option_changes_its_component() -> None:
     shard = replace(w, layout=replace(w.layout, dp=4, shard_optimizer_state=True)).estimate()[0]
     assert (shard.weights, shard.grads, shard.activations) == (base.weights, base.grads, base.activations)
     assert shard.optimizer == pytest.approx(base.optimizer / 4)
+    # ... over the dp x cp replicas: context-parallel ranks hold the same parameters.
+    both = replace(w, layout=replace(w.layout, dp=2, cp=2, shard_optimizer_state=True)).estimate()[0]
+    assert both.optimizer == pytest.approx(base.optimizer / 4) and both.weights == base.weights
     # Checkpointing: a block keeps only its input (b·s·h bf16) and recomputes one block at a time.
     ckpt = replace(w, layout=replace(w.layout, stage_checkpointing=(True,))).estimate()[0]
     cost = AnalyticCostModel(w.shape, warn=False)

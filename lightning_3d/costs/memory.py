@@ -10,7 +10,7 @@ may not import the planner (tests/test_layering.py); the per-layer activations a
 On top of what the planner searches, a layout here may have context parallelism (each rank runs ``seq_len / cp``
 tokens through every layer; the ring's key/value buffers are not counted), sequence parallelism (every stored tensor
 of a block is split over tp: a block on ``seq_len / tp`` tokens at tp = 1), a sharded optimizer (the optimizer state,
-and the fp32 master weights under bf16-true, divided over dp) and a chunked loss (the head's logits exist for one
+and the fp32 master weights under bf16-true, divided over the dp x cp replicas) and a chunked loss (the head's logits exist for one
 chunk of tokens at a time).
 """
 
@@ -158,7 +158,8 @@ def layout_memory(cost_model: CostModel, shape: ModelShape, seq_len: int, layout
     if stages != layout.pp * layout.virtual_stages or sum(layout.layer_split) != len(blocks):
         raise ValueError(f"layer_split={list(layout.layer_split)} must give {layout.pp * layout.virtual_stages} stages"
                          f" the model's {len(blocks)} blocks.")
-    state = TrainingState.of(layout.precision, dp=layout.dp, shard_optimizer_state=layout.shard_optimizer_state)
+    # The optimizer is sharded over the replicas of every parameter: dp x cp (cp ranks hold the same parameters).
+    state = TrainingState.of(layout.precision, dp=layout.dp * layout.cp, shard_optimizer_state=layout.shard_optimizer_state)
     start, per_stage = 0, []
     for i, (n, ckpt) in enumerate(zip(layout.layer_split, layout.stage_checkpointing)):
         kinds = blocks[start:start + n]

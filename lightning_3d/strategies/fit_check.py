@@ -99,7 +99,7 @@ class Workload:
         return (f"{self.name}, {length}, micro-batch {lay.microbatch_size} x {lay.num_microbatches}, dp {lay.dp} x"
                 f" pp {lay.pp} x cp {lay.cp} x tp {lay.tp}, {lay.schedule}, {lay.precision}, activation checkpointing"
                 f" {checkpointing}, chunked loss {'on' if lay.chunked_loss else 'off'}, optimizer state"
-                f" {'sharded' if lay.shard_optimizer_state and lay.dp > 1 else 'replicated'}")
+                f" {'sharded' if lay.shard_optimizer_state and lay.dp * lay.cp > 1 else 'replicated'}")
 
 
 def read_workload(module: Any, datamodule: Any, *, dp: int, pp: int, tp: int, cp: int, precision: str, options: Any
@@ -185,7 +185,7 @@ class FitReport:
                         replace(lay, stage_checkpointing=(True,) * len(lay.stage_checkpointing))))
         if not lay.chunked_loss and lay.tp == 1 and w.shape.family == "gpt":
             out.append(("the chunked loss (the model's fused_head_loss=True)", replace(lay, chunked_loss=True)))
-        if lay.shard_optimizer_state is False and lay.dp > 1:
+        if lay.shard_optimizer_state is False and lay.dp * lay.cp > 1:
             out.append(("shard_optimizer_state=True", replace(lay, shard_optimizer_state=True)))
         mbs = lay.microbatch_size // 2
         while mbs >= 1:
@@ -216,7 +216,7 @@ class FitReport:
         if len(same_gpus) > 1:
             both = replace(lay, stage_checkpointing=(True,) * len(lay.stage_checkpointing),
                            chunked_loss=lay.chunked_loss or (lay.tp == 1 and w.shape.family == "gpt"),
-                           shard_optimizer_state=lay.shard_optimizer_state or lay.dp > 1, microbatch_size=1,
+                           shard_optimizer_state=lay.shard_optimizer_state or lay.dp * lay.cp > 1, microbatch_size=1,
                            num_microbatches=lay.num_microbatches * lay.microbatch_size)
             smaller = ", with micro-batches of 1" if lay.microbatch_size > 1 else ""
             out.append((f"all of the above on the same GPUs{smaller}", both))
