@@ -58,3 +58,41 @@ def test_ours_and_plain_train_the_same_loss(bench, tmp_path, monkeypatch) -> Non
         assert ours["fits"] and plain["fits"] and ours["tokens_per_s"] > 0 and ours["tflops"] > 0
         assert abs(ours["loss"] - plain["loss"]) <= chain_tolerance(1, seq) * plain["loss"]
 
+
+
+def test_a_right_guess_takes_two_tries_and_a_wrong_one_falls_back_to_the_search(bench) -> None:
+    tried = []
+
+    def fits(seq: int) -> bool:
+        tried.append(seq)
+        return seq <= 45_000
+
+    assert bench.longest_fitting(fits, 8192, 1 << 20, 4096, guess=40960) == 40960 and tried == [40960, 45056]
+    tried.clear()  # too low: walks up while it fits
+    assert bench.longest_fitting(fits, 8192, 1 << 20, 4096, guess=36864) == 40960 and tried == [36864, 40960, 45056]
+    tried.clear()  # too high: walks down, then bisects between what fitted and the lowest that failed
+    assert bench.longest_fitting(fits, 8192, 1 << 20, 4096, guess=61440, walk=2) == 40960
+    assert tried[:2] == [61440, 57344] and max(s for s in tried if s <= 45_000) == 40960
+    tried.clear()  # a timeout (None) ends the search with the longest found so far
+    assert bench.longest_fitting(lambda s: None if s > 20000 else True, 8192, 1 << 20, 4096, guess=16384) == 16384
+
+
+def test_the_guess_extrapolates_the_measured_peaks(bench) -> None:
+    runs = [{"seq": 1000, "fits": True, "peak_memory_gb": 11.0}, {"seq": 2000, "fits": True, "peak_memory_gb": 12.0},
+            {"seq": 4000, "fits": False}]
+    # 1 GiB per 1000 tokens above 12 GiB at 2000: 20 GiB of which 1.5 are reserved leave 6.5 GiB, 6500 more tokens.
+    assert bench.extrapolate(runs, 20.0, 512) == 8192 // 512 * 512
+    assert bench.extrapolate(runs[:1], 20.0, 512) is None and bench.extrapolate(runs, None, 512) is None
+
+
+def test_the_summary_has_the_goals(bench) -> None:
+    run = dict(fits=True, tokens_per_s=1.0, mfu=0.5, step_s=1.0, peak_memory_gb=10.0, estimate_gb=11.0, steps=2)
+    report = {"runs": [{**run, "system": "ours", "seq": 8192, "tflops": 400.0},
+                       {**run, "system": "ours", "seq": 65536, "tflops": 320.0},
+                       {"system": "plain", "seq": 32768, "fits": False}],
+              "longest": {"plain": 24576, "ours": 229376}, "skipped": ["ours 237568"]}
+    text = bench.summary(report)
+    assert "ours TFLOP/s at 64k / at 8k: 0.80 (goal >= 0.75)" in text
+    assert ("longest that fits: plain 24576, ours >= 229376 (search cut by the time budget); ours / plain 9.33"
+            " (goal >= 2)") in text
+    assert "+10%" in text and "out of memory" in text and "not run (time budget): ours 237568" in text

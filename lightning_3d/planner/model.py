@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_3d.costs import ClusterSpec, CostModel, ModelShape, layer_parameters, weight_matrices
+# The memory terms per rank are shared with the strategy's fit check (costs/memory.py: the strategies may not import
+# the planner); re-exported here for the planner's users.
+from lightning_3d.costs.memory import in_flight, rank_memory
 
 GIB = 2**30
 
@@ -176,15 +179,6 @@ def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], li
     return fwd, bwd, stored, peak, params
 
 
-def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
-    """Micro-batch chunks a rank holds at most (Megatron's warm-up count + 1 for interleaving)."""
-    if schedule == "gpipe":
-        return m * v
-    if v == 1:
-        return min(pp - rank, m)
-    return min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1)
-
-
 def pipeline_time(schedule: str, pp: int, v: int, m: int, fwd: list[float], bwd: list[float],
                   fsend: list[float], bsend: list[float]) -> float:
     """Closed-form makespan of one step's pipeline (sends per boundary: ``fsend`` activations, ``bsend`` gradients)."""
@@ -290,11 +284,11 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
         optimizer = 2 * max(params_rank) * w.state_bytes_per_param / d.memory_bandwidth  # Adam reads and writes its state
     memory = []
     for r, stages in enumerate(rank_stages):
-        held = in_flight(c.schedule, pp, v, m, r) * max(stored[s] for s in stages)
+        held = in_flight(c.schedule, pp, v, m, r)
         state = params_rank[r] * w.state_bytes_per_param
         if c.compression and c.dp > 1 and w.cluster.bandwidth(c.dp, pp * c.tp) < w.sc_max_link_gbps * 1e9:
             state += params_rank[r] * w.grad_bytes_per_param  # SC's error feedback
-        memory.append(state + held + max(peak[s] for s in stages))
+        memory.append(rank_memory(state, held, max(stored[s] for s in stages), max(peak[s] for s in stages)))
     tokens = w.global_batch_size * (w.target_len if w.shape.family == "t5" and w.target_len else w.seq_len)
     return Prediction(c, total + exposed + optimizer, total, exposed, optimizer, fwd, bwd, memory, max(memory),
                       w.memory_budget, tokens, getattr(w.cost_model, "source", ""))

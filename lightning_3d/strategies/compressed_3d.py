@@ -22,7 +22,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -36,6 +36,7 @@ from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies import checkpoint as ckpt
 from lightning_3d.strategies.comm_metrics import log_job_communication
 from lightning_3d.strategies.compression_state import CompressionState
+from lightning_3d.strategies.fit_check import check_fit, check_memory_option, read_workload
 from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
 from lightning_3d.strategies.options import resolve_options
 from lightning_3d.strategies.parallel_dims import ParallelDims, resolve_sizes
@@ -96,6 +97,12 @@ class Compressed3DStrategy(ParallelStrategy):
             of the fp32 master weights under bf16-true): gradients are reduce-scattered instead of all-reduced and the
             parameters all-gathered after the step (ZeRO-1, Megatron-LM's distributed optimizer). For one element-wise
             torch optimizer (AdamW, Adam, SGD); does nothing with data_parallel_size=1. docs/sharded_optimizer.md.
+        memory_check: before any collective of a fit, every rank estimates the peak memory per GPU of this layout for a
+            model the memory model knows (the GPT and T5 recipes) and compares it with its card: ``"error"`` (the
+            default) stops with the estimate per component and the changes that would fit when it exceeds the usable
+            memory by more than the model's error margin (and warns below that); ``"warn"`` only warns; ``"off"``
+            skips it. ``$LIGHTNING_3D_DEVICE_MEMORY_GIB`` replaces the card's memory (CPU runs have none).
+            docs/context_parallel.md, "Will it fit?".
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
@@ -142,6 +149,7 @@ class Compressed3DStrategy(ParallelStrategy):
         context_parallel_layout: Literal["zigzag", "contiguous"] = "zigzag",
         context_parallel_attention: Literal["ring", "ulysses"] = "ring",
         shard_optimizer_state: bool = False,
+        memory_check: Literal["error", "warn", "off"] = "error",
     ) -> None:
         # Every check here runs on every rank before any process group exists.
         options = resolve_options(
@@ -154,6 +162,7 @@ class Compressed3DStrategy(ParallelStrategy):
             context_parallel=context_parallel_config(context_parallel_size, context_parallel_layout, context_parallel_attention),
             shard_optimizer_state=shard_optimizer_state,
         )
+        check_memory_option(memory_check)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.compression = CompressionConfig(
             compression, compressed_backprop, cb_rank, cb_epilogue_only, cb_min_compression_ratio, cb_lazy_error_propagation, sc_rank,
@@ -180,6 +189,9 @@ class Compressed3DStrategy(ParallelStrategy):
         self.engine = PipelineEngine(options, self.compression_state, self.comm_stats)
         self.checkpoints = ShardedCheckpointIO(self.broadcast, self.compression_state)
         self._prepared_module = None
+        self.memory_check = memory_check
+        #: the fit check's estimate of this run (``fit_check.FitReport``), None where it was skipped
+        self.memory_estimate = None
 
     # ----- environment --------------------------------------------------------------------------------------
     @property
@@ -232,6 +244,7 @@ class Compressed3DStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        self._check_fit(precision, dp, pp, tp)
         backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
@@ -257,6 +270,22 @@ class Compressed3DStrategy(ParallelStrategy):
         self.dp_rank, self.pp_rank, self.tp_rank = self.groups.dp_rank, self.groups.pp_rank, self.groups.tp_rank
         self.cp_rank = self.groups.cp_rank
         set_device_mesh(self.lightning_module, self.device_mesh)
+
+    def _check_fit(self, precision: str, dp: int, pp: int, tp: int) -> None:
+        """The fit check (fit_check.py), on every rank before the first collective."""
+        self.memory_estimate = None
+        module = self.lightning_module
+        try:
+            trainer = module.trainer
+        except RuntimeError:  # a module not attached to a Trainer
+            return
+        if trainer.state.fn != TrainerFn.FITTING:  # the estimate is training's (gradients, optimizer state)
+            return
+        datamodule = trainer.datamodule  # None when the loaders were passed directly
+        self.memory_estimate = check_fit(
+            self.memory_check, lambda: read_workload(module, datamodule, dp=dp, pp=pp, tp=tp, cp=self._sizes[3],
+                                                     precision=precision, options=self.options),
+            self.root_device, rank_zero_warn)
 
     def set_world_ranks(self) -> None:
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
