@@ -13,6 +13,7 @@ modules: docs/tensor_parallel.md.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -21,16 +22,75 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from lightning_3d.tensor_parallel.mappings import TensorParallel, reduce_from_region
+from lightning_3d.utils.compat import run_post_accumulate_grad_hooks
 
 _PARTIAL = (Partial(),)
 
 
 def local_view(param: Tensor, partial_grad: bool = False) -> Tensor:
     """This rank's part of ``param`` as a plain tensor whose gradient flows into the DTensor's ``.grad``.
-    ``partial_grad``: each rank's gradient is a partial sum (the parameter saw only this rank's tokens)."""
+    ``partial_grad``: each rank's gradient is a partial sum (the parameter saw only this rank's tokens).
+
+    Eagerly, the plain tensor is a leaf sharing the parameter's local storage (``_LocalLeaf``): autograd accumulates
+    into it as into any plain tensor, and the DTensor's ``.grad`` is only wrapped around the first micro-batch's
+    gradient and added to in place after. Through ``to_local`` every parameter would cost a DTensor construction and
+    a DTensor ``add`` per micro-batch on the host, which leaves the GPU idle for a third of a tensor-parallel step
+    (benchmarks/RESULTS.md). Compiled code keeps ``to_local`` (its graph sees no Python-side caches)."""
     if not isinstance(param, DTensor):
         return param
-    return param.to_local(grad_placements=_PARTIAL if partial_grad else None)
+    placements = _PARTIAL if partial_grad else None
+    if torch.compiler.is_compiling() or not param.requires_grad or not torch.is_grad_enabled():
+        return param.to_local(grad_placements=placements)
+    return _LocalLeaf.of(param, placements or param.placements).tensor
+
+
+class _LocalLeaf:
+    """A plain leaf tensor viewing a DTensor parameter's local storage, whose accumulated gradient is handed to the
+    parameter as its own: wrapped as a DTensor ``.grad`` with the gradient's placements, or added in place to the
+    local part of the one already there; then the parameter's post-accumulate-grad hooks run, as autograd would run
+    them (the data-parallel synchronizer listens there). The leaf's own ``.grad`` is emptied every time, so no
+    gradient stays behind it when the parameter's is cleared (``zero_grad``) between a forward and its backward."""
+
+    __slots__ = ("tensor", "placements", "param", "handle", "__weakref__")
+
+    def __init__(self, param: DTensor, placements: tuple[Placement, ...]) -> None:
+        with torch.no_grad():
+            base = param.to_local()
+        self.tensor = base.detach().requires_grad_(True)
+        self.placements = tuple(placements)
+        self.param = weakref.ref(param)
+        self.handle = self.tensor.register_post_accumulate_grad_hook(self._hand_over)
+
+    @staticmethod
+    def of(param: DTensor, placements: tuple[Placement, ...]) -> _LocalLeaf:
+        """The parameter's leaf, made again when its storage moved (loading, ``to_empty``) or its placements of
+        the gradient differ from the cached leaf's."""
+        leaf = param.__dict__.get("_l3d_local_leaf")
+        with torch.no_grad():
+            base = param.to_local()
+        if (leaf is None or leaf.placements != tuple(placements) or leaf.tensor.data_ptr() != base.data_ptr()
+                or leaf.tensor.shape != base.shape or leaf.tensor.dtype != base.dtype):
+            if leaf is not None:
+                leaf.handle.remove()
+            leaf = _LocalLeaf(param, placements)
+            param.__dict__["_l3d_local_leaf"] = leaf
+        return leaf
+
+    def _hand_over(self, tensor: Tensor) -> None:
+        param = self.param()
+        grad, tensor.grad = tensor.grad, None
+        if param is None or grad is None:
+            return
+        with torch.no_grad():
+            if param.grad is None:
+                param.grad = DTensor.from_local(grad, param.device_mesh, self.placements, run_check=False,
+                                                shape=param.shape, stride=param.stride())
+            elif tuple(param.grad.placements) == self.placements:
+                param.grad.to_local().add_(grad)
+            else:  # e.g. a partial gradient onto one already reduced (accumulation over several batches)
+                param.grad = param.grad + DTensor.from_local(grad, param.device_mesh, self.placements,
+                                                             run_check=False, shape=param.shape, stride=param.stride())
+        run_post_accumulate_grad_hooks(param)
 
 
 def distribute_parameters(module: nn.Module, placements: dict[str, Placement], tp: TensorParallel,

@@ -37,6 +37,15 @@ SubprocessScriptLauncher = _SubprocessScriptLauncher
 create_read_items = _create_read_items
 
 
+def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Call ``param``'s post-accumulate-grad hooks, as autograd does after accumulating into ``param.grad``. For a
+    gradient accumulated elsewhere on the parameter's behalf (tensor parallelism's local leaves, see
+    lightning_3d/tensor_parallel/layers.py): torch has no public way to fire them."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    for hook in (hooks or {}).values():
+        hook(param)
+
+
 def clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions. They hold the device meshes they were computed on, and meshes
     compare equal by shape and names alone, so after the strategy destroys one run's groups and builds an equal mesh

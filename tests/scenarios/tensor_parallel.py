@@ -205,6 +205,28 @@ def check_autocast_and_optimizer(rank: int, world: int) -> dict[str, bool]:
         ref.zero_grad()
     result["same_parameters_as_dtensor_step"] = all(
         torch.equal(a.to_local(), b.to_local()) for a, b in zip(mlp.parameters(), twin.parameters()))
+    # Gradients through the local leaves (layers.local_view): accumulated over micro-batches like autograd's, with the
+    # parameter's hooks run per accumulation, and nothing left behind when .grad is cleared between forward and backward.
+    fc, ref_fc = sharded_mlp().fc, MLP().fc
+    torch.manual_seed(1)
+    ref_fc.load_state_dict(MLP().fc.state_dict())
+    calls: list[int] = []
+    fc.weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    inputs = [torch.randn(B, S, H, generator=torch.Generator().manual_seed(20 + i)) for i in range(3)]
+    bound = chain_tolerance(2, 2 * B * S)  # the weight gradient's reduction over two micro-batches' tokens
+    for x in inputs[:2]:
+        fc(x).pow(2).sum().backward()
+        ref_fc(x).pow(2).sum().backward()
+    result["leaf_grads_accumulate"] = (
+        "_l3d_local_leaf" in fc.weight.__dict__ and len(calls) == 2
+        and scaled_error(fc.weight.grad.to_local(), rows(ref_fc.weight.grad, rank, world)) <= bound)
+    y, y_ref = fc(inputs[2]).pow(2).sum(), ref_fc(inputs[2]).pow(2).sum()
+    fc.weight.grad = fc.bias.grad = None  # as Lightning's zero_grad runs between the training step and backward
+    ref_fc.zero_grad()
+    y.backward()
+    y_ref.backward()
+    result["leaf_grads_after_zero_grad"] = scaled_error(
+        fc.weight.grad.to_local(), rows(ref_fc.weight.grad, rank, world)) <= bound
     mine = pieces.flat_state_dict()
     want = get_optimizer_state_dict(twin, ref, options=StateDictOptions(flatten_optimizer_state_dict=True))
     result["checkpoint_state_as_unsharded"] = mine.keys() == want.keys() and all(

@@ -26,12 +26,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget", type=float, default=170.0)
+    parser.add_argument("--only", nargs="+", default=None, help="run only the scenarios of these names")
     args = parser.parse_args()
     if os.environ.get("L3D_TEST_DEVICE") != "cuda":
         raise SystemExit("Set L3D_TEST_DEVICE=cuda: this driver is for the GPU machine.")
     args.out.mkdir(parents=True, exist_ok=True)
     end, summary = time.monotonic() + args.budget, {}
     for index, (name, extra) in enumerate(RUNS):
+        if args.only and name not in args.only:
+            continue
         key, start = f"{index}_{name}{''.join('_' + a.strip('-') for a in extra)}", time.monotonic()
         left = end - start
         if left < 20:
