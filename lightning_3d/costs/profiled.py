@@ -111,11 +111,18 @@ class ProfiledCostModel:
         self.tp_latency = tp_latency
         self._grids: dict[tuple[str, bool, int], _Grid] = {}
         for kind, entries in data["layers"].items():
+            # Per (recompute, tp): the grid of the asked compilation; the embedding and head fall back to eager ones
+            # (a profile compiles the blocks, and the head's loss where it can).
+            chosen: dict[tuple[bool, int], tuple[int, dict]] = {}
             for i, entry in enumerate(entries):
-                if kind in BLOCK_KINDS and bool(entry.get("compiled", False)) != self.compiled:
+                same = bool(entry.get("compiled", False)) == self.compiled
+                if not same and kind in BLOCK_KINDS:
                     continue
-                key = (kind, bool(entry["recompute"]), int(entry["tp"]))
-                self._grids[key] = _Grid(entry, f"{where}: layers.{kind}[{i}]")
+                key = (bool(entry["recompute"]), int(entry["tp"]))
+                if key not in chosen or same:
+                    chosen[key] = (i, entry)
+            for (rc, tp), (i, entry) in chosen.items():
+                self._grids[(kind, rc, tp)] = _Grid(entry, f"{where}: layers.{kind}[{i}]")
         if self.compiled:
             missing = [k for k in data["layers"] if k in BLOCK_KINDS and not any(kk == k for kk, _, _ in self._grids)]
             if missing:

@@ -28,6 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
+from lightning_3d.strategies.wgrad_fusion import (fusable_linears, fuse_gradient_accumulation, register_slot,
+                                                  unfuse_gradient_accumulation)
 
 
 class _Timer:
@@ -185,7 +187,9 @@ def model_tensors(layers: dict, shape: ModelShape, device: torch.device) -> list
 
 def profile_model(config: str | Path | dict, *, device: str | torch.device | None = None, microbatch_sizes=(1, 2, 4, 8),
                   seq_lens=None, target_lens=None, recompute=(False, True), warmup: int = 2, repeats: int = 5,
-                  collectives: bool = True, compile: bool | str = False, overheads: bool = True, log=print) -> dict:
+                  collectives: bool = True, compile: bool | str = False, overheads: bool = True,
+                  fuse_gradients: bool = True, compile_recompute=(False,), compile_microbatch_sizes=None,
+                  log=print) -> dict:
     """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named).
 
     Per layer kind and grid point: forward and backward seconds of one layer as it runs inside a stage. A block is
@@ -195,7 +199,8 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     fixed costs (T(1) minus the per-layer time, median over the block grid) are taken off the embedding's and
     head's single timings too. ``host_forward``/``host_backward``: the host's seconds to issue the same (eager
     PyTorch launches every kernel from Python: a small layer is host-bound). ``compile``: also the blocks under
-    ``torch.compile`` (grids marked ``compiled``). ``overheads``: the per-micro-batch and per-step costs outside
+    ``torch.compile`` (grids marked ``compiled``). ``fuse_gradients``: the layers with the strategy's default
+    gradient-accumulation fusion (False: plain autograd, for ``gradient_accumulation_fusion=False`` runs). ``overheads``: the per-micro-batch and per-step costs outside
     the layers, from a few steps of a tiny model of the same recipe under the strategy (``measure_overheads``).
     """
     if device is None:
@@ -228,18 +233,29 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     if recipe.layers is None:
         raise ValueError(f"the recipe {model.get('class_path')!r} registers no layers to profile.")
     layers = recipe.layers(dict(model.get("init_args") or {}), dict((cfg.get("data") or {}).get("init_args") or {}), shape, device)
+    # The layers as the strategy trains them: its default gradient-accumulation fusion turns their nn.Linear into
+    # FusedGradLinear (weight gradients added in fp32 inside the backward's GEMM, through a custom op).
+    fused = {kind: _fuse(module) for kind, (module, _, _) in layers.items()} if fuse_gradients else {}
     variants = [(kind, rc, False) for kind in layers for rc in (recompute if kind not in ("embedding", "head") else (False,))]
     if compile:
-        variants += [(kind, rc, True) for kind in layers if kind not in ("embedding", "head") for rc in recompute]
+        # The compiled recipes compile each block and the loss (the head's fp32 cross-entropy): compiled grids of
+        # the blocks and the head, on ``compile_microbatch_sizes`` (each new shape may compile again).
+        variants += [(kind, rc, True) for kind in layers if kind != "embedding"
+                     for rc in (compile_recompute if kind != "head" else (False,))]
     call_f, call_b, single = [], [], []  # per-call fixed costs (from the chains); grids still holding T(1)
     for kind, rc, compiled in variants:
         base, make, run = layers[kind]
         base.to(device)
-        module = _compiled(base, compile) if compiled else base
+        module = base
+        if compiled and kind == "head":
+            run = torch.compile(run, mode=None if compile is True else compile)
+        elif compiled:
+            module = _compiled(base, compile, fuse_gradients)
         doc["layers"].setdefault(kind, [])
         # The encoder never sees the target: its grid has no target axis.
         with_target = targets if kind != "encoder_block" else None
-        axes = [list(microbatch_sizes), seq_lens] + ([with_target] if with_target else [])
+        sizes = compile_microbatch_sizes if compiled and compile_microbatch_sizes else microbatch_sizes
+        axes = [list(sizes), seq_lens] + ([with_target] if with_target else [])
         names = ("forward", "backward", "host_forward", "host_backward", "stored", "peak")
         grid = {q: _nested(axes) for q in names}
         chained = kind not in ("embedding", "head")
@@ -277,6 +293,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
             value = _get(grid[q], idx)
             _set(grid[q], idx, max(value - fixed, 0.0))
     doc["call_overhead"] = {"forward_seconds": fixed_f, "backward_seconds": fixed_b}
+    doc["gradient_accumulation_fusion"] = bool(fuse_gradients)
     tensors = model_tensors(layers, shape, device)
     if tensors is not None:
         doc["optimizer"] = measure_optimizer(tensors, device, warmup, repeats)
@@ -284,6 +301,8 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     else:
         block = layers.get("block", layers.get("encoder_block"))[0]
         doc["optimizer"] = measure_optimizer(block, device, warmup, repeats)
+    for weights in fused.values():
+        unfuse_gradient_accumulation(weights)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if overheads:
@@ -294,13 +313,24 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     return doc
 
 
-def _compiled(module: nn.Module, mode: bool | str) -> nn.Module:
-    """A compiled copy of ``module`` as the recipes compile their blocks (``Module.compile``, inductor)."""
+def _compiled(module: nn.Module, mode: bool | str, fused: bool) -> nn.Module:
+    """A compiled copy of ``module`` as the recipes compile their blocks (``Module.compile``, inductor); the copy's
+    fused layers get gradient slots of their own."""
     import copy
 
     compiled = copy.deepcopy(module)
+    if fused:
+        _fuse(compiled)
     compiled.compile(mode=None if mode is True else mode)
     return compiled
+
+
+def _fuse(module: nn.Module) -> list[nn.Parameter]:
+    """Gradient-accumulation fusion on ``module``'s fusable layers, each with an fp32 gradient slot of its own."""
+    weights = fuse_gradient_accumulation(fusable_linears(module))
+    for w in weights:
+        register_slot(w, torch.zeros_like(w), None)
+    return weights
 
 
 #: the tiny models ``measure_overheads`` trains: (LightningModule, data module, their arguments)
@@ -328,46 +358,22 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     + m (microbatch_s + layers_tiny), with the tiny model's layers profiled like the real one's. What it holds:
     Lightning's loop and hooks, the strategy's batch checks and engine, the loss's bookkeeping, each micro-batch's
     forward and backward calls. A few seconds."""
-    import lightning.pytorch as pl
-
-    from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
+    import logging
 
     if shape.family not in _TINY:
         return {}
     module_path, data_path, model_args, data_args = _TINY[shape.family]
-    step_s: dict[int, list[float]] = {}
-
-    class Timer(pl.Callback):
-        def on_train_batch_start(self, trainer, module, batch, idx) -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, module, out, batch, idx) -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if trainer.global_step > warmup:
-                step_s.setdefault(self.m, []).append(time.perf_counter() - self.t0)
-
-    accelerator = "gpu" if device.type == "cuda" else "cpu"
-    with tempfile.TemporaryDirectory() as tmp:
-        for m in (1, microbatches):
-            timer = Timer()
-            timer.m = m
-            torch.manual_seed(0)
-            data = _import(data_path)(batch_size=m, num_samples=m * (warmup + steps + 1), **data_args)
-            ids = {k: getattr(data, k) for k in ("pad_token_id", "eos_token_id") if shape.family == "t5"}
-            model = _import(module_path)(**model_args, **ids)
-            trainer = pl.Trainer(accelerator=accelerator, devices=[device.index or 0] if accelerator == "gpu" else 1,
-                                 strategy=Compressed3DStrategy(num_microbatches=m, compression=False),
-                                 precision=precision if accelerator == "gpu" else "32-true", max_steps=warmup + steps,
-                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                 enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                                 default_root_dir=tmp, callbacks=[timer])
-            trainer.fit(model, datamodule=data)
-            del trainer, model, data
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    # Lightning's and the strategy's start-up notes would fill the profiler's output: quiet while the tiny model trains.
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning_3d")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        step_s = _train_tiny(module_path, data_path, model_args, data_args, shape.family, device, precision,
+                             microbatches, warmup, steps)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
     one, many = statistics.median(step_s[1]), statistics.median(step_s[microbatches])
     per_mb = max(0.0, (many - one) / (microbatches - 1))
     # The tiny model's own layers and optimizer, measured as the real model's are, come off those times.
@@ -387,6 +393,50 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     log(f"overheads: {microbatch_s * 1e3:.2f} ms per micro-batch, {step_only * 1e3:.2f} ms per step")
     return {"microbatch_seconds": microbatch_s, "step_seconds": step_only, "measured_step_seconds": [one, many],
             "microbatches": [1, microbatches], "tiny_layers_seconds": layers_s, "model": module_path}
+
+
+def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: dict, family: str, device: torch.device,
+                precision: str, microbatches: int, warmup: int, steps: int) -> dict[int, list[float]]:
+    """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count."""
+    import lightning.pytorch as pl
+
+    from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
+
+    step_s: dict[int, list[float]] = {}
+
+    class Timer(pl.Callback):
+        def __init__(self, m: int) -> None:
+            self.m, self.t0 = m, 0.0
+
+        def on_train_batch_start(self, trainer, module, batch, idx) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, out, batch, idx) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if trainer.global_step > warmup:
+                step_s.setdefault(self.m, []).append(time.perf_counter() - self.t0)
+
+    accelerator = "gpu" if device.type == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in (1, microbatches):
+            torch.manual_seed(0)
+            data = _import(data_path)(batch_size=m, num_samples=m * (warmup + steps + 1), **data_args)
+            ids = {k: getattr(data, k) for k in ("pad_token_id", "eos_token_id")} if family == "t5" else {}
+            model = _import(module_path)(**model_args, **ids)
+            trainer = pl.Trainer(accelerator=accelerator, devices=[device.index or 0] if accelerator == "gpu" else 1,
+                                 strategy=Compressed3DStrategy(num_microbatches=m, compression=False),
+                                 precision=precision if accelerator == "gpu" else "32-true", max_steps=warmup + steps,
+                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                                 default_root_dir=tmp, callbacks=[Timer(m)])
+            trainer.fit(model, datamodule=data)
+            del trainer, model, data
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return step_s
 
 
 class _NoCost:
