@@ -248,7 +248,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
         base.to(device)
         module = base
         if compiled and kind == "head":
-            run = torch.compile(run, mode=None if compile is True else compile)
+            run = torch.compile(run, **_compile_options(compile))
         elif compiled:
             module = _compiled(base, compile, fuse_gradients)
         doc["layers"].setdefault(kind, [])
@@ -266,12 +266,16 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
             kw = dict(recompute=rc, device=device, dtype=dtype, warmup=warmup, repeats=repeats)
             one = None if smaller_failed else measure(module, make(b, s, t, dtype or torch.float32), run, **kw)
             many = measure(module, make(b, s, t, dtype or torch.float32), run, chain=CHAIN, **kw) if chained and one else None
-            if one is not None and many is not None:
+            consistent = many is not None and all(0 < many[q] - one[q] < (CHAIN - 1) * one[q]
+                                                  for q in ("forward", "backward"))
+            if consistent:
+                if not rc and not compiled:
+                    call_f.append(many["forward"] - CHAIN * _marginal(one["forward"], many["forward"], CHAIN))
+                    call_b.append(many["backward"] - CHAIN * _marginal(one["backward"], many["backward"], CHAIN))
                 for q in ("forward", "backward", "host_forward", "host_backward"):
                     one[q] = _marginal(one[q], many[q], CHAIN)
-                if not rc and not compiled:
-                    call_f.append(max(0.0, many["forward"] - CHAIN * one["forward"]))
-                    call_b.append(max(0.0, many["backward"] - CHAIN * one["backward"]))
+            else:
+                many = None  # a chain slower per layer than a single call, or no faster than it: noise
             for q in names:
                 _set(grid[q], idx, None if one is None else one[q])
             if one is not None and many is None:
@@ -282,6 +286,8 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
             entry["compiled"] = True
         doc["layers"][kind].append(entry)
         log(f"profiled {kind} recompute={rc}{' compiled' if compiled else ''} ({time.perf_counter() - started:.1f} s)")
+        if compiled and module is not base:
+            unfuse_gradient_accumulation(list(module.parameters()))  # the copy's slots, out of the registry
         del module
         base.to("cpu")
     # A single timing holds one call's fixed costs besides the layer: T(1) = fixed + marginal, and with the chain
@@ -291,7 +297,9 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     for grid, idx in single:
         for q, fixed in (("forward", fixed_f), ("backward", fixed_b)):
             value = _get(grid[q], idx)
-            _set(grid[q], idx, max(value - fixed, 0.0))
+            # Where the median call cost is not below this single timing (noise), the timing stands (an
+            # overestimate by at most that cost) rather than a layer that costs nothing.
+            _set(grid[q], idx, value - fixed if value > fixed else value)
     doc["call_overhead"] = {"forward_seconds": fixed_f, "backward_seconds": fixed_b}
     doc["gradient_accumulation_fusion"] = bool(fuse_gradients)
     tensors = model_tensors(layers, shape, device)
@@ -321,8 +329,14 @@ def _compiled(module: nn.Module, mode: bool | str, fused: bool) -> nn.Module:
     compiled = copy.deepcopy(module)
     if fused:
         _fuse(compiled)
-    compiled.compile(mode=None if mode is True else mode)
+    compiled.compile(**_compile_options(mode))
     return compiled
+
+
+def _compile_options(mode: bool | str) -> dict:
+    # The recipes' backend (L3D_COMPILE_BACKEND, default inductor: recipes/training.py); a mode only for inductor.
+    backend = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
+    return {"backend": backend, "mode": (None if mode is True else mode) if backend == "inductor" else None}
 
 
 def _fuse(module: nn.Module) -> list[nn.Parameter]:
@@ -368,12 +382,17 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
+    # Lightning sets the rendezvous variables (MASTER_PORT, WORLD_SIZE, ...) in this process's environment: restored,
+    # so that processes started after the profile (a benchmark's workers) do not inherit them.
+    environ = dict(os.environ)
     try:
         step_s = _train_tiny(module_path, data_path, model_args, data_args, shape.family, device, precision,
                              microbatches, warmup, steps)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+        os.environ.clear()
+        os.environ.update(environ)
     one, many = statistics.median(step_s[1]), statistics.median(step_s[microbatches])
     per_mb = max(0.0, (many - one) / (microbatches - 1))
     # The tiny model's own layers and optimizer, measured as the real model's are, come off those times.
