@@ -13,9 +13,9 @@ predicted and measured step time (median of the timed steps, with their p10-p90)
 correlation of predicted and measured times, the worst memory error, and the planner's choice (the configuration it
 predicts fastest) against the best measured one (goal: >= 97 % of its throughput). ``--budget-s``: the suite's wall
 time; a configuration that would start past it is skipped (reported), and each one's timeout is what is left.
-``--remeasure-above E``: a configuration whose time error exceeds E is measured once more in a fresh process (both
-measurements are reported; the MAPE uses the first, ``time_mape_both`` their mean), to tell a model's miss from a
-measurement's. JSON to ``$OUT/planner_validate_<suite>.json`` (or --out) and a compact summary on stdout.
+``--remeasure-above E``: after every configuration had its turn, those whose time error exceeds E are measured once
+more in fresh processes while the budget lasts (both measurements are reported; the MAPE uses the first,
+``time_mape_both`` their mean), to tell a model's miss from a disturbed measurement. JSON to ``$OUT/planner_validate_<suite>.json`` (or --out) and a compact summary on stdout.
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ class Model:
 
 C = Config
 ONE = {
+    # In the order they are measured (round-robin over the models): a budget cut drops the last.
     "gpt_350m": Model("gpt", "350m", 50257, 1024, None, 16, [
-        C(1, 16), C(2, 8), C(4, 4), C(8, 2), C(16, 1), C(4, 4, ckpt=True), C(16, 1, ckpt=True), C(8, 2, compile=True)]),
+        C(2, 8), C(4, 4, ckpt=True), C(8, 2), C(1, 16), C(4, 4), C(16, 1, ckpt=True), C(16, 1), C(8, 2, compile=True)]),
     "gpt_1.3b": Model("gpt", "1.3b", 50257, 1024, None, 8, [C(2, 4), C(4, 2), C(8, 1, ckpt=True)]),
     "t5_770m": Model("t5", "770m", 32128, 512, 128, 16, [C(4, 4), C(8, 2), C(16, 1, ckpt=True)]),
 }
@@ -133,19 +134,28 @@ def measure(m: Model, c: Config, *, steps: int, warmup: int, timeout: float, log
            "--vocab-size", str(m.vocab), "--seq-length", str(m.seq), "--micro-batch-size", str(c.mbs),
            "--num-microbatches", str(c.m), "--layouts", f"{dp},{pp},{tp}", "--schedule", c.schedule, "--steps", str(steps),
            "--warmup", str(warmup), "--precision", "32-true" if cpu else "bf16-mixed", "--devices", str(dp * pp * tp),
-           "--compression", "off", "--timeout", str(max(1, int(timeout) - 5)), "--out", str(out)]
+           "--compression", "off", "--timeout", str(max(1, int(timeout) - 10)), "--out", str(out)]
     cmd += ["--accelerator", "cpu"] if cpu else []
     cmd += ["--target-length", str(m.target)] if m.target else []
     cmd += ["--virtual-stages", str(c.v)] if c.v > 1 else []
     cmd += ["--pipeline-layer-split", ",".join(map(str, c.split))] if c.split else []
     cmd += ["--activation-checkpointing"] if c.ckpt else []
     cmd += ["--compile", "default"] if c.compile else []
+    # The driver's own --timeout stops its workers first; past ours, SIGTERM lets it clean up (its workers run in
+    # sessions of their own, which a SIGKILL of the driver would leave on the GPUs), SIGKILL only if it does not.
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        text, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
         return {"error": f"timed out after {timeout:.0f} s"}
-    if run.returncode != 0 or not out.exists():
-        return {"error": (run.stdout + run.stderr)[-1500:]}
+    if proc.returncode != 0 or not out.exists():
+        return {"error": text[-1500:]}
     row = json.loads(out.read_text())["results"][0]
     if row.get("error"):
         return {"error": row["error"][-1500:]}
@@ -214,12 +224,18 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
         intra = (doc.get("collectives") or {}).get("intra_node_bandwidth") or 300e9
         cms = {False: ProfiledCostModel(doc, derive_tp=True)}
         if compiled:
-            cms[True] = ProfiledCostModel(doc, derive_tp=True, compiled=True)
+            try:
+                cms[True] = ProfiledCostModel(doc, derive_tp=True, compiled=True)
+            except ValueError as err:  # the compile failed in the profiler: its configurations are reported as such
+                print(f"{name}: {err} {doc.get('compile_errors')}", flush=True)
         report["models"][name] = {"profile_seconds": round(profile_s, 1), "profile": str(path), "rows": [],
                                   "overheads": doc.get("overheads"), "call_overhead": doc.get("call_overhead"),
                                   "optimizer": doc.get("optimizer")}
         print(f"{name}: profiled in {profile_s:.1f} s; overheads {_overheads(doc)}", flush=True)
         for c in m.configs:
+            if c.compile not in cms:
+                work.append((name, m, c, None))
+                continue
             cm = cms[c.compile]
             cluster = ClusterSpec(1, gpus, cm.device, intra, intra)
             w = Workload(cm.shape, m.seq, m.batch, cm, cluster, target_len=m.target)
@@ -231,6 +247,10 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
     order = sorted(range(len(work)), key=lambda i: (work[i][2].compile, [w[0] for w in work[:i + 1]].count(work[i][0])))
     for i in order:
         name, m, c, p = work[i]
+        if p is None:
+            report["models"][name]["rows"].append({"config": c.label(), "predicted_step_s": None,
+                                                   "error": "no compiled profile (see compile_errors)"})
+            continue
         row = {"config": c.label(), "predicted_step_s": p.step_time, "predicted_peak_bytes": p.peak_memory,
                "predicted_pipeline_s": p.pipeline_time, "predicted_optimizer_s": p.optimizer_time,
                "predicted_overhead_s": p.overhead_time, "predicted_dp_s": p.exposed_dp_time}
@@ -243,14 +263,24 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
         if "step_s" in row:
             row["time_error"] = p.step_time / row["step_s"] - 1
             row["memory_error"] = p.peak_memory / row["peak_bytes"] - 1 if row.get("peak_bytes") else None
-            if abs(row["time_error"]) > ns.remeasure_above and left() > ns.min_config_s:
-                again = measure(m, c, steps=ns.steps, warmup=ns.warmup, timeout=min(ns.config_timeout_s, left()),
-                                log_dir=log_dir, cpu=cpu)
-                if "step_s" in again:
-                    row["repeat_step_s"] = again["step_s"]
         report["models"][name]["rows"].append(row)
         print(_line(name, row), flush=True)
         Path(ns.out).write_text(json.dumps(report, indent=1))
+    # Second pass, once every configuration had its turn: the worst misses measured again in fresh processes while
+    # the budget lasts (a model's miss repeats; a disturbed measurement does not).
+    misses = sorted(((abs(r["time_error"]), name, r) for name, e in report["models"].items() for r in e["rows"]
+                     if "time_error" in r and abs(r["time_error"]) > ns.remeasure_above), key=lambda t: -t[0])
+    for _, name, row in misses:
+        if left() < ns.min_config_s:
+            break
+        m = models[name]
+        c = next(c for c in m.configs if c.label() == row["config"])
+        again = measure(m, c, steps=ns.steps, warmup=ns.warmup, timeout=min(ns.config_timeout_s, left()),
+                        log_dir=log_dir, cpu=cpu)
+        if "step_s" in again:
+            row["repeat_step_s"] = again["step_s"]
+            row["repeat_p10_p90_s"] = [again["step_p10_s"], again["step_p90_s"]]
+        print("  again" + _line(name, row)[1:], flush=True)
     every = []
     for name, entry in report["models"].items():
         entry.update(summarize(entry["rows"]))
@@ -319,7 +349,11 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"--models {unknown}: this suite has {sorted(models)}")
         models = {k: v for k, v in models.items() if k in ns.models}
     gpus = 1 if ns.suite == "one" else 4
-    if not cpu:
+    if cpu:
+        import torch
+
+        torch.set_num_threads(1)  # as train_throughput's workers run (OMP_NUM_THREADS=1): profile and runs alike
+    else:
         import torch
 
         if torch.cuda.device_count() < gpus:
