@@ -4,7 +4,7 @@ configuration, synthetic data, bf16-mixed) and compare. Two suites, each sized f
 
     python benchmarks/planner_validate.py --suite one    # 1 GPU: GPT-350M, GPT-1.3B, T5-770M (14 configurations)
     python benchmarks/planner_validate.py --suite four   # 4 GPUs: GPT-350M, every (dp, pp, tp) of 4 (14 configurations)
-    python benchmarks/planner_validate.py --suite one --device cpu    # CPU smoke test (tiny GPT and T5)
+    L3D_COMPILE_BACKEND=aot_eager python benchmarks/planner_validate.py --suite one --device cpu   # CPU smoke test
     python benchmarks/planner_validate.py --suite four --device cpu   # CPU smoke test (tiny GPT, 4 processes)
 
 Every configuration of a model trains the same global batch, so step times compare directly. Per configuration: the
@@ -92,7 +92,7 @@ ONE = {
     "t5_770m": Model("t5", "770m", 32128, 512, 128, 16, [C(4, 4), C(8, 2), C(16, 1, ckpt=True)]),
 }
 ONE_CPU = {  # smoke test of the script on the CPU: times of the CPU, no memory figures
-    "gpt_tiny": Model("gpt", "tiny", 4096, 64, None, 4, [C(1, 4), C(2, 2), C(4, 1, ckpt=True)]),
+    "gpt_tiny": Model("gpt", "tiny", 4096, 64, None, 4, [C(1, 4), C(2, 2), C(4, 1, ckpt=True), C(2, 2, compile=True)]),
     "t5_tiny": Model("t5", "tiny", 512, 32, 16, 4, [C(2, 2), C(4, 1, ckpt=True)]),
 }
 # Four GPUs, GPT-350M (24 layers), global batch 32 sequences of 1024: every (dp, pp, tp) layout of 4 GPUs, the three
@@ -206,54 +206,64 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
     cpu = ns.device == "cpu"
     left = lambda: ns.budget_s - (time.monotonic() - started)  # noqa: E731
     report: dict = {"suite": ns.suite, "gpus": gpus, "device": ns.device or "cuda", "models": {}}
-    work = []  # (name, model, config, cost model, prediction)
+    work = []  # (name, model, config)
+    docs, clusters = {}, {}
     for name, m in models.items():
-        eager, compiled = m.profile_sizes()
+        eager, _ = m.profile_sizes()
         t0 = time.monotonic()
         doc = profile_model(config_dict(m, cpu), device=ns.device, microbatch_sizes=eager, seq_lens=[m.seq],
                             target_lens=[m.target] if m.target else None, repeats=ns.repeats, warmup=2,
-                            collectives=gpus > 1 and not cpu, compile=bool(compiled), compile_microbatch_sizes=compiled,
-                            log=lambda *a: None)
+                            collectives=gpus > 1 and not cpu, log=lambda *a: None)
         profile_s = time.monotonic() - t0
-        if not cpu:
-            import torch
-
-            torch.cuda.empty_cache()
-        path = Path(ns.out).with_name(f"profile_{ns.suite}_{name}.json")
-        path.write_text(json.dumps(doc, allow_nan=False))
+        _release(cpu)
+        docs[name] = doc
+        _save_profile(ns, name, doc)
         intra = (doc.get("collectives") or {}).get("intra_node_bandwidth") or 300e9
-        cms = {False: ProfiledCostModel(doc, derive_tp=True)}
-        if compiled:
-            try:
-                cms[True] = ProfiledCostModel(doc, derive_tp=True, compiled=True)
-            except ValueError as err:  # the compile failed in the profiler: its configurations are reported as such
-                print(f"{name}: {err} {doc.get('compile_errors')}", flush=True)
-        report["models"][name] = {"profile_seconds": round(profile_s, 1), "profile": str(path), "rows": [],
-                                  "overheads": doc.get("overheads"), "call_overhead": doc.get("call_overhead"),
-                                  "optimizer": doc.get("optimizer")}
+        clusters[name] = ClusterSpec(1, gpus, ProfiledCostModel(doc).device, intra, intra)
+        report["models"][name] = {"profile_seconds": round(profile_s, 1), "rows": [], "overheads": doc.get("overheads"),
+                                  "call_overhead": doc.get("call_overhead"), "optimizer": doc.get("optimizer")}
         print(f"{name}: profiled in {profile_s:.1f} s; overheads {_overheads(doc)}", flush=True)
-        for c in m.configs:
-            if c.compile not in cms:
-                work.append((name, m, c, None))
+        work += [(name, m, c) for c in m.configs]
+    # Round-robin over the models, so that a budget cut leaves every model measured; compiled configurations last,
+    # with their grids profiled only then (the compiles are the longest part) and only if the budget allows both.
+    position = {id(c): i for m in models.values() for i, c in enumerate(m.configs)}
+    order = sorted(work, key=lambda t: (t[2].compile, position[id(t[2])]))
+    for name, m, c in order:
+        row: dict = {"config": c.label()}
+        if c.compile and not any(e.get("compiled") for e in docs[name]["layers"].get("block", [])):
+            if left() < ns.compile_reserve_s:
+                row.update(predicted_step_s=None, error=f"skipped: {left():.0f} s left, a compiled configuration"
+                           f" needs --compile-reserve-s {ns.compile_reserve_s:.0f}")
+                report["models"][name]["rows"].append(row)
+                print(f"  {name:9s} {row['config']:34s} {row['error']}", flush=True)
                 continue
-            cm = cms[c.compile]
-            cluster = ClusterSpec(1, gpus, cm.device, intra, intra)
-            w = Workload(cm.shape, m.seq, m.batch, cm, cluster, target_len=m.target)
-            cand = candidate(m, c, cm)
-            p = simulate_candidate(cand, w) if cand.pp > 1 else predict(cand, w)
-            work.append((name, m, c, p))
-    # Round-robin over the models (compiled configurations last: their compile is the longest start), so that a
-    # budget cut leaves every model measured.
-    order = sorted(range(len(work)), key=lambda i: (work[i][2].compile, [w[0] for w in work[:i + 1]].count(work[i][0])))
-    for i in order:
-        name, m, c, p = work[i]
-        if p is None:
-            report["models"][name]["rows"].append({"config": c.label(), "predicted_step_s": None,
-                                                   "error": "no compiled profile (see compile_errors)"})
+            t0 = time.monotonic()
+            sizes = m.profile_sizes()[1]
+            extra = profile_model(config_dict(m, cpu), device=ns.device, microbatch_sizes=sizes, seq_lens=[m.seq],
+                                  target_lens=[m.target] if m.target else None, repeats=ns.repeats, warmup=2,
+                                  collectives=False, overheads=False, compile=True, compile_microbatch_sizes=sizes,
+                                  eager=False, log=lambda *a: None)
+            _release(cpu)
+            for kind, entries in extra["layers"].items():
+                docs[name]["layers"].setdefault(kind, []).extend(e for e in entries if e.get("compiled"))
+            if extra.get("compile_errors"):
+                docs[name]["compile_errors"] = extra["compile_errors"]
+            report["models"][name]["compile_profile_seconds"] = round(time.monotonic() - t0, 1)
+            _save_profile(ns, name, docs[name])
+            print(f"{name}: compiled grids profiled in {time.monotonic() - t0:.1f} s", flush=True)
+        try:
+            cm = ProfiledCostModel(docs[name], derive_tp=True, compiled=c.compile)
+        except ValueError as err:  # the compile failed in the profiler: its configurations say so
+            row.update(predicted_step_s=None, error=f"{err} {docs[name].get('compile_errors')}")
+            report["models"][name]["rows"].append(row)
+            print(f"  {name:9s} {row['config']:34s} {row['error'][:120]}", flush=True)
             continue
-        row = {"config": c.label(), "predicted_step_s": p.step_time, "predicted_peak_bytes": p.peak_memory,
-               "predicted_pipeline_s": p.pipeline_time, "predicted_optimizer_s": p.optimizer_time,
-               "predicted_overhead_s": p.overhead_time, "predicted_dp_s": p.exposed_dp_time}
+        w = Workload(cm.shape, m.seq, m.batch, cm, clusters[name], target_len=m.target)
+        cand = candidate(m, c, cm)
+        p = simulate_candidate(cand, w) if cand.pp > 1 else predict(cand, w)
+        row.update({"predicted_step_s": p.step_time, "predicted_peak_bytes": p.peak_memory,
+                    "predicted_pipeline_s": p.pipeline_time, "predicted_optimizer_s": p.optimizer_time,
+                    "predicted_overhead_s": p.overhead_time, "predicted_dp_s": p.exposed_dp_time})
         budget = left()
         if budget < ns.min_config_s:
             row["error"] = f"skipped: {budget:.0f} s of the suite's budget left"
@@ -275,6 +285,8 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
             break
         m = models[name]
         c = next(c for c in m.configs if c.label() == row["config"])
+        if c.compile:  # a second compile costs what a first does: not worth the budget's end
+            continue
         again = measure(m, c, steps=ns.steps, warmup=ns.warmup, timeout=min(ns.config_timeout_s, left()),
                         log_dir=log_dir, cpu=cpu)
         if "step_s" in again:
@@ -289,6 +301,17 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
     report["wall_seconds"] = round(time.monotonic() - started, 1)
     Path(ns.out).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _release(cpu: bool) -> None:
+    if not cpu:
+        import torch
+
+        torch.cuda.empty_cache()  # the profiler's cached blocks, out of the way of the runs' processes
+
+
+def _save_profile(ns, name: str, doc: dict) -> None:
+    Path(ns.out).with_name(f"profile_{ns.suite}_{name}.json").write_text(json.dumps(doc, allow_nan=False))
 
 
 def _overheads(doc: dict) -> str:
@@ -335,6 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=500.0, help="the suite's wall time")
     parser.add_argument("--config-timeout-s", type=float, default=120.0, help="per configuration")
     parser.add_argument("--min-config-s", type=float, default=25.0, help="skip a configuration with less left")
+    parser.add_argument("--compile-reserve-s", type=float, default=150.0,
+                        help="seconds a compiled configuration needs left (its grids' compile and its run's)")
     parser.add_argument("--remeasure-above", type=float, default=0.15, help="time error that triggers a re-run")
     parser.add_argument("--models", nargs="+", default=None, help="a subset of the suite's models")
     ns = parser.parse_args(argv)

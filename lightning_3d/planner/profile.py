@@ -189,7 +189,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
                   seq_lens=None, target_lens=None, recompute=(False, True), warmup: int = 2, repeats: int = 5,
                   collectives: bool = True, compile: bool | str = False, overheads: bool = True,
                   fuse_gradients: bool = True, compile_recompute=(False,), compile_microbatch_sizes=None,
-                  log=print) -> dict:
+                  eager: bool = True, log=print) -> dict:
     """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named).
 
     Per layer kind and grid point: forward and backward seconds of one layer as it runs inside a stage. A block is
@@ -200,7 +200,8 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     head's single timings too. ``host_forward``/``host_backward``: the host's seconds to issue the same (eager
     PyTorch launches every kernel from Python: a small layer is host-bound). ``compile``: also the blocks under
     ``torch.compile`` (grids marked ``compiled``). ``fuse_gradients``: the layers with the strategy's default
-    gradient-accumulation fusion (False: plain autograd, for ``gradient_accumulation_fusion=False`` runs). ``overheads``: the per-micro-batch and per-step costs outside
+    gradient-accumulation fusion (False: plain autograd, for ``gradient_accumulation_fusion=False`` runs).
+    ``eager=False`` with ``compile``: only the compiled grids (to add to an eager profile's layers later). ``overheads``: the per-micro-batch and per-step costs outside
     the layers, from a few steps of a tiny model of the same recipe under the strategy (``measure_overheads``).
     """
     if device is None:
@@ -236,7 +237,8 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     # The layers as the strategy trains them: its default gradient-accumulation fusion turns their nn.Linear into
     # FusedGradLinear (weight gradients added in fp32 inside the backward's GEMM, through a custom op).
     fused = {kind: _fuse(module) for kind, (module, _, _) in layers.items()} if fuse_gradients else {}
-    variants = [(kind, rc, False) for kind in layers for rc in (recompute if kind not in ("embedding", "head") else (False,))]
+    variants = [(kind, rc, False) for kind in layers for rc in (recompute if kind not in ("embedding", "head") else (False,))
+                if eager]
     if compile:
         # The compiled recipes compile each block and the loss (the head's fp32 cross-entropy): compiled grids of
         # the blocks and the head, on ``compile_microbatch_sizes`` (each new shape may compile again).
@@ -291,9 +293,9 @@ def _profile_variant(doc, layers, kind, rc, compiled, compile, fuse_gradients, c
         consistent = many is not None and all(0 < many[q] - one[q] < (CHAIN - 1) * one[q]
                                               for q in ("forward", "backward"))
         if consistent:
-            if not rc and not compiled:
-                call_f.append(many["forward"] - CHAIN * _marginal(one["forward"], many["forward"], CHAIN))
-                call_b.append(many["backward"] - CHAIN * _marginal(one["backward"], many["backward"], CHAIN))
+            if not rc:  # samples of the call's fixed cost, eager and compiled apart (key: compiled)
+                call_f.append((compiled, many["forward"] - CHAIN * _marginal(one["forward"], many["forward"], CHAIN)))
+                call_b.append((compiled, many["backward"] - CHAIN * _marginal(one["backward"], many["backward"], CHAIN)))
             for q in ("forward", "backward", "host_forward", "host_backward"):
                 one[q] = _marginal(one[q], many[q], CHAIN)
         else:
@@ -317,8 +319,12 @@ def _profile_variant(doc, layers, kind, rc, compiled, compile, fuse_gradients, c
 def _finish_profile_layers(doc, call_f, call_b, single) -> None:
     # A single timing holds one call's fixed costs besides the layer: T(1) = fixed + marginal, and with the chain
     # T(CHAIN) = fixed + CHAIN * marginal, so fixed = T(CHAIN) - CHAIN * marginal (above).
-    fixed_f = statistics.median(call_f) if call_f else 0.0
-    fixed_b = statistics.median(call_b) if call_b else 0.0
+    def median(samples):
+        # The eager blocks' samples (the stage's call is eager code); a compiled-only profile has only compiled ones.
+        eager = [v for compiled, v in samples if not compiled]
+        return statistics.median(eager or [v for _, v in samples]) if samples else 0.0
+
+    fixed_f, fixed_b = median(call_f), median(call_b)
     for grid, idx in single:
         for q, fixed in (("forward", fixed_f), ("backward", fixed_b)):
             value = _get(grid[q], idx)
