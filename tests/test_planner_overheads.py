@@ -259,3 +259,26 @@ def test_validation_suites_are_the_sizes_the_issue_asks() -> None:
                 assert len(c.split) == c.layout[1] * c.v and sum(c.split) == 24
     for model in v.ONE.values():
         assert all(c.mbs * c.m == model.batch for c in model.configs)
+
+
+def test_compiled_grids_profiled_alone_join_an_eager_profile(monkeypatch) -> None:
+    import lightning_3d.recipes  # noqa: F401
+    from lightning_3d.planner.profile import profile_model
+
+    monkeypatch.setenv("L3D_COMPILE_BACKEND", "aot_eager")  # the recipes' switch: no C++ build on CI
+    cfg = {"trainer": {"precision": "32-true"},
+           "model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "vocab_size": 512,
+                                                                              "num_layers": 2}},
+           "data": {"init_args": {"seq_length": 32}}}
+    kw = dict(device="cpu", seq_lens=[32], warmup=1, repeats=1, collectives=False, overheads=False, log=lambda *a: None)
+    eager = profile_model(cfg, microbatch_sizes=[1, 2], **kw)
+    compiled = profile_model(cfg, microbatch_sizes=[2], compile=True, compile_microbatch_sizes=[2], eager=False, **kw)
+    assert not compiled.get("compile_errors")
+    assert {k: [e.get("compiled") for e in v] for k, v in compiled["layers"].items()} == {"block": [True], "head": [True]}
+    for kind, entries in compiled["layers"].items():
+        eager["layers"][kind].extend(entries)
+    cm = ProfiledCostModel(eager, compiled=True)
+    f, b = cm.layer_time("block", 2, 32)
+    assert 0 < float(f) < math.inf and 0 < float(b) < math.inf
+    assert math.isinf(float(cm.layer_time("block", 1, 32)[0]))  # compiled only at micro-batch 2
+    assert float(cm.layer_time("embedding", 1, 32)[0]) > 0  # eager embedding serves the compiled model
