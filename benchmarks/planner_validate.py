@@ -98,15 +98,14 @@ ONE_CPU = {  # smoke test of the script on the CPU: times of the CPU, no memory 
 # Four GPUs, GPT-350M (24 layers), global batch 32 sequences of 1024: every (dp, pp, tp) layout of 4 GPUs, the three
 # schedules, micro-batch sizes, checkpointing and uneven splits (the head is worth about two blocks: fewer layers on
 # the last stage).
-FOUR = {
+FOUR = {  # in the order they are measured: every layout first, then schedules, checkpointing and splits
     "gpt_350m": Model("gpt", "350m", 50257, 1024, None, 32, [
-        C(4, 2, layout=(4, 1, 1)), C(8, 1, ckpt=True, layout=(4, 1, 1)),
-        C(4, 4, layout=(2, 2, 1)), C(4, 4, layout=(2, 2, 1), schedule="gpipe"),
-        C(4, 4, layout=(2, 2, 1), schedule="interleaved_1f1b", v=2),
-        C(4, 8, layout=(1, 4, 1)), C(2, 16, layout=(1, 4, 1)), C(4, 8, layout=(1, 4, 1), schedule="interleaved_1f1b", v=2),
-        C(4, 8, ckpt=True, layout=(1, 4, 1), schedule="gpipe"), C(4, 8, layout=(1, 4, 1), split=(7, 6, 6, 5)),
-        C(4, 4, layout=(2, 1, 2)), C(4, 8, layout=(1, 2, 2)), C(4, 8, layout=(1, 2, 2), split=(13, 11)),
-        C(8, 4, layout=(1, 1, 4))], sizes=[2, 4, 8]),
+        C(4, 2, layout=(4, 1, 1)), C(4, 4, layout=(2, 2, 1)), C(4, 8, layout=(1, 4, 1)), C(4, 4, layout=(2, 1, 2)),
+        C(4, 8, layout=(1, 2, 2)), C(8, 4, layout=(1, 1, 4)),
+        C(4, 4, layout=(2, 2, 1), schedule="gpipe"), C(4, 4, layout=(2, 2, 1), schedule="interleaved_1f1b", v=2),
+        C(4, 8, layout=(1, 4, 1), split=(7, 6, 6, 5)), C(4, 8, layout=(1, 4, 1), schedule="interleaved_1f1b", v=2),
+        C(4, 8, ckpt=True, layout=(1, 4, 1), schedule="gpipe"), C(8, 1, ckpt=True, layout=(4, 1, 1)),
+        C(4, 8, layout=(1, 2, 2), split=(13, 11)), C(2, 16, layout=(1, 4, 1))], sizes=[2, 4, 8]),
 }
 FOUR_CPU = {
     "gpt_tiny": Model("gpt", "tiny", 4096, 64, None, 8, [

@@ -251,6 +251,7 @@ def test_validation_suites_are_the_sizes_the_issue_asks() -> None:
     assert len(four) >= 12
     layouts = {c.layout for c in four}
     assert layouts == {(dp, pp, tp) for dp in (1, 2, 4) for pp in (1, 2, 4) for tp in (1, 2, 4) if dp * pp * tp == 4}
+    assert {c.layout for c in four[:len(layouts)]} == layouts  # measured first: a budget cut keeps every layout
     assert {c.schedule for c in four} == {"gpipe", "1f1b", "interleaved_1f1b"} and any(c.split for c in four)
     for name, model in v.FOUR.items():
         for c in model.configs:  # one global batch per model, and splits that cover the layers
