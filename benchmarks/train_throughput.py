@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", nargs="+", default="4,1,1 1,4,1 1,1,4 2,2,1 2,1,2 1,2,2".split(), help="dp,pp,tp")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
     p.add_argument("--virtual-stages", type=int, default=None, help="interleaved schedule only")
+    p.add_argument("--pipeline-layer-split", default=None, help="layers per stage, comma-separated (default: even)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true", "32-true"))
     p.add_argument("--steps", type=int, default=30, help="timed steps")
@@ -238,6 +239,8 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.reset_peak_memory_stats()
         strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, schedule=schedule,
                                         virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel,
+                                        pipeline_layer_split=[int(x) for x in args.pipeline_layer_split.split(",")]
+                                        if args.pipeline_layer_split else None,
                                         cb_rank=args.cb_rank, sc_rank=args.sc_rank, sc_warmup=args.sc_warmup,
                                         **mode_options(mode, pp), **diagnosis_timeout())
         timer = StepTimer(variant_result_path(args.result, variant))

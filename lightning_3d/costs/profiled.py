@@ -25,8 +25,13 @@ from lightning_3d.costs.analytic import AnalyticCostModel
 from lightning_3d.costs.model import DeviceSpec, LayerKind, ModelShape
 
 PROFILE_FORMAT = "lightning_3d.profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+#: versions this code reads; version 1 lacks the host times and the fixed overheads (read as absent: zero)
+READABLE_VERSIONS = (1, 2)
 QUANTITIES = ("forward", "backward", "stored", "peak")
+#: optional per-grid quantities (version 2): the host's (CPU) seconds to issue a layer's forward / backward
+HOST_QUANTITIES = ("host_forward", "host_backward")
+BLOCK_KINDS = ("block", "encoder_block", "decoder_block")
 
 
 class _Grid:
@@ -42,7 +47,7 @@ class _Grid:
                 raise ValueError(f"{where}: {name} axis {axis.tolist()} must be positive and strictly increasing.")
         shape = tuple(len(a) for a in self.axes)
         self.interp = {}
-        for q in QUANTITIES:
+        for q in (*QUANTITIES, *(h for h in HOST_QUANTITIES if entry.get(h) is not None)):
             values = np.array(entry[q], dtype=object)
             if values.shape != shape:
                 raise ValueError(f"{where}: {q} has shape {values.shape}, the axes say {shape}.")
@@ -74,7 +79,7 @@ class ProfiledCostModel:
     """``CostModel`` from a profile file (see the module docstring)."""
 
     def __init__(self, profile: str | Path | dict, *, derive_tp: bool = False, tp_link_bandwidth: float | None = None,
-                 tp_latency: float = 10e-6) -> None:
+                 tp_latency: float = 10e-6, compiled: bool = False) -> None:
         if isinstance(profile, dict):
             data, where = profile, "profile"
             digest = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()[:12]
@@ -92,14 +97,37 @@ class ProfiledCostModel:
         self.collectives = data.get("collectives", {})
         #: measured AdamW step seconds per parameter (None when the profile lacks it; the planner then estimates)
         self.optimizer_seconds_per_parameter = (data.get("optimizer") or {}).get("seconds_per_parameter")
+        self.version = int(data["version"])
+        overheads = data.get("overheads") or {}
+        #: measured host overhead of one micro-batch outside its layers (the strategy's engine, the forward and
+        #: backward calls) and of one step outside the micro-batches and the optimizer (Lightning's loop, hooks);
+        #: 0 for version-1 profiles, which did not measure them
+        self.microbatch_overhead_seconds = float(overheads.get("microbatch_seconds") or 0.0)
+        self.step_overhead_seconds = float(overheads.get("step_seconds") or 0.0)
+        #: grids of torch.compile'd blocks (``compiled=True``) instead of eager ones; embedding and head are eager
+        self.compiled = bool(compiled)
         self.derive_tp = derive_tp
         self.tp_link_bandwidth = tp_link_bandwidth
         self.tp_latency = tp_latency
         self._grids: dict[tuple[str, bool, int], _Grid] = {}
         for kind, entries in data["layers"].items():
+            # Per (recompute, tp): the grid of the asked compilation; the embedding and head fall back to eager ones
+            # (a profile compiles the blocks, and the head's loss where it can).
+            chosen: dict[tuple[bool, int], tuple[int, dict]] = {}
             for i, entry in enumerate(entries):
-                key = (kind, bool(entry["recompute"]), int(entry["tp"]))
-                self._grids[key] = _Grid(entry, f"{where}: layers.{kind}[{i}]")
+                same = bool(entry.get("compiled", False)) == self.compiled
+                if not same and kind in BLOCK_KINDS:
+                    continue
+                key = (bool(entry["recompute"]), int(entry["tp"]))
+                if key not in chosen or same:
+                    chosen[key] = (i, entry)
+            for (rc, tp), (i, entry) in chosen.items():
+                self._grids[(kind, rc, tp)] = _Grid(entry, f"{where}: layers.{kind}[{i}]")
+        if self.compiled:
+            missing = [k for k in data["layers"] if k in BLOCK_KINDS and not any(kk == k for kk, _, _ in self._grids)]
+            if missing:
+                raise ValueError(f"{where} has no compiled grid for {missing}: profile with `lightning-3d profile"
+                                 f" --compile` (or read it with compiled=False for eager costs).")
         self._analytic = AnalyticCostModel(self.shape, self.device) if derive_tp else None
 
     def kinds(self) -> set[str]:
@@ -150,6 +178,21 @@ class ProfiledCostModel:
             fwd, bwd = fwd + comm, bwd + comm
         return fwd, bwd
 
+    def layer_host_time(self, kind: LayerKind, microbatch_size: ArrayLike, seq_len: ArrayLike, *,
+                        target_len: ArrayLike | None = None, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds the host takes to issue the layer's kernels (version-2 profiles; zeros where
+        the profile has none). A tensor-parallel shard launches the same kernels as the whole layer, so a degree
+        the profile lacks takes the tp = 1 host time (the collectives' launches are not counted)."""
+        p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
+        grid = self._grids.get((kind, recompute, tp)) or self._grids.get((kind, recompute, 1))
+        if grid is None and kind in ("embedding", "head"):
+            grid = self._grids.get((kind, False, tp)) or self._grids.get((kind, False, 1))
+        zeros = np.zeros(np.broadcast_shapes(*(np.shape(x) for x in p)))
+        if grid is None or "host_forward" not in grid.interp:
+            return zeros, zeros
+        q = p[: len(grid.axes)]
+        return grid("host_forward", q), grid("host_backward", q)
+
     def layer_memory(self, kind: LayerKind, microbatch_size: ArrayLike, seq_len: ArrayLike, *,
                      target_len: ArrayLike | None = None, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
@@ -160,9 +203,9 @@ def check_profile(data: object, where: str = "profile") -> None:
     """Raise a ValueError naming what is wrong with a profile's structure (format, version, fields)."""
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise ValueError(f"{where} is not a lightning_3d profile (its 'format' must be {PROFILE_FORMAT!r}).")
-    if data.get("version") != PROFILE_VERSION:
-        raise ValueError(f"{where} has profile version {data.get('version')!r}; this lightning_3d reads version"
-                         f" {PROFILE_VERSION}. Re-run `lightning-3d profile`.")
+    if data.get("version") not in READABLE_VERSIONS:
+        raise ValueError(f"{where} has profile version {data.get('version')!r}; this lightning_3d reads versions"
+                         f" {list(READABLE_VERSIONS)}. Re-run `lightning-3d profile` with this version.")
     for key, cls in (("model", ModelShape), ("device", DeviceSpec)):
         section = data.get(key)
         allowed = {f.name for f in fields(cls)}
@@ -179,6 +222,15 @@ def check_profile(data: object, where: str = "profile") -> None:
             missing = needed - set(entry)
             if missing:
                 raise ValueError(f"{where}: layers.{kind}[{i}] lacks {sorted(missing)}.")
+            if (entry.get("host_forward") is None) != (entry.get("host_backward") is None):
+                raise ValueError(f"{where}: layers.{kind}[{i}] has one of host_forward/host_backward without the other.")
+    overheads = data.get("overheads")
+    if overheads is not None:
+        if not isinstance(overheads, dict) or any(
+                not isinstance(overheads.get(k, 0.0), (int, float)) or overheads.get(k, 0.0) < 0
+                for k in ("microbatch_seconds", "step_seconds")):
+            raise ValueError(f"{where}: 'overheads' must hold microbatch_seconds and step_seconds as non-negative"
+                             f" numbers (got {overheads!r}).")
 
 
 def new_profile(shape: ModelShape, device: DeviceSpec, **extra) -> dict:

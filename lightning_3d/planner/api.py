@@ -54,7 +54,7 @@ class Plan:
             f"# Prediction ({s['costs']}): step {s['step_time_s'] * 1e3:.1f} ms ({s['tokens_per_s']:.0f} tokens/s),"
             f" peak memory {s['peak_memory_gib']:.2f} GiB of {s['memory_budget_gib']:.2f} GiB usable per GPU",
             f"#   pipeline {s['pipeline_s'] * 1e3:.1f} ms + exposed dp all-reduce {s['exposed_dp_allreduce_s'] * 1e3:.1f} ms"
-            f" + optimizer {s['optimizer_s'] * 1e3:.1f} ms; {self.num_gpus} GPUs"
+            f" + optimizer {s['optimizer_s'] * 1e3:.1f} ms + loop {s['step_overhead_s'] * 1e3:.1f} ms; {self.num_gpus} GPUs"
             f" ({self.cluster.nodes} node(s) x {self.cluster.gpus_per_node} {self.cluster.device.name})",
             f"#   rank {index + 1} of {len(self.predictions)}; search: {self.result.skeletons} layouts,"
             f" {self.result.evaluated} candidates in {self.result.seconds:.2f} s"

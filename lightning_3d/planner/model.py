@@ -82,6 +82,13 @@ class Workload:
             for kind in {*self.block_kinds(), "embedding", "head"}:
                 kw = dict(target_len=self.target_len, recompute=recompute and kind not in ("embedding", "head"), tp=tp)
                 f, b = self.cost_model.layer_time(kind, mbs, self.seq_len, **kw)
+                host = getattr(self.cost_model, "layer_host_time", None)
+                if host is not None:
+                    # A layer takes at least the host's time to issue its kernels (eager PyTorch launches each from
+                    # Python): the floor that holds where the measured span does not already show it (a tp shard
+                    # the profile lacks, whose compute is scaled down but whose launches are not).
+                    hf, hb = host(kind, mbs, self.seq_len, **kw)
+                    f, b = np.maximum(f, hf), np.maximum(b, hb)
                 st, pk = self.cost_model.layer_memory(kind, mbs, self.seq_len, **kw)
                 comm = self.tp_comm(kind, mbs, tp)
                 extra_bwd = comm if recompute and kind not in ("embedding", "head") else 0.0
@@ -138,6 +145,7 @@ class Prediction:
     memory_budget: float
     tokens_per_step: float
     source: str = ""
+    overhead_time: float = 0.0  # per step, outside the micro-batches and the optimizer (Lightning's loop, hooks)
 
     @property
     def fits(self) -> bool:
@@ -154,7 +162,7 @@ class Prediction:
             "step_time_s": round(self.step_time, 6), "tokens_per_s": round(self.tokens_per_second, 1),
             "peak_memory_gib": round(self.peak_memory / GIB, 3), "memory_budget_gib": round(self.memory_budget / GIB, 3),
             "pipeline_s": round(self.pipeline_time, 6), "exposed_dp_allreduce_s": round(self.exposed_dp_time, 6),
-            "optimizer_s": round(self.optimizer_time, 6), "dp": c.dp, "pp": c.pp, "tp": c.tp,
+            "optimizer_s": round(self.optimizer_time, 6), "step_overhead_s": round(self.overhead_time, 6), "dp": c.dp, "pp": c.pp, "tp": c.tp,
             "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches, "schedule": c.schedule,
             "virtual_stages": c.virtual_stages, "layer_split": list(c.layer_split),
             "stage_checkpointing": list(c.stage_checkpointing), "compression": c.compression, "costs": self.source,
@@ -165,6 +173,7 @@ def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], li
     """Per stage (pipeline order, pp × v): forward s, backward s, stored bytes/micro-batch, transient bytes, params."""
     fwd, bwd, stored, peak, params = [], [], [], [], []
     start = 0
+    mb_overhead = float(getattr(w.cost_model, "microbatch_overhead_seconds", 0.0) or 0.0)
     for s, (n, ckpt) in enumerate(zip(c.layer_split, c.stage_checkpointing)):
         blocks, emb, head = w.layer_costs(c.microbatch_size, c.tp, ckpt)
         pf, pb, pst, pp_ = w.prefix_sums(c.microbatch_size, c.tp, ckpt)
@@ -175,6 +184,9 @@ def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], li
         for is_end, extra in ((s == 0, emb), (s == c.num_stages - 1, head)):
             if is_end:
                 f, b, st, pk, p = f + extra[0], b + extra[1], st + extra[2], max(pk, extra[3]), p + extra[4]
+        # Each stage (chunk) runs one forward and one backward call per micro-batch, whose fixed host costs (the
+        # strategy's engine, the autograd engine's start) the profiler measured as one total: half on each pass.
+        f, b = f + mb_overhead / 2, b + mb_overhead / 2
         fwd.append(float(f)), bwd.append(float(b)), stored.append(float(st)), peak.append(pk), params.append(float(p))
     return fwd, bwd, stored, peak, params
 
@@ -290,8 +302,9 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
             state += params_rank[r] * w.grad_bytes_per_param  # SC's error feedback
         memory.append(rank_memory(state, held, max(stored[s] for s in stages), max(peak[s] for s in stages)))
     tokens = w.global_batch_size * (w.target_len if w.shape.family == "t5" and w.target_len else w.seq_len)
-    return Prediction(c, total + exposed + optimizer, total, exposed, optimizer, fwd, bwd, memory, max(memory),
-                      w.memory_budget, tokens, getattr(w.cost_model, "source", ""))
+    fixed = float(getattr(w.cost_model, "step_overhead_seconds", 0.0) or 0.0)  # measured by the profiler
+    return Prediction(c, total + exposed + optimizer + fixed, total, exposed, optimizer, fwd, bwd, memory, max(memory),
+                      w.memory_budget, tokens, getattr(w.cost_model, "source", ""), fixed)
 
 
 def simulate_candidate(c: Candidate, w: Workload) -> Prediction:

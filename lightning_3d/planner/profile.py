@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-
+import math
 import os
 import statistics
 import tempfile
@@ -28,9 +28,14 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
+from lightning_3d.strategies.wgrad_fusion import (fusable_linears, fuse_gradient_accumulation, register_slot,
+                                                  unfuse_gradient_accumulation)
 
 
 class _Timer:
+    """Spans of work on ``device``: CUDA events (the GPU's time from the first to the last kernel, idle gaps waiting
+    for the host included) and the host's own seconds to issue the work (``perf_counter``, no synchronisation)."""
+
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
@@ -38,12 +43,15 @@ class _Timer:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             out = fn()
+            host = time.perf_counter() - t0
             end.record()
-            return out, (start, end)
+            return out, (start, end), host
         t0 = time.perf_counter()
         out = fn()
-        return out, time.perf_counter() - t0
+        host = time.perf_counter() - t0
+        return out, host, host
 
     def seconds(self, mark) -> float:
         if self.cuda:
@@ -51,18 +59,31 @@ class _Timer:
         return mark
 
 
+#: layers applied this many times in a row for the per-layer (marginal) time: see ``profile_model``
+CHAIN = 3
+
+
 def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: torch.device, dtype: torch.dtype | None,
-            warmup: int, repeats: int) -> tuple[float, float, float, float] | None:
-    """(forward s, backward s, stored bytes, peak bytes) medians, or None when the shape runs out of memory."""
+            warmup: int, repeats: int, chain: int = 1) -> dict | None:
+    """Medians of one forward and backward through ``module`` applied ``chain`` times in a row (the output fed
+    back as the first input: blocks only), or None when the shape runs out of memory. Keys: forward, backward
+    (span seconds), host_forward, host_backward (seconds the host took to issue them), stored, peak (bytes; chain 1
+    only, else 0)."""
     timer = _Timer(device)
     cuda = device.type == "cuda"
-    fwd_t, bwd_t, stored, peak = [], [], [], []
+    rows = {k: [] for k in ("forward", "backward", "host_forward", "host_backward", "stored", "peak")}
+
+    def once(args):
+        if recompute:
+            return checkpoint(run, module, *args, use_reentrant=False)
+        return run(module, *args)
 
     def forward():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            if recompute:
-                return checkpoint(run, module, *inputs, use_reentrant=False)
-            return run(module, *inputs)
+            out = once(inputs)
+            for _ in range(chain - 1):
+                out = once((out, *inputs[1:]))
+            return out
 
     try:
         for i in range(warmup + repeats):
@@ -75,58 +96,114 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
-            out, f_mark = timer.span(forward)
+            out, f_mark, f_host = timer.span(forward)
             if cuda:
                 after = torch.cuda.memory_allocated(device)
             grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
-            _, b_mark = timer.span(lambda: out.backward(grad))
+            if cuda:
+                # The gradient's random numbers are not the layer's work: done before the backward's span starts.
+                torch.cuda.synchronize(device)
+            _, b_mark, b_host = timer.span(lambda: out.backward(grad))
             if cuda:
                 torch.cuda.synchronize(device)
                 top = torch.cuda.max_memory_allocated(device)
             if i >= warmup:
-                fwd_t.append(timer.seconds(f_mark))
-                bwd_t.append(timer.seconds(b_mark))
-                if cuda:
+                rows["forward"].append(timer.seconds(f_mark))
+                rows["backward"].append(timer.seconds(b_mark))
+                rows["host_forward"].append(f_host)
+                rows["host_backward"].append(b_host)
+                if cuda and chain == 1:
                     # Kept for the backward: what the forward left allocated, its output included (the next layer
                     # keeps it as its input, which was allocated before this layer's baseline: each tensor between
                     # layers is counted once, by its producer); and the transient on top while forward and backward ran.
-                    stored.append(max(0, after - base))
-                    peak.append(max(0, top - after))
+                    rows["stored"].append(max(0, after - base))
+                    rows["peak"].append(max(0, top - after))
             del out, grad
     except torch.OutOfMemoryError:
         if cuda:
             torch.cuda.empty_cache()
         return None
     med = statistics.median
-    return med(fwd_t), med(bwd_t), float(med(stored)) if stored else 0.0, float(med(peak)) if peak else 0.0
+    return {k: float(med(v)) if v else 0.0 for k, v in rows.items()}
 
 
-def measure_optimizer(module: nn.Module, device: torch.device, warmup: int, repeats: int) -> dict:
-    """Seconds per parameter of an AdamW step as the recipes run it (fp32 state, torch's default implementation)."""
-    module.to(device)
-    params = [p for p in module.parameters()]
-    for p in params:
-        p.grad = torch.randn_like(p)
+def _marginal(one: float, many: float, chain: int) -> float:
+    """Seconds one more application of a layer adds: (T(chain) - T(1)) / (chain - 1), within [0, T(1)] (a layer
+    cannot cost less than nothing nor more than a call of its own; outside is measurement noise)."""
+    return min(max((many - one) / (chain - 1), 0.0), one)
+
+
+def measure_optimizer(module: nn.Module | list[torch.Tensor], device: torch.device, warmup: int, repeats: int) -> dict:
+    """An AdamW step and ``zero_grad`` as the recipes run them (fp32 state, torch's default implementation), on
+    ``module``'s parameters or on a list of tensors shaped like a whole model's: seconds per step and per parameter
+    (the host's per-tensor launches are part of it, which is why the whole model's tensor list is timed)."""
+    if isinstance(module, nn.Module):
+        module.to(device)
+        params = [p for p in module.parameters()]
+    else:
+        params = module
+    grads = [torch.randn_like(p) for p in params]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    timer = _Timer(device)
     times = []
     for i in range(warmup + repeats):
-        _, mark = timer.span(optimizer.step)
+        for p, g in zip(params, grads):
+            p.grad = g
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
-            times.append(timer.seconds(mark))
+            times.append(time.perf_counter() - t0)
     count = sum(p.numel() for p in params)
-    module.to("cpu")
-    for p in params:
-        p.grad = None
-    return {"seconds_per_parameter": statistics.median(times) / count, "optimizer": "torch.optim.AdamW"}
+    step = statistics.median(times)
+    if isinstance(module, nn.Module):
+        module.to("cpu")
+        for p in params:
+            p.grad = None
+    del optimizer, grads
+    return {"seconds_per_parameter": step / count, "step_seconds": step, "parameters": int(count),
+            "tensors": len(params), "optimizer": "torch.optim.AdamW"}
+
+
+def model_tensors(layers: dict, shape: ModelShape, device: torch.device) -> list[torch.Tensor] | None:
+    """fp32 tensors shaped like the whole model's parameters on one GPU (each layer kind's module times its count in
+    the model, the head's tied copy included as the planner counts it), or None when they and their AdamW state
+    would not fit in the free memory (then the optimizer is timed on one block and scaled per parameter)."""
+    from collections import Counter
+
+    counts = Counter(shape.layer_kinds())
+    shapes = [tuple(p.shape) for kind, (module, _, _) in layers.items() for _ in range(counts.get(kind, 0))
+              for p in module.parameters()]
+    numel = sum(math.prod(s) for s in shapes)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if 4 * 4 * numel > 0.8 * free:  # weights, gradients and two moments in fp32
+            return None
+    return [torch.zeros(s, device=device, requires_grad=True) for s in shapes]
 
 
 def profile_model(config: str | Path | dict, *, device: str | torch.device | None = None, microbatch_sizes=(1, 2, 4, 8),
                   seq_lens=None, target_lens=None, recompute=(False, True), warmup: int = 2, repeats: int = 5,
-                  collectives: bool = True, log=print) -> dict:
-    """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named)."""
+                  collectives: bool = True, compile: bool | str = False, overheads: bool = True,
+                  fuse_gradients: bool = True, compile_recompute=(False,), compile_microbatch_sizes=None,
+                  eager: bool = True, log=print) -> dict:
+    """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named).
+
+    Per layer kind and grid point: forward and backward seconds of one layer as it runs inside a stage. A block is
+    timed applied once and ``CHAIN`` times in a row, and its time is the difference per extra application: in a
+    stage the host issues the next layer's kernels while the GPU runs this one's, and a call's fixed costs (the
+    first launch on an idle GPU, the autograd engine's start) are paid once per micro-batch, not per layer. Those
+    fixed costs (T(1) minus the per-layer time, median over the block grid) are taken off the embedding's and
+    head's single timings too. ``host_forward``/``host_backward``: the host's seconds to issue the same (eager
+    PyTorch launches every kernel from Python: a small layer is host-bound). ``compile``: also the blocks under
+    ``torch.compile`` (grids marked ``compiled``). ``fuse_gradients``: the layers with the strategy's default
+    gradient-accumulation fusion (False: plain autograd, for ``gradient_accumulation_fusion=False`` runs).
+    ``eager=False`` with ``compile``: only the compiled grids (to add to an eager profile's layers later). ``overheads``: the per-micro-batch and per-step costs outside
+    the layers, from a few steps of a tiny model of the same recipe under the strategy (``measure_overheads``).
+    """
     if device is None:
         if not torch.cuda.is_available():
             raise RuntimeError("`lightning-3d profile` measures a GPU and none is visible. Run it on the GPU you will"
@@ -157,34 +234,283 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     if recipe.layers is None:
         raise ValueError(f"the recipe {model.get('class_path')!r} registers no layers to profile.")
     layers = recipe.layers(dict(model.get("init_args") or {}), dict((cfg.get("data") or {}).get("init_args") or {}), shape, device)
-    for kind, (module, make, run) in layers.items():
-        module.to(device)
-        doc["layers"][kind] = []
-        for rc in (recompute if kind not in ("embedding", "head") else (False,)):
-            # The encoder never sees the target: its grid has no target axis.
-            with_target = targets if kind != "encoder_block" else None
-            axes = [list(microbatch_sizes), seq_lens] + ([with_target] if with_target else [])
-            grid = {q: _nested(axes) for q in ("forward", "backward", "stored", "peak")}
-            for idx in _indices(axes):
-                b, s = axes[0][idx[0]], axes[1][idx[1]]
-                t = axes[2][idx[2]] if with_target else (targets[-1] if targets else s)
-                smaller_failed = idx[0] > 0 and _get(grid["forward"], (idx[0] - 1, *idx[1:])) is None
-                result = None if smaller_failed else measure(
-                    module, make(b, s, t, dtype or torch.float32), run, recompute=rc, device=device, dtype=dtype,
-                    warmup=warmup, repeats=repeats)
-                for q, value in zip(("forward", "backward", "stored", "peak"), result or (None,) * 4):
-                    _set(grid[q], idx, value)
-            entry = {"tp": 1, "recompute": rc, "microbatch_size": axes[0], "seq_len": axes[1],
-                     "target_len": axes[2] if with_target else None, **grid}
-            doc["layers"][kind].append(entry)
-            log(f"profiled {kind} recompute={rc} ({time.perf_counter() - started:.1f} s)")
-        module.to("cpu")
-    block = layers.get("block", layers.get("encoder_block"))[0]
-    doc["optimizer"] = measure_optimizer(block, device, warmup, repeats)
+    # The layers as the strategy trains them: its default gradient-accumulation fusion turns their nn.Linear into
+    # FusedGradLinear (weight gradients added in fp32 inside the backward's GEMM, through a custom op).
+    fused = {kind: _fuse(module) for kind, (module, _, _) in layers.items()} if fuse_gradients else {}
+    variants = [(kind, rc, False) for kind in layers for rc in (recompute if kind not in ("embedding", "head") else (False,))
+                if eager]
+    if compile:
+        # The compiled recipes compile each block and the loss (the head's fp32 cross-entropy): compiled grids of
+        # the blocks and the head, on ``compile_microbatch_sizes`` (each new shape may compile again).
+        variants += [(kind, rc, True) for kind in layers if kind != "embedding"
+                     for rc in (compile_recompute if kind != "head" else (False,))]
+    call_f, call_b, single = [], [], []  # per-call fixed costs (from the chains); grids still holding T(1)
+    for kind, rc, compiled in variants:
+        try:
+            _profile_variant(doc, layers, kind, rc, compiled, compile, fuse_gradients, compile_microbatch_sizes,
+                             microbatch_sizes, seq_lens, targets, device, dtype, warmup, repeats, call_f, call_b,
+                             single, started, log)
+        except Exception as err:  # noqa: BLE001
+            if not compiled:
+                raise
+            # A compile that fails (no compiler, an unsupported op) leaves the eager profile whole: no compiled grid,
+            # which ProfiledCostModel(compiled=True) then names.
+            log(f"compiled {kind} not profiled: {type(err).__name__}: {err}")
+            doc.setdefault("compile_errors", []).append(f"{kind}: {type(err).__name__}: {err}"[:500])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    _finish_profile_layers(doc, call_f, call_b, single)
+    return _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, repeats, overheads, collectives,
+                         started, log)
+
+
+def _profile_variant(doc, layers, kind, rc, compiled, compile, fuse_gradients, compile_microbatch_sizes,
+                     microbatch_sizes, seq_lens, targets, device, dtype, warmup, repeats, call_f, call_b, single,
+                     started, log) -> None:
+    """One layer kind's grid (recompute or not, compiled or not) into ``doc``."""
+    base, make, run = layers[kind]
+    base.to(device)
+    module = base
+    if compiled and kind == "head":
+        run = torch.compile(run, **_compile_options(compile))
+    elif compiled:
+        module = _compiled(base, compile, fuse_gradients)
+    doc["layers"].setdefault(kind, [])
+    # The encoder never sees the target: its grid has no target axis.
+    with_target = targets if kind != "encoder_block" else None
+    sizes = compile_microbatch_sizes if compiled and compile_microbatch_sizes else microbatch_sizes
+    axes = [list(sizes), seq_lens] + ([with_target] if with_target else [])
+    names = ("forward", "backward", "host_forward", "host_backward", "stored", "peak")
+    grid = {q: _nested(axes) for q in names}
+    chained = kind not in ("embedding", "head")
+    for idx in _indices(axes):
+        b, s = axes[0][idx[0]], axes[1][idx[1]]
+        t = axes[2][idx[2]] if with_target else (targets[-1] if targets else s)
+        smaller_failed = idx[0] > 0 and _get(grid["forward"], (idx[0] - 1, *idx[1:])) is None
+        kw = dict(recompute=rc, device=device, dtype=dtype, warmup=warmup, repeats=repeats)
+        one = None if smaller_failed else measure(module, make(b, s, t, dtype or torch.float32), run, **kw)
+        many = measure(module, make(b, s, t, dtype or torch.float32), run, chain=CHAIN, **kw) if chained and one else None
+        consistent = many is not None and all(0 < many[q] - one[q] < (CHAIN - 1) * one[q]
+                                              for q in ("forward", "backward"))
+        if consistent:
+            if not rc:  # samples of the call's fixed cost, eager and compiled apart (key: compiled)
+                call_f.append((compiled, many["forward"] - CHAIN * _marginal(one["forward"], many["forward"], CHAIN)))
+                call_b.append((compiled, many["backward"] - CHAIN * _marginal(one["backward"], many["backward"], CHAIN)))
+            for q in ("forward", "backward", "host_forward", "host_backward"):
+                one[q] = _marginal(one[q], many[q], CHAIN)
+        else:
+            many = None  # a chain slower per layer than a single call, or no faster than it: noise
+        for q in names:
+            _set(grid[q], idx, None if one is None else one[q])
+        if one is not None and many is None:
+            single.append((grid, idx))
+    entry = {"tp": 1, "recompute": rc, "microbatch_size": axes[0], "seq_len": axes[1],
+             "target_len": axes[2] if with_target else None, **grid}
+    if compiled:
+        entry["compiled"] = True
+    doc["layers"][kind].append(entry)
+    log(f"profiled {kind} recompute={rc}{' compiled' if compiled else ''} ({time.perf_counter() - started:.1f} s)")
+    if compiled and module is not base:
+        unfuse_gradient_accumulation(list(module.parameters()))  # the copy's slots, out of the registry
+    del module
+    base.to("cpu")
+
+
+def _finish_profile_layers(doc, call_f, call_b, single) -> None:
+    # A single timing holds one call's fixed costs besides the layer: T(1) = fixed + marginal, and with the chain
+    # T(CHAIN) = fixed + CHAIN * marginal, so fixed = T(CHAIN) - CHAIN * marginal (above).
+    def median(samples):
+        # The eager blocks' samples (the stage's call is eager code); a compiled-only profile has only compiled ones.
+        eager = [v for compiled, v in samples if not compiled]
+        return statistics.median(eager or [v for _, v in samples]) if samples else 0.0
+
+    fixed_f, fixed_b = median(call_f), median(call_b)
+    for grid, idx in single:
+        for q, fixed in (("forward", fixed_f), ("backward", fixed_b)):
+            value = _get(grid[q], idx)
+            # Where the median call cost is not below this single timing (noise), the timing stands (an
+            # overestimate by at most that cost) rather than a layer that costs nothing.
+            _set(grid[q], idx, value - fixed if value > fixed else value)
+    doc["call_overhead"] = {"forward_seconds": fixed_f, "backward_seconds": fixed_b}
+
+
+def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, repeats, overheads, collectives, started,
+                  log) -> dict:
+    """The optimizer, the overheads and the collectives, after the layers."""
+    doc["gradient_accumulation_fusion"] = bool(fused)
+    tensors = model_tensors(layers, shape, device)
+    if tensors is not None:
+        doc["optimizer"] = measure_optimizer(tensors, device, warmup, repeats)
+        del tensors
+    else:
+        block = layers.get("block", layers.get("encoder_block"))[0]
+        doc["optimizer"] = measure_optimizer(block, device, warmup, repeats)
+    for weights in fused.values():
+        unfuse_gradient_accumulation(weights)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if overheads:
+        try:
+            doc["overheads"] = measure_overheads(cfg, shape, device, precision, log=log)
+        except Exception as err:  # noqa: BLE001  the layers' profile stands without it (the terms read as 0)
+            log(f"overheads not measured: {type(err).__name__}: {err}")
+            doc["overheads"] = {"microbatch_seconds": 0.0, "step_seconds": 0.0, "error": f"{type(err).__name__}: {err}"[:500]}
     if collectives and device.type == "cuda" and torch.cuda.device_count() > 1:
         doc["collectives"] = measure_collectives(torch.cuda.device_count())
     doc["seconds"] = round(time.perf_counter() - started, 2)
     return doc
+
+
+def _compiled(module: nn.Module, mode: bool | str, fused: bool) -> nn.Module:
+    """A compiled copy of ``module`` as the recipes compile their blocks (``Module.compile``, inductor); the copy's
+    fused layers get gradient slots of their own."""
+    import copy
+
+    compiled = copy.deepcopy(module)
+    if fused:
+        _fuse(compiled)
+    compiled.compile(**_compile_options(mode))
+    return compiled
+
+
+def _compile_options(mode: bool | str) -> dict:
+    # The recipes' backend (L3D_COMPILE_BACKEND, default inductor: recipes/training.py); a mode only for inductor.
+    backend = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
+    return {"backend": backend, "mode": (None if mode is True else mode) if backend == "inductor" else None}
+
+
+def _fuse(module: nn.Module) -> list[nn.Parameter]:
+    """Gradient-accumulation fusion on ``module``'s fusable layers, each with an fp32 gradient slot of its own."""
+    weights = fuse_gradient_accumulation(fusable_linears(module))
+    for w in weights:
+        register_slot(w, torch.zeros_like(w), None)
+    return weights
+
+
+#: the tiny models ``measure_overheads`` trains: (LightningModule, data module, their arguments)
+_TINY = {
+    "gpt": ("lightning_3d.recipes.GPT", "lightning_3d.recipes.data.SyntheticLMDataModule",
+            dict(preset_name="tiny", vocab_size=512, seq_length=64, num_layers=1), dict(vocab_size=512, seq_length=64)),
+    "t5": ("lightning_3d.recipes.T5", "lightning_3d.recipes.data.SyntheticSeq2SeqDataModule",
+           dict(preset_name="tiny", vocab_size=512, num_layers=1, num_decoder_layers=1),
+           dict(vocab_size=512, input_length=32, target_length=16)),
+}
+
+
+def _import(path: str):
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precision: str, *, microbatches: int = 4,
+                      warmup: int = 3, steps: int = 6, log=print) -> dict:
+    """The per-micro-batch and per-step seconds a step spends outside the layers and the optimizer's kernels: a
+    one-layer model of the same recipe (``_TINY``) trains under ``Compressed3DStrategy`` (one GPU, exact: no
+    compression) with 1 and then ``microbatches`` micro-batches of one sample; step(m) = step_s + optimizer_tiny
+    + m (microbatch_s + layers_tiny), with the tiny model's layers profiled like the real one's. What it holds:
+    Lightning's loop and hooks, the strategy's batch checks and engine, the loss's bookkeeping, each micro-batch's
+    forward and backward calls. A few seconds."""
+    import logging
+
+    if shape.family not in _TINY:
+        return {}
+    module_path, data_path, model_args, data_args = _TINY[shape.family]
+    # Lightning's and the strategy's start-up notes would fill the profiler's output: quiet while the tiny model trains.
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning_3d")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    # Lightning sets the rendezvous variables (MASTER_PORT, WORLD_SIZE, ...) in this process's environment: restored,
+    # so that processes started after the profile (a benchmark's workers) do not inherit them.
+    environ = dict(os.environ)
+    try:
+        step_s = _train_tiny(module_path, data_path, model_args, data_args, shape.family, device, precision,
+                             microbatches, warmup, steps)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        os.environ.clear()
+        os.environ.update(environ)
+    one, many = statistics.median(step_s[1]), statistics.median(step_s[microbatches])
+    per_mb = max(0.0, (many - one) / (microbatches - 1))
+    # The tiny model's own layers and optimizer, measured as the real model's are, come off those times.
+    tiny_cfg = {"trainer": {"precision": precision}, "model": {"class_path": module_path, "init_args": model_args},
+                "data": {"init_args": {**data_args}}}
+    tiny = profile_model(tiny_cfg, device=device, microbatch_sizes=[1], seq_lens=None, recompute=(False,),
+                         warmup=2, repeats=5, collectives=False, overheads=False, log=lambda *a: None)
+    tiny_shape = ModelShape(**tiny["model"])
+    layers_s = 0.0
+    for kind in tiny_shape.layer_kinds():
+        entry = tiny["layers"][kind][0]
+        cell = entry["forward"][0][-1] if entry.get("target_len") is None else entry["forward"][0][-1][-1]
+        back = entry["backward"][0][-1] if entry.get("target_len") is None else entry["backward"][0][-1][-1]
+        layers_s += cell + back
+    microbatch_s = max(0.0, per_mb - layers_s)
+    step_only = max(0.0, one - per_mb - tiny["optimizer"]["step_seconds"])
+    log(f"overheads: {microbatch_s * 1e3:.2f} ms per micro-batch, {step_only * 1e3:.2f} ms per step")
+    return {"microbatch_seconds": microbatch_s, "step_seconds": step_only, "measured_step_seconds": [one, many],
+            "microbatches": [1, microbatches], "tiny_layers_seconds": layers_s, "model": module_path}
+
+
+def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: dict, family: str, device: torch.device,
+                precision: str, microbatches: int, warmup: int, steps: int) -> dict[int, list[float]]:
+    """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count."""
+    import lightning.pytorch as pl
+
+    step_s: dict[int, list[float]] = {}
+
+    class Timer(pl.Callback):
+        def __init__(self, m: int) -> None:
+            self.m, self.t0 = m, 0.0
+
+        def on_train_batch_start(self, trainer, module, batch, idx) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, out, batch, idx) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if trainer.global_step > warmup:
+                step_s.setdefault(self.m, []).append(time.perf_counter() - self.t0)
+
+    accelerator = "gpu" if device.type == "cuda" else "cpu"
+    # On a CPU the tiny model's values turn subnormal within a few steps, and subnormal arithmetic is many times
+    # slower there (not on GPUs): flushed to zero while it trains, so the steps time the overheads, not that.
+    flushed = device.type == "cpu" and torch.set_flush_denormal(True)
+    try:
+        _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
+                  warmup, steps, Timer)
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+    return step_s
+
+
+def _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
+              warmup, steps, Timer) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in (1, microbatches):
+            torch.manual_seed(0)
+            data = _import(data_path)(batch_size=m, num_samples=m * (warmup + steps + 1), **data_args)
+            ids = {k: getattr(data, k) for k in ("pad_token_id", "eos_token_id")} if family == "t5" else {}
+            model = _import(module_path)(**model_args, **ids)
+            trainer = pl.Trainer(accelerator=accelerator, devices=[device.index or 0] if accelerator == "gpu" else 1,
+                                 strategy=Compressed3DStrategy(num_microbatches=m, compression=False),
+                                 precision=precision if accelerator == "gpu" else "32-true", max_steps=warmup + steps,
+                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                                 default_root_dir=tmp, callbacks=[Timer(m)])
+            trainer.fit(model, datamodule=data)
+            del trainer, model, data
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 class _NoCost:
@@ -325,6 +651,10 @@ def profile_main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-recompute", action="store_true", help="skip the activation-checkpointing grid")
     parser.add_argument("--no-collectives", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also profile the blocks under torch.compile (for"
+                        " plans of compiled models: ProfiledCostModel(compiled=True))")
+    parser.add_argument("--no-overheads", action="store_true", help="skip the per-step / per-micro-batch overheads"
+                        " (a few steps of a tiny model under the strategy)")
     ns = parser.parse_args(argv)
 
     def ints(text):
@@ -336,7 +666,8 @@ def profile_main(argv: list[str]) -> int:
     try:
         doc = profile_model(ns.config, device=ns.device, microbatch_sizes=ints(ns.microbatch_sizes), seq_lens=ints(ns.seq_lens),
                             target_lens=ints(ns.target_lens), recompute=(False,) if ns.no_recompute else (False, True),
-                            warmup=ns.warmup, repeats=ns.repeats, collectives=not ns.no_collectives)
+                            warmup=ns.warmup, repeats=ns.repeats, collectives=not ns.no_collectives, compile=ns.compile,
+                            overheads=not ns.no_overheads)
     except (RuntimeError, ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     out = Path(ns.out or f"{Path(str(ns.config)).stem}.profile.json")

@@ -1,0 +1,285 @@
+"""The cost terms of profile version 2 (docs/planner.md, "Host time and fixed overheads"): the host's issue time as a
+floor of each layer's time, the per-micro-batch and per-step overheads, compiled grids, and how version-1 profiles
+are read. All on the checked-in synthetic profile (tests/data/profiles/gpt_synthetic.json, version 1), upgraded
+here by adding the version-2 fields, plus one CPU run of the profiler."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_3d.costs import ClusterSpec, ProfiledCostModel, device_spec
+from lightning_3d.planner.model import Candidate, Workload, pipeline_time, predict, send_times, simulate_candidate
+
+PROFILE = Path(__file__).parent / "data" / "profiles" / "gpt_synthetic.json"
+LAYERS = 8  # the synthetic model's blocks
+SEQ = 1024  # a grid length of the synthetic profile
+MBS_AXIS = [1, 2, 4, 8]
+
+
+def _v1() -> dict:
+    return json.loads(PROFILE.read_text())
+
+
+def _v2(host: float | None = None, microbatch: float = 0.0, step: float = 0.0) -> dict:
+    """The synthetic profile as version 2: every grid's host times ``host`` seconds per pass (None: no host grids),
+    and the two overheads."""
+    doc = _v1()
+    doc["version"] = 2
+    if host is not None:
+        for entries in doc["layers"].values():
+            for e in entries:
+                e["host_forward"] = [[host] * len(e["seq_len"]) for _ in e["microbatch_size"]]
+                e["host_backward"] = [[host] * len(e["seq_len"]) for _ in e["microbatch_size"]]
+    doc["overheads"] = {"microbatch_seconds": microbatch, "step_seconds": step}
+    return doc
+
+
+def _model(doc: dict, **kw) -> ProfiledCostModel:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ProfiledCostModel(doc, derive_tp=True, **kw)
+
+
+def _workload(cm: ProfiledCostModel, batch: int = 8, gpus: int = 4) -> Workload:
+    return Workload(cm.shape, SEQ, batch, cm, ClusterSpec(1, gpus, device_spec("h100"), 300e9, 25e9), memory_reserve=0.0)
+
+
+def _one_gpu(mbs: int, m: int, ckpt: bool = False) -> Candidate:
+    return Candidate(1, 1, 1, mbs, m, "1f1b", 1, (LAYERS,), (ckpt,), False)
+
+
+def _device_sum(cm: ProfiledCostModel, mbs: int, ckpt: bool = False) -> float:
+    """One micro-batch's forward + backward through every layer, from the profile's (device) grids."""
+    total = 0.0
+    for kind in cm.shape.layer_kinds():
+        f, b = cm.layer_time(kind, mbs, SEQ, recompute=ckpt and kind == "block")
+        total += float(f) + float(b)
+    return total
+
+
+def test_a_host_bound_step_is_the_sum_of_the_host_times() -> None:
+    # Host times far above every device time: each layer costs its host time, a micro-batch the host sum.
+    host = 0.05
+    cm = _model(_v2(host=host))
+    assert host > max(_device_sum(cm, 8), 0) / (2 * (LAYERS + 2))  # host-bound indeed, at every layer on average
+    for mbs, m in ((1, 8), (2, 4), (8, 1)):
+        p = predict(_one_gpu(mbs, m), _workload(cm))
+        host_sum = (LAYERS + 2) * 2 * host  # embedding, blocks, head; forward and backward
+        assert p.pipeline_time == pytest.approx(m * host_sum, rel=1e-12)
+        assert p.step_time == pytest.approx(m * host_sum + p.optimizer_time, rel=1e-12)
+
+
+def test_host_times_below_the_device_times_change_nothing() -> None:
+    plain, with_host = _model(_v1()), _model(_v2(host=1e-9))
+    for c in (_one_gpu(2, 4), _one_gpu(4, 2, ckpt=True), Candidate(1, 2, 2, 2, 4, "1f1b", 1, (4, 4), (False, True), False)):
+        assert predict(c, _workload(with_host)).step_time == pytest.approx(predict(c, _workload(plain)).step_time, rel=1e-12)
+
+
+def test_a_tensor_parallel_shard_keeps_the_whole_layers_host_time() -> None:
+    # The profile has tp = 1 and 2; tp = 4 is derived: its compute shrinks, its launches do not.
+    cm = _model(_v2(host=3e-3))
+    f4, b4 = cm.layer_time("block", 4, SEQ, tp=4)
+    hf4, hb4 = cm.layer_host_time("block", 4, SEQ, tp=4)
+    assert float(hf4) == float(hb4) == pytest.approx(3e-3)
+    assert float(f4) < 3e-3  # the derived device time alone would be below the host's
+    w = _workload(cm)
+    blocks, _, _ = w.layer_costs(4, 4, False)
+    tp_comm = w.tp_comm("block", 4, 4)
+    np.testing.assert_allclose(blocks[0], 3e-3 + tp_comm, rtol=1e-12)  # the floor, plus the tp all-reduces
+
+
+@pytest.mark.parametrize("schedule,pp,v,m", [("1f1b", 1, 1, 4), ("1f1b", 2, 1, 4), ("gpipe", 2, 1, 3),
+                                             ("interleaved_1f1b", 2, 2, 4)])
+def test_the_microbatch_overhead_is_paid_by_every_stage_for_every_microbatch(schedule, pp, v, m) -> None:
+    x = 7e-3
+    base, over = _model(_v2()), _model(_v2(microbatch=x))
+    stages = pp * v
+    c = Candidate(1, pp, 1, 2, m, schedule, v, (LAYERS // stages,) * stages, (False,) * stages, False)
+    p0, p1 = predict(c, _workload(base, gpus=pp)), predict(c, _workload(over, gpus=pp))
+    assert [b - a for a, b in zip(p0.stage_forward, p1.stage_forward)] == pytest.approx([x / 2] * stages, rel=1e-9)
+    assert [b - a for a, b in zip(p0.stage_backward, p1.stage_backward)] == pytest.approx([x / 2] * stages, rel=1e-9)
+    # The schedule's closed form runs on those longer stages; one GPU pays m·x.
+    fs, bs = send_times(c, _workload(over, gpus=pp))
+    assert p1.pipeline_time == pytest.approx(pipeline_time(schedule, pp, v, m, p1.stage_forward, p1.stage_backward, fs, bs),
+                                             rel=1e-12)
+    if pp == 1:
+        assert p1.pipeline_time - p0.pipeline_time == pytest.approx(m * x, rel=1e-9)
+    # The simulator sees the same stage costs.
+    s0, s1 = simulate_candidate(c, _workload(base, gpus=pp)), simulate_candidate(c, _workload(over, gpus=pp))
+    assert s1.step_time > s0.step_time
+
+
+def test_the_microbatch_overhead_in_a_1f1b_pipeline_of_equal_stages_adds_fill_plus_steady_state() -> None:
+    x, pp, m = 5e-3, 4, 8
+    base, over = _model(_v2()), _model(_v2(microbatch=x))
+    c = Candidate(1, pp, 1, 2, m, "1f1b", 1, (2, 2, 2, 2), (False,) * pp, False)
+    w0, w1 = _workload(base, gpus=pp), _workload(over, gpus=pp)
+    # Equal stages except the end ones (embedding, head): the simulator's makespan grows by at least (pp + m - 1)·x
+    # (every forward and backward on the critical path is x/2 longer) and the closed form by exactly that where the
+    # slowest stage sets the cycle.
+    d_sim = simulate_candidate(c, w1).pipeline_time - simulate_candidate(c, w0).pipeline_time
+    d_closed = predict(c, w1).pipeline_time - predict(c, w0).pipeline_time
+    assert d_closed == pytest.approx((pp + m - 1) * x, rel=1e-9)
+    assert d_sim >= (pp + m - 1) * x * (1 - 1e-9)
+
+
+def test_the_step_overhead_is_added_once_per_step() -> None:
+    s = 0.012
+    base, over = _model(_v2()), _model(_v2(step=s))
+    for c in (_one_gpu(2, 4), Candidate(2, 2, 1, 2, 2, "1f1b", 1, (4, 4), (False, False), False)):
+        p0, p1 = predict(c, _workload(base)), predict(c, _workload(over))
+        assert p1.step_time - p0.step_time == pytest.approx(s, rel=1e-9)
+        assert p1.overhead_time == s and p1.summary()["step_overhead_s"] == pytest.approx(s)
+        assert p1.pipeline_time == p0.pipeline_time
+
+
+def test_a_version_1_profile_reads_with_the_new_terms_absent() -> None:
+    v1, v2 = _model(_v1()), _model(_v2())
+    assert v1.version == 1 and v1.microbatch_overhead_seconds == 0.0 and v1.step_overhead_seconds == 0.0
+    hf, hb = v1.layer_host_time("block", np.array([1, 2]), SEQ)
+    assert np.all(hf == 0) and np.all(hb == 0)
+    for c in (_one_gpu(2, 4), _one_gpu(8, 1, ckpt=True)):
+        assert predict(c, _workload(v1)).step_time == predict(c, _workload(v2)).step_time
+
+
+def test_unknown_versions_and_bad_overheads_are_refused_by_name() -> None:
+    doc = _v1()
+    doc["version"] = 3
+    with pytest.raises(ValueError, match=r"profile version 3; this lightning_3d reads versions \[1, 2\]\. Re-run"):
+        _model(doc)
+    bad = _v2()
+    bad["overheads"]["step_seconds"] = -1.0
+    with pytest.raises(ValueError, match="'overheads' must hold microbatch_seconds and step_seconds as non-negative"):
+        _model(bad)
+    half = _v2(host=1e-3)
+    del half["layers"]["block"][0]["host_backward"]
+    with pytest.raises(ValueError, match=r"layers.block\[0\] has one of host_forward/host_backward without the other"):
+        _model(half)
+
+
+def test_compiled_grids_are_read_on_request_and_missing_ones_named() -> None:
+    doc = _v2()
+    fast = copy.deepcopy(doc["layers"]["block"][0])
+    fast["compiled"] = True
+    fast["forward"] = [[None if v is None else v / 2 for v in row] for row in fast["forward"]]
+    doc["layers"]["block"].append(fast)
+    eager, compiled = _model(doc), _model(doc, compiled=True)
+    fe, _ = eager.layer_time("block", 2, SEQ)
+    fc, _ = compiled.layer_time("block", 2, SEQ)
+    assert float(fc) == pytest.approx(float(fe) / 2, rel=1e-12)
+    # Head and embedding have no compiled grid here: the eager ones serve.
+    assert compiled.layer_time("head", 2, SEQ) == eager.layer_time("head", 2, SEQ)
+    # The compiled model has no checkpointed block grid: inf (never picked), not the eager one.
+    assert math.isinf(float(compiled.layer_time("block", 2, SEQ, recompute=True)[0]))
+    with pytest.raises(ValueError, match=r"has no compiled grid for \['block'\]: profile with `lightning-3d profile --compile`"):
+        _model(_v2(), compiled=True)
+
+
+def test_marginal_layer_time_is_clamped_to_one_call() -> None:
+    from lightning_3d.planner.profile import _marginal
+
+    assert _marginal(1.0, 2.6, 3) == pytest.approx(0.8)  # T(1) = 0.2 fixed + 0.8, T(3) = 0.2 + 2.4
+    assert _marginal(1.0, 0.9, 3) == 0.0  # noise: T(3) < T(1)
+    assert _marginal(1.0, 5.0, 3) == 1.0  # noise: more than a call of its own
+
+
+def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) -> None:
+    import lightning_3d.recipes  # noqa: F401
+    from lightning_3d.planner.profile import profile_model
+
+    cfg = {"trainer": {"precision": "32-true"},
+           "model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "vocab_size": 512,
+                                                                              "num_layers": 2}},
+           "data": {"init_args": {"seq_length": 32}}}
+    doc = profile_model(cfg, device="cpu", microbatch_sizes=[1, 2], seq_lens=[32], warmup=1, repeats=2,
+                        collectives=False, log=lambda *a: None)
+    assert doc["version"] == 2 and doc["gradient_accumulation_fusion"] is True
+    block = doc["layers"]["block"][0]
+    for q in ("host_forward", "host_backward"):
+        assert all(v is not None and v >= 0 for row in block[q] for v in row)
+    o = doc["overheads"]
+    assert o["microbatch_seconds"] >= 0 and o["step_seconds"] >= 0 and o["microbatches"] == [1, 4]
+    assert doc["optimizer"]["parameters"] > 0 and doc["optimizer"]["step_seconds"] > 0
+    assert set(doc["call_overhead"]) == {"forward_seconds", "backward_seconds"}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc, allow_nan=False))
+    cm = ProfiledCostModel(path)
+    assert cm.version == 2 and cm.step_overhead_seconds == o["step_seconds"]
+    p = predict(Candidate(1, 1, 1, 2, 2, "1f1b", 1, (2,), (False,), False),
+                Workload(cm.shape, 32, 4, cm, ClusterSpec(1, 1, cm.device, 1e11, 1e10)))
+    assert math.isfinite(p.step_time) and p.overhead_time == o["step_seconds"]
+
+
+def _validate_module():
+    spec = importlib.util.spec_from_file_location("planner_validate", Path(__file__).parent.parent / "benchmarks" / "planner_validate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("planner_validate", module)  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_validation_summary_mape_rank_correlation_and_choice() -> None:
+    v = _validate_module()
+    rows = [{"config": "a", "predicted_step_s": 1.0, "step_s": 1.25, "time_error": 1.0 / 1.25 - 1, "memory_error": 0.05},
+            {"config": "b", "predicted_step_s": 2.0, "step_s": 2.0, "time_error": 0.0, "memory_error": -0.08},
+            {"config": "c", "predicted_step_s": 3.0, "step_s": 1.0, "time_error": 2.0, "memory_error": None},
+            {"config": "d", "predicted_step_s": 0.5, "error": "timed out"}]
+    s = v.summarize(rows)
+    assert s["measured"] == 3 and s["configs"] == 4
+    assert s["time_mape"] == pytest.approx((0.2 + 0.0 + 2.0) / 3)
+    assert s["spearman"] == pytest.approx(-0.5)  # ranks (1, 2, 3) against (2, 3, 1)
+    assert s["memory_max_abs_error"] == pytest.approx(0.08)
+    assert (s["planner_choice"], s["best_measured"]) == ("a", "c")
+    assert s["choice_vs_best_measured"] == pytest.approx(1.0 / 1.25)
+
+
+def test_validation_suites_are_the_sizes_the_issue_asks() -> None:
+    v = _validate_module()
+    one = [c for m in v.ONE.values() for c in m.configs]
+    assert len(one) >= 10 and set(v.ONE) == {"gpt_350m", "gpt_1.3b", "t5_770m"}
+    assert any(c.ckpt for c in one) and any(c.compile for c in one) and len({c.mbs for c in one}) >= 4
+    four = [c for m in v.FOUR.values() for c in m.configs]
+    assert len(four) >= 12
+    layouts = {c.layout for c in four}
+    assert layouts == {(dp, pp, tp) for dp in (1, 2, 4) for pp in (1, 2, 4) for tp in (1, 2, 4) if dp * pp * tp == 4}
+    assert {c.layout for c in four[:len(layouts)]} == layouts  # measured first: a budget cut keeps every layout
+    assert {c.schedule for c in four} == {"gpipe", "1f1b", "interleaved_1f1b"} and any(c.split for c in four)
+    for name, model in v.FOUR.items():
+        for c in model.configs:  # one global batch per model, and splits that cover the layers
+            assert c.layout[0] * c.mbs * c.m == model.batch, c.label()
+            if c.split:
+                assert len(c.split) == c.layout[1] * c.v and sum(c.split) == 24
+    for model in v.ONE.values():
+        assert all(c.mbs * c.m == model.batch for c in model.configs)
+
+
+def test_compiled_grids_profiled_alone_join_an_eager_profile(monkeypatch) -> None:
+    import lightning_3d.recipes  # noqa: F401
+    from lightning_3d.planner.profile import profile_model
+
+    monkeypatch.setenv("L3D_COMPILE_BACKEND", "aot_eager")  # the recipes' switch: no C++ build on CI
+    cfg = {"trainer": {"precision": "32-true"},
+           "model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "vocab_size": 512,
+                                                                              "num_layers": 2}},
+           "data": {"init_args": {"seq_length": 32}}}
+    kw = dict(device="cpu", seq_lens=[32], warmup=1, repeats=1, collectives=False, overheads=False, log=lambda *a: None)
+    eager = profile_model(cfg, microbatch_sizes=[1, 2], **kw)
+    compiled = profile_model(cfg, microbatch_sizes=[2], compile=True, compile_microbatch_sizes=[2], eager=False, **kw)
+    assert not compiled.get("compile_errors")
+    assert {k: [e.get("compiled") for e in v] for k, v in compiled["layers"].items()} == {"block": [True], "head": [True]}
+    for kind, entries in compiled["layers"].items():
+        eager["layers"][kind].extend(entries)
+    cm = ProfiledCostModel(eager, compiled=True)
+    f, b = cm.layer_time("block", 2, 32)
+    assert 0 < float(f) < math.inf and 0 < float(b) < math.inf
+    assert math.isinf(float(cm.layer_time("block", 1, 32)[0]))  # compiled only at micro-batch 2
+    assert float(cm.layer_time("embedding", 1, 32)[0]) > 0  # eager embedding serves the compiled model
