@@ -72,6 +72,7 @@ class PipelineEngine:
         self._stashed_grads: list[tuple[nn.Parameter, Tensor | None]] | None = None
         self._nonfinite_streak = 0
         self.sharded: ShardedOptimizer | None = None  # shard_optimizer_state, once the optimizer is sharded
+        self.local_pieces: list[ShardedOptimizer] = []  # tensor parallelism's optimizers on local shards
 
     # ----- preparing a module -------------------------------------------------------------------------------------
     def prepare(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, precision) -> None:
@@ -208,6 +209,7 @@ class PipelineEngine:
         unfuse_gradient_accumulation(self.fused_weights)
         self.fused_weights, self.stage_params = [], {}
         self.runtime = self.groups = self.sharded = None
+        self.local_pieces = []
         self.tied, self.fused_tied = [], False
         self.sync_blocked = False
 
@@ -295,7 +297,7 @@ class PipelineEngine:
         is nothing to shard over: the option does nothing. The replicas are dp x cp (context-parallel ranks hold the
         same parameters and reduce gradients with the data-parallel ones), ranked as in ``dp_group``."""
         g = self.groups
-        self.sharded = None
+        self.sharded, self.local_pieces = None, []
         fqns = {id(p): n for n, p in module.named_parameters()}
         tied_skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
         if not self.options.shard_optimizer_state or g.dims.replicas == 1:
@@ -305,7 +307,10 @@ class PipelineEngine:
             # Tensor-parallel (DTensor) parameters: the optimizer steps their local shards (local_optimizer says why).
             for opt in optimizers:
                 opt = getattr(opt, "_optimizer", opt)
-                if local_optimizer(opt, fqns, g.tp_rank, tied_skip) is None and any(
+                pieces = local_optimizer(opt, fqns, g.tp_rank, tied_skip)
+                if pieces is not None:
+                    self.local_pieces.append(pieces)
+                elif any(
                         isinstance(p, DTensor) for group in opt.param_groups for p in group["params"]):
                     rank_zero_info(f"Compressed3DStrategy: {type(opt).__name__} is not a known element-wise optimizer,"
                                    " so it steps the DTensor parameters themselves (correct, but slow on the host).")
@@ -340,6 +345,8 @@ class PipelineEngine:
         """Sharded: every replica's updated range goes to every replica (the parameters are whole again)."""
         if self.sharded is not None:
             self.sharded.gather_params()
+        for pieces in self.local_pieces:  # also after a skipped step: no gradient may carry over into the next
+            pieces.release_grads()
 
     def guarded_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer) -> Any:
         """Run Lightning's closure (forward, backward, gradient sync), then decide on every rank alike whether the

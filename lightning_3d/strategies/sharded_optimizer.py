@@ -163,6 +163,14 @@ class ShardedOptimizer:
                 # Local mode: the parameter's own averaged gradient, viewed (nothing else writes it before the step).
                 piece.main.grad = (grad.to(piece.main.dtype) if self.dp_size == 1 else
                                    grad.to(torch.float32, copy=True))
+            if self.dp_size > 1:  # local mode keeps them: callbacks read them (on_before_optimizer_step)
+                for p in unit.params:
+                    p.grad = None
+
+    def release_grads(self) -> None:
+        """Local mode, after the step: drop the parameters' gradients (the pieces' are views of them), which the
+        optimizer's own ``zero_grad`` (over the pieces) cannot reach."""
+        for unit in self.units:
             for p in unit.params:
                 p.grad = None
 

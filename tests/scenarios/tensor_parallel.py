@@ -201,6 +201,7 @@ def check_autocast_and_optimizer(rank: int, world: int) -> dict[str, bool]:
         pieces.collect_grads({})
         opt.step()
         ref.step()
+        pieces.release_grads()  # as the engine does after every step (the pieces' zero_grad cannot reach them)
         opt.zero_grad()
         ref.zero_grad()
     result["same_parameters_as_dtensor_step"] = all(
