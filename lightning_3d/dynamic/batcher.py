@@ -11,13 +11,14 @@ planning server (docs/dynamic.md).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from lightning_3d.costs.model import CostModel, ModelShape
 from lightning_3d.dynamic.consistency import RECOMPUTE_KEY
+from lightning_3d.dynamic.handoff import PlannedMicroBatches
 from lightning_3d.dynamic.plan import StepPlan, plan_step
-from lightning_3d.pipeline.microbatch import MicroBatches
 
 Collate = Callable[[list[Any], int, "int | None"], Any]
 
@@ -65,7 +66,7 @@ class DynamicMicroBatcher:
         targets = [self.target_length(s) for s in samples] if self.target_length is not None else None
         return plan_step([self.input_length(s) for s in samples], target_lengths=targets, **self.options)
 
-    def __call__(self, samples: Sequence[Any]) -> MicroBatches:
+    def __call__(self, samples: Sequence[Any]) -> PlannedMicroBatches:
         samples = list(samples)
         plan = self.plan(samples)
         mine = plan.replicas[self.dp_rank]
@@ -79,6 +80,7 @@ class DynamicMicroBatcher:
                         f" {type(batch).__name__}: return a dict from collate, or raise memory_budget."
                     )
                 batch[RECOMPUTE_KEY] = True
-        out = MicroBatches(batches, orders=mine.orders)
+        out = PlannedMicroBatches(batches, orders=mine.orders)
         out.plan = plan  # for logging and tests; the runtime reads only the list and ``orders``
+        out.planned_at = time.monotonic()  # when the step was ready (``PlanWaits`` compares it with the request)
         return out
