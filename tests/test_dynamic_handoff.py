@@ -4,6 +4,7 @@ does count the steps that do wait (planning in the training process, or a planne
 
 from __future__ import annotations
 
+import copy as copy_module
 import pickle
 import threading
 import time
@@ -60,6 +61,8 @@ def test_a_planned_step_crosses_processes_as_one_buffer_per_dtype_and_unchanged(
     assert isinstance(local, PlannedMicroBatches) and local.planned_at is not None and len(local) >= 2
     local[0][RECOMPUTE_KEY] = True  # a non-tensor leaf travels as it is
     local[0]["pair"] = (torch.ones(2, dtype=torch.bool), "x")
+    shallow = copy_module.copy(local)
+    assert type(shallow) is PlannedMicroBatches and shallow[0] is local[0] and shallow.planned_at == local.planned_at
     copy = pickle.loads(pickle.dumps(local))
     assert type(copy) is MicroBatches and copy.orders == local.orders and copy.planned_at == local.planned_at
     assert copy.plan == local.plan and len(copy) == len(local)
@@ -145,3 +148,30 @@ def test_background_raises_the_sources_error_and_stops_when_closed() -> None:
     assert threading.active_count() == before and len(produced) <= 4  # the thread stopped: 1 taken, 2 queued, 1 held
     with pytest.raises(ValueError, match="ahead must be a positive number of batches, got 0"):
         next(background([], ahead=0))
+
+
+def test_the_multitask_modules_training_loader_fetches_ahead_records_waits_and_counts_consumed_steps(tmp_path) -> None:
+    """``MultiTaskDataModule`` with workers: planned steps arrive through the background hand-off, ``plan_waits``
+    records each step the training loop took, and the resumable position counts those steps only (not the ones the
+    thread fetched ahead), so a checkpoint resumes at the next untrained batch."""
+    from types import SimpleNamespace
+
+    from lightning_3d.recipes import GPT
+    from tests.test_multitask import module
+
+    dm = module(tmp_path, microbatching="dynamic", memory_budget_gb=0.02, num_workers=1, global_batch_size=4)
+    strategy = SimpleNamespace(dims=SimpleNamespace(dp=1, pp=1, tp=1), schedule="1f1b", virtual_stages=1,
+                               pipeline_layer_split=None)
+    dm.trainer = SimpleNamespace(lightning_module=GPT("tiny", vocab_size=dm.vocab_size, seq_length=256),
+                                 strategy=strategy, precision="32-true")
+    loader = dm.train_dataloader()
+    it = iter(loader)
+    taken = [next(it) for _ in range(3)]
+    time.sleep(0.5)  # the thread fetches ahead meanwhile
+    assert all(isinstance(b, MicroBatches) and b.orders is not None for b in taken)
+    assert loader.state_dict()["consumed"] == 3 * 4
+    report = dm.plan_waits.summary()
+    assert report["steps"] == 3 and report["startup_steps"] == 1
+    assert all(p is not None for p in dm.plan_waits.planned)  # every step came from the planner, stamped
+    expected = dm.collator(1, 0)([dm.train_dataset[i] for i in list(iter(loader.sampler))[4:8]])
+    assert [mb["input_ids"].shape for mb in taken[1]] == [mb["input_ids"].shape for mb in expected]

@@ -94,6 +94,12 @@ class PlannedMicroBatches(MicroBatches):
 
     planned_at: float | None = None
 
+    def __copy__(self) -> PlannedMicroBatches:
+        # A shallow copy stays what it is (``copy.copy`` would otherwise go through the packing ``__reduce__``).
+        out = PlannedMicroBatches(self, orders=self.orders)
+        out.__dict__.update(self.__dict__)
+        return out
+
     def __reduce__(self):
         dtypes: dict[torch.dtype, int] = {}
         parts: list[list[torch.Tensor]] = []
