@@ -11,12 +11,13 @@ OUT=${OUT:-./out}
 CACHE=${L3D_CACHE:-.l3d_cache}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# PPS and MODELS (model:preset:seq_length:target_length ...) may be given to run a part, e.g. PPS=4 MODELS=t5:770m:1024:256.
 if [ "${SMOKE:-0}" = 1 ]; then
-  N=2; PPS="2"; MODELS="gpt:tiny:128:64 t5:tiny:128:64"; NS=1500; VOCAB=1000; GB=16; STEPS=3; WARM=1; TB=512
-  EXTRA="--accelerator cpu --precision 32-true --num-workers 1"; LIMIT=300
+  N=2; PPS=${PPS:-2}; MODELS=${MODELS:-"gpt:tiny:128:64 t5:tiny:128:64"}; NS=1500; VOCAB=1000; GB=16; STEPS=3
+  WARM=1; TB=512; EXTRA="--accelerator cpu --precision 32-true --num-workers 1"; LIMIT=300
 else
-  N=4; PPS="2 4"; MODELS="gpt:1.3b:2048:512 t5:770m:1024:256"; NS=20000; VOCAB=32000; GB=256; STEPS=5; WARM=2
-  TB=16384; EXTRA="--num-workers 2"; LIMIT=60
+  N=4; PPS=${PPS:-"2 4"}; MODELS=${MODELS:-"gpt:1.3b:2048:512 t5:770m:1024:256"}; NS=20000; VOCAB=32000; GB=256
+  STEPS=5; WARM=2; TB=16384; EXTRA="--num-workers 2"; LIMIT=55
 fi
 COMMON="--num-samples $NS --vocab-size $VOCAB --cache-dir $CACHE"
 python benchmarks/multitask_microbatching.py --prepare-only --model gpt --seq-length 2048 --target-length 512 \
@@ -25,7 +26,8 @@ for spec in $MODELS; do
   IFS=: read -r model preset seq tgt <<<"$spec"
   for pp in $PPS; do
     start=$(date +%s)
-    timeout -k 10 "$LIMIT" python -m torch.distributed.run --nproc_per_node "$N" --master_port $((29500 + pp)) \
+    port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    timeout -k 10 "$LIMIT" python -m torch.distributed.run --nproc_per_node "$N" --master_port "$port" \
       benchmarks/multitask_microbatching.py --engine lightning --devices "$N" --pp "$pp" --model "$model" \
       --preset "$preset" --seq-length "$seq" --target-length "$tgt" $COMMON --global-batch "$GB" --steps "$STEPS" \
       --warmup "$WARM" $EXTRA --variants padding@4 packing@2 token_budget@$TB dynamic \

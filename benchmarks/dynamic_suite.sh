@@ -51,9 +51,11 @@ part planning "$L2" env OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/dynamic
   --layouts 1,1 1,4 2,2 1,2,interleaved --compact
 
 wait "$PREPARE"; echo "== prepare rc=$? $(tail -n 1 "$OUT/prepare.log" | cut -c1-200)"
+GPROF="$OUT/profile_$GPT.json"
+[ -f "$GPROF" ] || GPROF=none  # part 1 did not get to write it: dynamic plans with the analytic model
 
 part multitask_gpt "$L3" python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset "$GPT" $MT \
-  --global-batch "$GB" --steps "$STEPS" --warmup "$WARM" --profile "$OUT/profile_$GPT.json" \
+  --global-batch "$GB" --steps "$STEPS" --warmup "$WARM" --profile "$GPROF" \
   --variants padding@4 packing@1 packing@2 packing@4 token_budget@$TB dynamic --out "$OUT/multitask_gpt.json"
 
 part multitask_t5 "$L4" python benchmarks/multitask_microbatching.py --engine direct --model t5 --preset "$T5" \

@@ -276,8 +276,8 @@ def lightning(args) -> list[dict]:
         except Exception as err:  # noqa: BLE001 - one failing variant (e.g. out of memory) must not lose the others
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         finally:
-            if torch.distributed.is_initialized():  # the next variant's Trainer starts its own process group
-                torch.distributed.destroy_process_group()
+            # The process group stays: the next variant's Trainer reuses it (a new one after destroying it cannot
+            # rendezvous again under torchrun).
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
