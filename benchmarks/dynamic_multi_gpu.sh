@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 21's pipeline comparison on one 4-GPU host: useful tokens/s of GPT-1.3B and T5-770M on the multi-task mix at
-# pp = 2 (dp = 2) and pp = 4 (dp = 1), padding vs best-tuned packing (2 rows of seq_length per micro-batch) vs token
-# budget vs dynamic micro-batching (planned in DataLoader workers; its plan_waits are reported). About 4 minutes of
-# device time when the data cache is carried ($L3D_CACHE, default .l3d_cache: build it beforehand, off the device,
-# with the two --prepare-only lines below, ~1.5 minutes on a CPU; otherwise add that time). Each launch has its own
-# time limit. SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models.
+# pp = 2 (dp = 2) and pp = 4 (dp = 1): dynamic micro-batching (planned in DataLoader workers, analytic cost model; its
+# plan_waits are reported) vs padding vs packing at $PACK rows per micro-batch (default 2: set it to the best of the
+# one-GPU run) vs token budget. Four torchrun launches of at most 70 s each, after building the multi-task data cache
+# (~1 minute of CPU; none if $L3D_CACHE already holds it for this Python version): about 4-5 minutes of device time.
+# PPS=2 or PPS=4 runs half of it. SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models (about 2 minutes).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
@@ -17,7 +17,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   WARM=1; TB=512; EXTRA="--accelerator cpu --precision 32-true --num-workers 1"; LIMIT=300
 else
   N=4; PPS=${PPS:-"2 4"}; MODELS=${MODELS:-"gpt:1.3b:2048:512 t5:770m:1024:256"}; NS=20000; VOCAB=32000; GB=256
-  STEPS=5; WARM=2; TB=16384; EXTRA="--num-workers 2"; LIMIT=55
+  STEPS=5; WARM=2; TB=16384; EXTRA="--num-workers 2"; LIMIT=70
 fi
 COMMON="--num-samples $NS --vocab-size $VOCAB --cache-dir $CACHE"
 python benchmarks/multitask_microbatching.py --prepare-only --model gpt --seq-length 2048 --target-length 512 \
@@ -30,7 +30,7 @@ for spec in $MODELS; do
     timeout -k 10 "$LIMIT" python -m torch.distributed.run --nproc_per_node "$N" --master_port "$port" \
       benchmarks/multitask_microbatching.py --engine lightning --devices "$N" --pp "$pp" --model "$model" \
       --preset "$preset" --seq-length "$seq" --target-length "$tgt" $COMMON --global-batch "$GB" --steps "$STEPS" \
-      --warmup "$WARM" $EXTRA --variants padding@4 packing@2 token_budget@$TB dynamic \
+      --warmup "$WARM" $EXTRA --variants dynamic padding@4 packing@${PACK:-2} token_budget@$TB \
       --out "$OUT/multitask_${model}_pp$pp.json" >"$OUT/multitask_${model}_pp$pp.log" 2>&1
     rc=$?
     echo "== $model pp=$pp rc=$rc $(($(date +%s) - start))s (limit ${LIMIT}s)"

@@ -6,8 +6,8 @@
 #   2. dynamic_planning: planning time per 65,536-token batch on one CPU core, with that profile
 #   3./4. multitask_microbatching: useful tokens/s of GPT-1.3B and T5-770M on the multi-task mix: padding, packing at
 #      several rows per micro-batch (best-tuned), token budget, dynamic
-# The multi-task data cache (tokenizer + samples, ~11 MB) is built in the background during part 1 unless
-# $L3D_CACHE already holds it (build it beforehand with the --prepare-only lines below to save device time).
+# The multi-task data cache (tokenizer + samples, ~11 MB, $L3D_CACHE) is built on the CPU in the background during
+# part 1, so it costs no extra device time.
 #   SMOKE=1 runs every part with tiny sizes on CPU (about 10 minutes on 2 busy cores).
 set -u
 cd "$(dirname "$0")/.."
