@@ -328,20 +328,25 @@ def main() -> None:
     rng = np.random.default_rng(0)
     batches = [lengths_mix(rng, args.tokens, args.max_seq_len) for _ in range(args.batches)]
     plans: list = []
+
+    def save() -> None:  # after every part: a part cut short by a time limit keeps the earlier ones
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
     if "accuracy" in args.parts or "throughput" in args.parts:
         report["accuracy"], report["accuracy_rows"], plans = accuracy(trainer, args, shape, cost_model, budget,
                                                                       batches, vocab)
         print(json.dumps({"part": "accuracy", **report["accuracy"]}), flush=True)
+        save()
     if "throughput" in args.parts and args.throughput_batches > 1:
         n = args.throughput_batches
         report["throughput"] = throughput(trainer, args, batches[:n], plans[:n], vocab)
         print(json.dumps({"part": "throughput", **report["throughput"]}), flush=True)
+        save()
     if "waits" in args.parts and args.wait_steps > 0:
         report["waits"] = waits(trainer, args, shape, cost_model, budget, vocab)
         print(json.dumps({"part": "waits", **report["waits"]}), flush=True)
     report["seconds"] = round(time.perf_counter() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    save()
     print(json.dumps({"part": "done", "seconds": report["seconds"], "out": str(args.out)}), flush=True)
 
 

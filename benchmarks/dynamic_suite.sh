@@ -23,7 +23,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
 else
   DEV=""; GPT="1.3b"; T5="770m"; GSEQ=2048; GTGT=512; TSEQ=1024; TTGT=256; TOK=32768; BATCHES=20; WSTEPS=200
   WTOK=8192; PTOK=65536; PSIZES=1,2,4,8,16,32,64,128; PLENS=16,32,64,128,256,512,1024,1536,2048; GB=256; NS=20000
-  VOCAB=32000; STEPS=6; WARM=2; TB=16384; L1=180; L2=40; L3=150; L4=120
+  VOCAB=32000; STEPS=6; WARM=2; TB=16384; L1=195; L2=40; L3=145; L4=120
 fi
 
 part() {  # name, time limit (s), command...: run it, then print its rc, wall time and JSON lines
