@@ -5,7 +5,7 @@ Prints one JSON document: per layout the median / min / max planning millisecond
 clock and this process's CPU time, which a loaded machine inflates less), the
 plan's micro-batch count and its predicted step time against padding the batch to its longest sample (same cost
 model). Pin it to one core (``taskset -c 0``) and set ``OMP_NUM_THREADS=1``; issue 21 asks for <= 200 ms per
-65,536-token batch. The cost model is the analytic one (``lightning_3d.costs.AnalyticCostModel``) when present,
+65,536-token batch. The cost model is ``--profile`` (a measured profile, for its model) or the analytic one (``lightning_3d.costs.AnalyticCostModel``) when present,
 otherwise a FLOP-count stand-in defined here (reported as ``cost_model``).
 """
 
@@ -72,11 +72,20 @@ def main(argv: list[str] | None = None) -> dict:
                         help="dp,pp[,interleaved]")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compact", action="store_true", help="one JSON line per layout")
+    parser.add_argument("--profile", default=None, help="a profile file (default: the analytic cost model)")
     args = parser.parse_args(argv)
-    try:
-        cost_model = default_cost_model(GPT_1_3B)
-    except ImportError:
-        cost_model = FlopStandIn(GPT_1_3B)
+    shape = GPT_1_3B
+    if args.profile:  # a measured profile (``lightning-3d profile``), planned for its own model
+        from lightning_3d.costs import ProfiledCostModel
+
+        cost_model = ProfiledCostModel(args.profile)
+        shape = cost_model.shape
+    else:
+        try:
+            cost_model = default_cost_model(shape)
+        except ImportError:
+            cost_model = FlopStandIn(shape)
     rng = np.random.default_rng(args.seed)
     batches = [batch(rng, args.tokens, args.median, args.sigma, args.max_seq_len) for _ in range(args.repeats)]
     results = []
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         parts = layout.split(",")
         dp, pp = int(parts[0]), int(parts[1])
         interleaved = len(parts) > 2
-        kw = dict(cost_model=cost_model, shape=GPT_1_3B, dp=dp, pp=pp, memory_budget=args.memory_budget,
+        kw = dict(cost_model=cost_model, shape=shape, dp=dp, pp=pp, memory_budget=args.memory_budget,
                   max_seq_len=args.max_seq_len, schedule="interleaved_1f1b" if interleaved else "1f1b",
                   virtual_stages=2 if interleaved else 1)
         plan_step(batches[0], **kw)  # warm caches (schedule builders)
@@ -95,18 +104,30 @@ def main(argv: list[str] | None = None) -> dict:
             ms.append(1000 * (time.perf_counter() - start))
             cpu_ms.append(1000 * (time.process_time() - cpu))
             counts.append(sum(len(r.microbatches) for r in plan.replicas))
-            padded = plan_step(np.full(len(lengths), lengths.max()), **kw)
-            speedups.append(padded.makespan / plan.makespan)
+            try:  # the comparison only: every sample padded to the longest may fit no plan (memory, a profile's grid)
+                padded = plan_step(np.full(len(lengths), lengths.max()), **kw)
+                speedups.append(padded.makespan / plan.makespan)
+            except ValueError:
+                speedups.append(np.nan)
         results.append({"dp": dp, "pp": pp, "schedule": kw["schedule"], "samples_mean": float(np.mean([len(b) for b in batches])),
                         "plan_ms": {"median": statistics.median(ms), "min": min(ms), "max": max(ms)},
                         "plan_cpu_ms": {"median": statistics.median(cpu_ms), "min": min(cpu_ms), "max": max(cpu_ms)},
                         "microbatches_mean": float(np.mean(counts)),
-                        "predicted_speedup_over_padding_to_longest": float(np.mean(speedups))})
+                        "predicted_speedup_over_padding_to_longest": float(np.nanmean(speedups))
+                        if not np.all(np.isnan(speedups)) else None})
     report = {"tokens_per_batch": args.tokens, "median_length": args.median, "sigma": args.sigma,
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "cost_model": cost_model.source, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
               "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
               "results": results}
-    print(json.dumps(report, indent=1))
+    if args.compact:  # one line per layout
+        print(json.dumps({k: v for k, v in report.items() if k != "results"}))
+        for r in results:
+            print(json.dumps({"dp": r["dp"], "pp": r["pp"], "schedule": r["schedule"], "samples": r["samples_mean"],
+                              "plan_cpu_ms_median": round(r["plan_cpu_ms"]["median"], 1),
+                              "plan_cpu_ms_max": round(r["plan_cpu_ms"]["max"], 1),
+                              "microbatches": r["microbatches_mean"]}))
+    else:
+        print(json.dumps(report, indent=1))
     return report
 
 

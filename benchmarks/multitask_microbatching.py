@@ -1,11 +1,24 @@
-"""Useful tokens/s of the GPT or T5 recipe on the offline multi-task mix under each micro-batching, in one process.
+"""Useful tokens/s of the GPT or T5 recipe on the offline multi-task mix under each micro-batching.
 
 "Useful" tokens are the samples' own tokens (inputs and targets, no padding); every variant trains on the same global
-batches (same seed), so the ratio of their useful tokens/s is the speed-up. One GPU, pp = 1 (the pipeline numbers
-belong to the multi-GPU suite). docs/multitask.md explains the options.
+batches (same seed), so the ratio of their useful tokens/s is the speed-up. Variants: ``padding@N`` (N samples per
+micro-batch), ``packing@N`` (N packed rows of ``--seq-length`` tokens per micro-batch, document-masked),
+``token_budget@N`` (at most N padded tokens per micro-batch) and ``dynamic`` (DynaPipe planner with the memory
+budget at ``--memory-fraction`` of the card; ``--profile`` a measured profile, else the analytic cost model).
 
-    python benchmarks/multitask_microbatching.py --model gpt --preset 1.3b --seq-length 2048 --target-length 512 \
-        --global-batch 64 --variants padding packing token_budget dynamic --out $OUT/multitask_gpt.json
+``--engine direct`` (one GPU, pp = 1): one model, built once; every variant's micro-batches are collated by the data
+module's own collators before the timed steps, then trained (fp32 weights, bf16 autocast, AdamW) with the recipe's
+forward and loss. Collation and planning are not timed for any variant (the dynamic planner runs ahead of training
+in DataLoader workers: ``benchmarks/dynamic_gpu.py`` measures that no step waits for it).
+
+``--engine lightning``: ``Trainer.fit`` with ``Compressed3DStrategy(pipeline_parallel_size=--pp)`` on ``--devices``
+processes per variant (start it with torchrun for several GPUs; rank 0 prints), the data module with
+``--num-workers`` DataLoader workers; the dynamic variant reports its ``plan_waits``. Step times come from a
+synchronised per-step clock after ``--warmup`` steps.
+
+    python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset 1.3b \
+        --variants padding@4 packing@1 packing@2 token_budget@16384 dynamic --out $OUT/multitask_gpt.json
+    torchrun --nproc_per_node 4 benchmarks/multitask_microbatching.py --engine lightning --devices 4 --pp 2 ...
 """
 
 from __future__ import annotations
@@ -18,122 +31,317 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import lightning.pytorch as pl  # noqa: E402
-
-from lightning_3d import Compressed3DStrategy  # noqa: E402
 from lightning_3d.recipes import GPT, T5  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
-from lightning_3d.recipes.data.multitask_batching import sample_lengths  # noqa: E402
+from lightning_3d.recipes.data.multitask_batching import (  # noqa: E402
+    StepCollator, sample_input_length, sample_lengths, sample_target_length)
 
 
-class StepClock(pl.Callback):
-    """Wall time of every training step (synchronised on GPU)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def _sync(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        self._sync()
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self._sync()
-        self.times.append(time.perf_counter() - self._start)
+def parse_variant(text: str) -> tuple[str, int | None]:
+    name, _, size = text.partition("@")
+    if name not in ("padding", "packing", "token_budget", "dynamic"):
+        raise SystemExit(f"unknown variant {text!r}: use padding@N, packing@N, token_budget@N or dynamic")
+    return name, int(size) if size else None
 
 
-def counting(collator, useful: list[int], computed: list[int], model_type: str):
-    """Wrap a step collator to record each step's useful and computed (padded) tokens (num_workers=0: in order)."""
+class ProfiledData(MultiTaskDataModule):
+    """The data module with a given cost model for dynamic micro-batching (the module itself plans with the
+    analytic one)."""
 
-    def collate(samples):
-        mbs = collator(samples)
-        useful.append(sum(sum(sample_lengths(s)) for s in samples))  # one replica: all of the global batch
-        computed.append(sum(mb["input_ids"].numel() + (mb["labels"].numel() if model_type == "t5" else 0) for mb in mbs))
-        return mbs
+    cost_model = None
 
-    return collate
+    def _dynamic_planner(self, collator, dp, rank):
+        batcher = super()._dynamic_planner(collator, dp, rank)
+        if self.cost_model is not None:
+            batcher.options["cost_model"] = self.cost_model
+        return batcher
 
 
-def run(args: argparse.Namespace, variant: str) -> dict:
-    data = MultiTaskDataModule(
+def data_module(args, microbatching: str = "padding", size: int | None = None, **extra) -> MultiTaskDataModule:
+    budget = size if microbatching == "token_budget" else args.token_budget
+    return ProfiledData(
         model_type=args.model, num_samples=args.num_samples, tokenizer="bpe", tokenizer_vocab_size=args.vocab_size,
         seq_length=args.seq_length, target_length=args.target_length, global_batch_size=args.global_batch,
-        microbatching=variant, micro_batch_size=args.micro_batch_size, token_budget=args.token_budget,
-        memory_budget_gb=args.memory_budget_gb, val_fraction=0.0, seed=args.seed)
+        microbatching=microbatching, micro_batch_size=size or args.micro_batch_size, token_budget=budget,
+        val_fraction=0.0, seed=args.seed, cache_dir=args.cache_dir, **extra)
+
+
+def build_model(args, data: MultiTaskDataModule):
     if args.model == "gpt":
-        model = GPT(args.preset, vocab_size=data.vocab_size, seq_length=args.seq_length, compile=args.compile)
+        return GPT(args.preset, vocab_size=data.vocab_size, seq_length=args.seq_length)
+    return T5(args.preset, vocab_size=data.vocab_size, pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id)
+
+
+def cost_model_for(args, module, shape):
+    """``--profile``: none (analytic), a file, or ``measure`` (the recipe's layers on this GPU, a grid that covers
+    the multi-task lengths; written to ``$OUT/profile_<model>_<preset>.json``)."""
+    from lightning_3d.costs import ProfiledCostModel
+    from lightning_3d.dynamic import default_cost_model
+
+    if args.profile == "none":
+        return default_cost_model(shape)
+    if args.profile != "measure":
+        return ProfiledCostModel(args.profile)
+    from lightning_3d.planner.profile import profile_model
+
+    path = "lightning_3d.recipes.GPT" if args.model == "gpt" else "lightning_3d.recipes.T5"
+    init = {"preset_name": args.preset, "vocab_size": module.config.vocab_size}
+    data = {"seq_length": args.seq_length, "target_length": args.target_length}
+    if args.model == "gpt":
+        init["seq_length"] = args.seq_length
+    config = {"model": {"class_path": path, "init_args": init}, "data": {"init_args": data},
+              "trainer": {"precision": "bf16-mixed" if torch.cuda.is_available() else "32-true"}}
+    lens = [int(x) for x in args.profile_lens.split(",")]
+    doc = profile_model(config, microbatch_sizes=[int(x) for x in args.profile_sizes.split(",")],
+                        seq_lens=[s for s in lens if s <= args.seq_length],
+                        target_lens=[t for t in lens if t <= args.target_length] if args.model == "t5" else None,
+                        recompute=(False,), warmup=1, repeats=2, collectives=False, log=lambda *_: None,
+                        device=None if torch.cuda.is_available() else "cpu")
+    out = Path(args.out).parent / f"profile_{args.model}_{args.preset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, allow_nan=False))
+    return ProfiledCostModel(out)
+
+
+# ----- direct engine: one model, every variant on the same batches ----------------------------------------------
+def direct(args) -> list[dict]:
+    from lightning_3d.costs import model_shape
+    from lightning_3d.dynamic import DynamicMicroBatcher
+    from lightning_3d.recipes.t5.model import run_stage
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    data = data_module(args)
+    data.setup("fit")
+    module = build_model(args, data)
+    module.configure_model()
+    model = module.model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+
+    def loss_of(mb: dict) -> torch.Tensor:
+        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items() if isinstance(v, torch.Tensor)}
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            if args.model == "gpt":
+                out = model(mb["input_ids"], mb.get("position_ids"), mb.get("document_ids"))
+            else:
+                out = run_stage(model, (), mb)
+            return module.pipeline_loss(out, mb), module.pipeline_loss_terms(mb)
+
+    def step(mbs: list[dict]) -> None:
+        terms = sum(int((mb["labels"] != -100).sum()) for mb in mbs)
+        for mb in mbs:
+            loss, _ = loss_of(mb)
+            (loss / terms).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    rng = np.random.default_rng(args.seed)
+    order = rng.permutation(len(data.train_dataset))
+    n = args.steps
+    batches = [[data.train_dataset[int(i)] for i in order[k * args.global_batch : (k + 1) * args.global_batch]]
+               for k in range(n)]
+    useful = [sum(sum(sample_lengths(s)) for s in b) for b in batches]
+    warm = data_module(args, "padding", 1).collator(1, 0)
+    step(warm.microbatches(batches[0][:1]))  # gradients and optimizer state: the memory baseline
+    if cuda:
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        budget = args.memory_fraction * torch.cuda.get_device_properties(0).total_memory - baseline
     else:
-        model = T5(args.preset, vocab_size=data.vocab_size, pad_token_id=data.pad_token_id,
-                   eos_token_id=data.eos_token_id, compile=args.compile)
-    useful: list[int] = []
-    computed: list[int] = []
-    original = data.collator
-    data.collator = lambda dp, rank: counting(original(dp, rank), useful, computed, args.model)  # type: ignore[method-assign]
-    clock = StepClock()
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=1, precision=args.precision, max_steps=args.steps,
-                         strategy=Compressed3DStrategy(compression=False), logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock], limit_val_batches=0)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    trainer.fit(model, datamodule=data)
-    timed = slice(args.warmup, None)
-    seconds = sum(clock.times[timed])
-    return {"variant": variant, "steps_timed": len(clock.times[timed]), "step_s_mean": seconds / max(1, len(clock.times[timed])),
-            "useful_tokens_per_s": sum(useful[timed]) / seconds if seconds else None,
-            "useful_tokens_per_step": sum(useful[timed]) / max(1, len(useful[timed])),
-            "computed_tokens_per_step": sum(computed[timed]) / max(1, len(computed[timed])),
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-            "error": None}
+        baseline, budget = 0, 64e9
+    shape = model_shape(module.config, bytes_per_element=2 if cuda else 4)
+    cost_model = cost_model_for(args, module, shape) if "dynamic" in [parse_variant(v)[0] for v in args.variants] else None
+    results = []
+    for text in args.variants:
+        name, size = parse_variant(text)
+        row = {"variant": text, "error": None}
+        try:
+            collator: StepCollator = data_module(args, name if name != "dynamic" else "padding", size).collator(1, 0)
+            plan_s = 0.0
+            if name == "dynamic":
+                t5 = args.model == "t5"
+                collator.dynamic = DynamicMicroBatcher(
+                    collator.collate, shape=shape, dp=1, pp=1, dp_rank=0, memory_budget=budget, cost_model=cost_model,
+                    max_seq_len=args.seq_length, max_target_len=args.target_length if t5 else None,
+                    input_length=sample_input_length, target_length=sample_target_length if t5 else None)
+                collator.microbatching = "dynamic"
+            steps = []
+            for b in batches:
+                start = time.process_time()
+                steps.append(list(collator(b)))
+                plan_s += time.process_time() - start
+            computed = [sum(mb["input_ids"].numel() + (mb["labels"].numel() if args.model == "t5" else 0) for mb in s)
+                        for s in steps]
+            times = []
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            for mbs in steps:
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                step(mbs)
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            timed = slice(args.warmup, None)
+            seconds = sum(times[timed])
+            row.update({
+                "useful_tokens_per_s": round(sum(useful[timed]) / seconds) if seconds else None,
+                "step_s_mean": round(seconds / max(1, len(times[timed])), 4),
+                "microbatches_per_step": round(float(np.mean([len(s) for s in steps])), 1),
+                "padding_fraction": round(1 - sum(useful) / sum(computed), 3),
+                "collate_ms_per_step": round(1000 * plan_s / len(steps), 1),
+                "peak_memory_gb": round((torch.cuda.max_memory_allocated() - baseline) / 2**30, 2) if cuda else None})
+        except torch.OutOfMemoryError as err:
+            row["error"] = f"out of memory: {str(err)[:160]}"
+        except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        finally:
+            opt.zero_grad(set_to_none=False)
+            if cuda:
+                torch.cuda.empty_cache()
+        results.append(row)
+        print(json.dumps({"model": args.model, **row}), flush=True)
+    return results
+
+
+# ----- lightning engine: Trainer.fit per variant, any number of processes and pipeline stages ---------------------
+def lightning(args) -> list[dict]:
+    import lightning.pytorch as pl
+
+    from lightning_3d import Compressed3DStrategy
+
+    class StepClock(pl.Callback):
+        """Wall time of every training step (synchronised on GPU)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._start = 0.0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._start)
+
+    world = int(os.environ.get("WORLD_SIZE", args.devices))
+    probe = data_module(args)  # the vocabulary (the data must be prepared: --prepare-only first)
+    card = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 64 * 2**30
+    # The activation budget: the card's fraction less fp32 weights, gradients and AdamW state of a pipeline stage.
+    params = build_model(args, probe).config.num_parameters()
+    budget_gb = (args.memory_fraction * card - 16 * params / args.pp) / 2**30
+    results = []
+    for text in args.variants:
+        name, size = parse_variant(text)
+        row = {"variant": text, "pp": args.pp, "dp": world // args.pp, "error": None}
+        try:
+            model = build_model(args, probe)
+            extra = {"memory_budget_gb": budget_gb} if name == "dynamic" else {}
+            data = data_module(args, name, size, num_workers=args.num_workers, **extra)
+            if name == "dynamic" and args.profile not in ("none", "measure"):
+                from lightning_3d.costs import ProfiledCostModel
+
+                data.cost_model = ProfiledCostModel(args.profile)
+            clock = StepClock()
+            strategy = Compressed3DStrategy(pipeline_parallel_size=args.pp, compression=False)
+            trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, precision=args.precision,
+                                 max_steps=args.steps, strategy=strategy, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+                                 limit_val_batches=0)
+            trainer.fit(model, datamodule=data)
+            # Every variant's step k trains the same global batch: its useful tokens, from the sampler's order.
+            sampler = trainer.train_dataloader.sampler
+            indices = list(iter(sampler))[: args.steps * args.global_batch]
+            useful = [sum(sum(sample_lengths(data.train_dataset[i])) for i in indices[k * args.global_batch:
+                                                                                      (k + 1) * args.global_batch])
+                      for k in range(len(clock.times))]
+            timed = slice(args.warmup, None)
+            seconds = sum(clock.times[timed])
+            row.update({"useful_tokens_per_s": round(sum(useful[timed]) / seconds) if seconds else None,
+                        "step_s_mean": round(seconds / max(1, len(clock.times[timed])), 4),
+                        "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                        if torch.cuda.is_available() else None})
+            if data.plan_waits is not None and name == "dynamic":
+                row["plan_waits"] = data.plan_waits.summary()
+        except Exception as err:  # noqa: BLE001 - one failing variant (e.g. out of memory) must not lose the others
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        finally:
+            # The process group stays: the next variant's Trainer reuses it (a new one after destroying it cannot
+            # rendezvous again under torchrun).
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+        results.append(row)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps({"model": args.model, **row}), flush=True)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["direct", "lightning"], default="direct")
     parser.add_argument("--model", choices=["gpt", "t5"], default="gpt")
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--variants", nargs="+", default=["padding", "packing", "token_budget", "dynamic"])
+    parser.add_argument("--variants", nargs="+",
+                        default=["padding@4", "packing@1", "packing@2", "token_budget@16384", "dynamic"])
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--target-length", type=int, default=512)
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=4, help="padding: samples; packing: rows")
-    parser.add_argument("--token-budget", type=int, default=16384)
-    parser.add_argument("--memory-budget-gb", type=float, default=40.0, help="dynamic: activation memory per GPU")
+    parser.add_argument("--global-batch", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="padding/packing without @N")
+    parser.add_argument("--token-budget", type=int, default=16384, help="token_budget without @N")
+    parser.add_argument("--memory-fraction", type=float, default=0.9, help="dynamic: budget as a fraction of the card")
+    parser.add_argument("--profile", default="none", help="dynamic's cost model: none (analytic), measure, or a file")
+    parser.add_argument("--profile-sizes", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--profile-lens", default="16,32,64,128,256,512,1024,2048")
     parser.add_argument("--num-samples", type=int, default=20000)
     parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--prepare-only", action="store_true", help="only build the data cache (before torchrun)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--devices", type=int, default=1, help="lightning engine: processes (torchrun's count)")
+    parser.add_argument("--pp", type=int, default=1, help="lightning engine: pipeline stages")
+    parser.add_argument("--num-workers", type=int, default=2, help="lightning engine: DataLoader workers")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "multitask_microbatching.json")
     args = parser.parse_args()
-    with socket.socket() as s:  # a one-process group for the strategy
-        s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    results = []
-    for variant in args.variants:
-        try:
-            results.append(run(args, variant))
-        except Exception as err:  # noqa: BLE001 - one failing variant (e.g. out of memory) must not lose the others
-            results.append({"variant": variant, "error": f"{type(err).__name__}: {err}"})
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        print(json.dumps(results[-1]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    for v in args.variants:
+        parse_variant(v)
+    if args.prepare_only:  # build the tokenizer and samples cache once, before several processes read it
+        data_module(args).setup("fit")
+        print(json.dumps({"prepared": args.model, "cache_dir": args.cache_dir}), flush=True)
+        return
+    if args.engine == "lightning" and "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:  # a one-process group for the strategy
+            s.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    start = time.perf_counter()
+    results = direct(args) if args.engine == "direct" else lightning(args)
+    base = next((r["useful_tokens_per_s"] for r in results if r["variant"].startswith("padding") and not r["error"]), None)
+    packed = [r["useful_tokens_per_s"] for r in results if r["variant"].startswith("packing") and not r["error"]]
+    dyn = next((r["useful_tokens_per_s"] for r in results if r["variant"] == "dynamic" and not r["error"]), None)
+    summary = {"model": args.model, "preset": args.preset, "engine": args.engine, "pp": args.pp,
+               "seconds": round(time.perf_counter() - start, 1),
+               "dynamic_vs_padding": round(dyn / base, 2) if dyn and base else None,
+               "dynamic_vs_best_packing": round(dyn / max(packed), 2) if dyn and packed else None}
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"summary": summary}), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                        "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -290,3 +290,16 @@ def test_plan_step_defaults_to_the_analytic_cost_model() -> None:
     assert plan.cost_source == "analytic"
     covered = sorted(i for r in plan.replicas for mb in r.microbatches for i in mb.samples)
     assert covered == list(range(6))
+
+
+@pytest.mark.parametrize("n", [3, 5, 7])
+def test_interleaved_plans_merge_adjacent_singles_to_a_multiple_of_pp(n: int) -> None:
+    """Equal lengths favour single-sample micro-batches (a shorter pipeline fill); an odd number of them cannot be
+    split to a multiple of pp, so adjacent ones are merged down to the previous multiple instead of failing."""
+    plan = plan_step([64] * n, cost_model=TOY, shape=TINY, dp=1, pp=2, virtual_stages=2, schedule="interleaved_1f1b",
+                     memory_budget=1e9)
+    mbs = plan.replicas[0].microbatches
+    assert len(mbs) % 2 == 0 and len(mbs) == n - 1  # one merge
+    assert sorted(i for mb in mbs for i in mb.samples) == list(range(n))
+    assert sorted(len(mb.samples) for mb in mbs) == [1] * (n - 2) + [2]
+    assert plan.peak_memory <= 1e9

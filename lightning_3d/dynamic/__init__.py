@@ -6,10 +6,11 @@ the design and when to use it; ``DynamicMicroBatcher`` is the data-loader entry 
 
 from lightning_3d.dynamic.batcher import DynamicMicroBatcher, input_length, labels_length
 from lightning_3d.dynamic.consistency import RECOMPUTE_KEY, check_same_plan, plan_digest, with_microbatch_checkpointing
+from lightning_3d.dynamic.handoff import PlannedMicroBatches, PlanWaits, background
 from lightning_3d.dynamic.plan import MicroBatchPlan, ReplicaPlan, StepPlan, default_cost_model, plan_step
 
 __all__ = [
-    "RECOMPUTE_KEY", "DynamicMicroBatcher", "MicroBatchPlan", "ReplicaPlan", "StepPlan", "check_same_plan",
-    "default_cost_model", "input_length", "labels_length", "plan_digest", "plan_step",
+    "RECOMPUTE_KEY", "DynamicMicroBatcher", "MicroBatchPlan", "PlanWaits", "PlannedMicroBatches", "ReplicaPlan",
+    "StepPlan", "background", "check_same_plan", "default_cost_model", "input_length", "labels_length", "plan_digest", "plan_step",
     "with_microbatch_checkpointing",
 ]

@@ -4,20 +4,22 @@ the step (``plan_step``) and returns this replica's micro-batches, collated to t
 
 It is a plain, picklable object, so it runs in DataLoader worker processes (as ``collate_fn`` with
 ``batch_size=global batch``, or mapped over batches): planning happens there, ``prefetch_factor`` steps ahead of
-training, off the critical path. Every replica loads the same global batch and plans it identically (the plan is a
+training, off the critical path. The step it returns (``PlannedMicroBatches``) crosses to the training process as one
+buffer per dtype and carries ``planned_at`` for ``PlanWaits`` (``handoff.py``). Every replica loads the same global batch and plans it identically (the plan is a
 deterministic function of the lengths, the cost model and the seed), then keeps its own share: no communication, no
 planning server (docs/dynamic.md).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from lightning_3d.costs.model import CostModel, ModelShape
 from lightning_3d.dynamic.consistency import RECOMPUTE_KEY
+from lightning_3d.dynamic.handoff import PlannedMicroBatches
 from lightning_3d.dynamic.plan import StepPlan, plan_step
-from lightning_3d.pipeline.microbatch import MicroBatches
 
 Collate = Callable[[list[Any], int, "int | None"], Any]
 
@@ -65,7 +67,7 @@ class DynamicMicroBatcher:
         targets = [self.target_length(s) for s in samples] if self.target_length is not None else None
         return plan_step([self.input_length(s) for s in samples], target_lengths=targets, **self.options)
 
-    def __call__(self, samples: Sequence[Any]) -> MicroBatches:
+    def __call__(self, samples: Sequence[Any]) -> PlannedMicroBatches:
         samples = list(samples)
         plan = self.plan(samples)
         mine = plan.replicas[self.dp_rank]
@@ -79,6 +81,7 @@ class DynamicMicroBatcher:
                         f" {type(batch).__name__}: return a dict from collate, or raise memory_budget."
                     )
                 batch[RECOMPUTE_KEY] = True
-        out = MicroBatches(batches, orders=mine.orders)
+        out = PlannedMicroBatches(batches, orders=mine.orders)
         out.plan = plan  # for logging and tests; the runtime reads only the list and ``orders``
+        out.planned_at = time.monotonic()  # when the step was ready (``PlanWaits`` compares it with the request)
         return out

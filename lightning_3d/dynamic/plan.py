@@ -222,14 +222,33 @@ def _split_until(ranges: list[tuple[int, int]], count: int, time: np.ndarray) ->
 
 
 def _split_to_multiple(ranges: list[tuple[int, int]], pp: int, time: np.ndarray, schedule: str) -> list[tuple[int, int]]:
+    """A multiple of ``pp`` micro-batches: halve the slowest ranges up to the next multiple or, when the replica has
+    too few samples for that (e.g. an odd number of single-sample micro-batches, which equal lengths favour: they
+    shorten the pipeline's fill), merge adjacent ranges down to the previous one."""
     target = -(-len(ranges) // pp) * pp
     if sum(b - a for a, b in ranges) < target:
+        merged = _merge_until(sorted(ranges), len(ranges) // pp * pp, time) if len(ranges) >= pp else None
+        if merged is not None:
+            return merged
         raise ValueError(
             f"schedule={schedule!r} needs a multiple of pipeline_parallel_size={pp} micro-batches per replica, but a"
             f" replica holds only {sum(b - a for a, b in ranges)} samples: use a larger global batch, or"
             " schedule='1f1b'."
         )
     return sorted(_split_until(ranges, target, time))
+
+
+def _merge_until(ranges: list[tuple[int, int]], count: int, time: np.ndarray) -> list[tuple[int, int]] | None:
+    """Merge the adjacent pair of ranges (one contiguous range of the order) whose union is fastest, until ``count``
+    remain; None if no adjacent pair fits (its time is infinite) before that."""
+    while len(ranges) > count:
+        pairs = [(time[a, d], k) for k, ((a, b), (c, d)) in enumerate(zip(ranges, ranges[1:])) if b == c]
+        pairs = [(t, k) for t, k in pairs if np.isfinite(t)]
+        if not pairs:
+            return None
+        _, k = min(pairs)
+        ranges[k : k + 2] = [(ranges[k][0], ranges[k + 1][1])]
+    return ranges
 
 
 def _lengths(values: Sequence[int], what: str, limit: int | None, limit_name: str) -> np.ndarray:

@@ -161,9 +161,14 @@ class ResumableDataLoader(DataLoader):
     def _generate(self) -> Iterator[Any]:
         # Lightning calls `set_epoch` after `iter()`: re-read the sampler once iteration really starts.
         self._note_start()
-        for batch in super().__iter__():
+        for batch in self._batches():
             self._yielded += 1
             yield batch
+
+    def _batches(self) -> Iterator[Any]:
+        """The DataLoader's batches; a subclass may fetch them ahead in the background (the count above stays the
+        training loop's)."""
+        return super().__iter__()
 
     def _consumed(self) -> int:
         return self._start + self._yielded * self.batch_size * self.sampler.num_replicas  # type: ignore[attr-defined]

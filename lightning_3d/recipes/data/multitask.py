@@ -21,6 +21,7 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_3d.dynamic.handoff import PlanWaits, background
 from lightning_3d.recipes.data.causal_lm import cache_key, default_cache_dir
 from lightning_3d.recipes.data.loader import (ResumableDataLoader, ResumableDistributedSampler, data_parallel_rank,
                                              worker_options)
@@ -80,6 +81,21 @@ class MultiTaskSamples(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_arrays": None}
+
+
+class _StepLoader(ResumableDataLoader):
+    """With workers, steps are taken off the workers in a background thread two steps ahead: receiving a step of
+    many micro-batch tensors from a worker costs the receiving process round trips to that worker, which would
+    otherwise land on the training loop (``lightning_3d.dynamic.handoff``). ``waits``: a ``PlanWaits`` recording each
+    step's fetch (and, for dynamic micro-batching, whether it waited for its plan)."""
+
+    waits: PlanWaits | None = None
+
+    def _batches(self):
+        batches = super()._batches()
+        if self.num_workers > 0:
+            batches = background(batches, ahead=2)
+        return self.waits.wrap(batches) if self.waits is not None else batches
 
 
 class MultiTaskDataModule(L.LightningDataModule):
@@ -162,6 +178,8 @@ class MultiTaskDataModule(L.LightningDataModule):
         self.train_dataset: MultiTaskSamples | None = None
         self.val_dataset: MultiTaskSamples | None = None
         self._tokenizer: TextTokenizer | None = None
+        #: the training loader's per-step record (``lightning_3d.dynamic.PlanWaits``), set by ``train_dataloader``
+        self.plan_waits: PlanWaits | None = None
 
     # ----------------------------------------------------------------- vocabulary
     @property
@@ -337,7 +355,7 @@ class MultiTaskDataModule(L.LightningDataModule):
             target_length=sample_target_length if t5 else None,
         )
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> ResumableDataLoader:
+    def _loader(self, dataset: Dataset, shuffle: bool, train: bool = False) -> ResumableDataLoader:
         hp = self.hparams
         dp, rank = data_parallel_rank(self.trainer)
         if hp.global_batch_size < dp:
@@ -345,8 +363,10 @@ class MultiTaskDataModule(L.LightningDataModule):
                              f" replicas: every replica needs at least one sample per step; raise it to >= {dp}.")
         # One replica in the sampler: every rank reads the same global batch; the collator takes this replica's part.
         sampler = ResumableDistributedSampler(dataset, 1, 0, shuffle=shuffle, seed=hp.seed, drop_last=True)
-        loader = ResumableDataLoader(dataset, hp.global_batch_size, sampler, num_workers=hp.num_workers,
-                                     collate_fn=self.collator(dp, rank), **worker_options(hp.num_workers))
+        loader = _StepLoader(dataset, hp.global_batch_size, sampler, num_workers=hp.num_workers,
+                             collate_fn=self.collator(dp, rank), **worker_options(hp.num_workers))
+        if train:  # its steps are recorded in ``plan_waits``
+            self.plan_waits = loader.waits = PlanWaits()
         if len(loader) == 0:
             raise ValueError(f"{len(dataset)} samples are fewer than global_batch_size={hp.global_batch_size}: add data"
                              " or lower global_batch_size.")
@@ -356,7 +376,7 @@ class MultiTaskDataModule(L.LightningDataModule):
         """Resumable loader of global batches; each yields this replica's ``MicroBatches``."""
         if self.train_dataset is None:
             self.setup("fit")
-        return self._loader(self.train_dataset, self.hparams.shuffle)
+        return self._loader(self.train_dataset, self.hparams.shuffle, train=True)
 
     def val_dataloader(self) -> DataLoader | list:
         """Held-out global batches in order (the incomplete last one dropped), micro-batched like training."""

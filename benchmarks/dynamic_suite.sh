@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 21 on one GPU (H100 80GB), one device call of about 5-6 minutes (at most 8.8: the parts' limits); every part has its own time limit, so a part
+# that runs over loses only itself. Prints one compact block per part; logs and JSON go to $OUT.
+#   1. dynamic_gpu: GPT-1.3B profile (measured), cost-model accuracy over 20 batches (budget 90 % of the card),
+#      200 training steps fed by planning DataLoader workers (steps waiting for a plan, plan lead, fetch time)
+#   2. dynamic_planning: planning time per 65,536-token batch on one CPU core, with that profile
+#   3./4. multitask_microbatching: useful tokens/s of GPT-1.3B and T5-770M on the multi-task mix: padding, packing at
+#      several rows per micro-batch (best-tuned), token budget, dynamic
+# The multi-task data cache (tokenizer + samples, ~11 MB, $L3D_CACHE) is built on the CPU in the background during
+# part 1, so it costs no extra device time.
+#   SMOKE=1 runs every part with tiny sizes on CPU (about 10 minutes on 2 busy cores).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./out}
+CACHE=${L3D_CACHE:-.l3d_cache}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+if [ "${SMOKE:-0}" = 1 ]; then
+  DEV="--device cpu"; GPT="tiny"; T5="tiny"; GSEQ=128; GTGT=64; TSEQ=128; TTGT=64; TOK=1024; BATCHES=3; WSTEPS=12
+  WTOK=512; PTOK=2048; PSIZES=1,2,4,8,16,32,64,128; PLENS=16,32,64,128; GB=16; NS=1500; VOCAB=1000; STEPS=3; WARM=1
+  TB=512; L1=300; L2=120; L3=300; L4=400
+else
+  DEV=""; GPT="1.3b"; T5="770m"; GSEQ=2048; GTGT=512; TSEQ=1024; TTGT=256; TOK=32768; BATCHES=20; WSTEPS=200
+  WTOK=8192; PTOK=65536; PSIZES=1,2,4,8,16,32,64,128; PLENS=16,32,64,128,256,512,1024,1536,2048; GB=256; NS=20000
+  VOCAB=32000; STEPS=6; WARM=2; TB=16384; L1=195; L2=40; L3=145; L4=120
+fi
+
+part() {  # name, time limit (s), command...: run it, then print its rc, wall time and JSON lines
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "== $name rc=$rc $(($(date +%s) - start))s (limit ${limit}s)"
+  grep '^{' "$OUT/$name.log" | cut -c1-700
+  [ "$rc" = 0 ] || tail -n 5 "$OUT/$name.log"
+}
+
+MT="--seq-length $GSEQ --target-length $GTGT --num-samples $NS --vocab-size $VOCAB --cache-dir $CACHE"
+python benchmarks/multitask_microbatching.py --prepare-only --model gpt $MT >"$OUT/prepare.log" 2>&1 &
+PREPARE=$!
+
+part dynamic_gpu "$L1" python benchmarks/dynamic_gpu.py $DEV --preset "$GPT" --vocab-size "$VOCAB" \
+  --max-seq-len "$GSEQ" --tokens "$TOK" --batches "$BATCHES" --parts accuracy waits --profile measure \
+  --profile-sizes "$PSIZES" --profile-lens "$PLENS" --wait-steps "$WSTEPS" --wait-tokens "$WTOK" \
+  --workers 2 --out "$OUT/dynamic_gpu.json"
+
+part planning "$L2" env OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/dynamic_planning.py \
+  --profile "$OUT/profile_$GPT.json" --max-seq-len "$GSEQ" --tokens "$PTOK" --repeats 5 --memory-budget 50e9 \
+  --layouts 1,1 1,4 2,2 1,2,interleaved --compact
+
+wait "$PREPARE"; echo "== prepare rc=$? $(tail -n 1 "$OUT/prepare.log" | cut -c1-200)"
+GPROF="$OUT/profile_$GPT.json"
+[ -f "$GPROF" ] || GPROF=none  # part 1 did not get to write it: dynamic plans with the analytic model
+
+part multitask_gpt "$L3" python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset "$GPT" $MT \
+  --global-batch "$GB" --steps "$STEPS" --warmup "$WARM" --profile "$GPROF" \
+  --variants padding@4 packing@1 packing@2 packing@4 token_budget@$TB dynamic --out "$OUT/multitask_gpt.json"
+
+part multitask_t5 "$L4" python benchmarks/multitask_microbatching.py --engine direct --model t5 --preset "$T5" \
+  --seq-length "$TSEQ" --target-length "$TTGT" --num-samples "$NS" --vocab-size "$VOCAB" --cache-dir "$CACHE" \
+  --global-batch "$GB" --steps "$STEPS" --warmup "$WARM" --profile measure --profile-sizes "$PSIZES" \
+  --profile-lens "$PLENS" --variants padding@4 packing@1 packing@2 token_budget@$TB dynamic \
+  --out "$OUT/multitask_t5.json"
