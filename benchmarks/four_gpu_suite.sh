@@ -54,18 +54,21 @@ print(json.dumps({k: d[k] for k in ('all_reduce', 'reduce_scatter', 'all_gather'
     # Independent jobs side by side on disjoint GPUs (one host: each lane has its own GPUs and NVLink pairs; the
     # host's 64 cores are shared): GPU 0 the one-GPU long-sequence sweep (issue 27), GPUs 2,3 tp = 2 against dp = 2
     # after the local-leaf gradients, the transport's layouts on NCCL, cp = 2 at 128k tokens (issues 26, 18, 27).
-    ( CUDA_VISIBLE_DEVICES=0 timeout 530 python benchmarks/long_sequence.py --find-longest --time-budget 470 \
+    # GPU 1: the planner's one-GPU validation on GPT-350M (issue 22).
+    ( CUDA_VISIBLE_DEVICES=0 timeout 480 python benchmarks/long_sequence.py --find-longest --time-budget 440 \
         --out "$OUT/long_sequence.json" > "$OUT/long_sequence.txt" 2>&1; step long_sequence $? ) &
+    ( CUDA_VISIBLE_DEVICES=1 timeout 480 python benchmarks/planner_validate.py --suite one --models gpt_350m \
+        --budget-s 440 --out "$OUT/planner_one.json" > "$OUT/planner_one.txt" 2>&1; step planner_one $? ) &
     PEERS="--preset 1.3b --seq-length 2048 --micro-batch-size 4 --num-microbatches 4 --warmup 2 --steps 5 --timeout 110"
     ( export CUDA_VISIBLE_DEVICES=2,3
-      timeout 200 python benchmarks/peers.py $PEERS --gpus 2 --systems ours@2,1,1 ours@1,1,2 \
+      timeout 170 python benchmarks/peers.py $PEERS --gpus 2 --systems ours@2,1,1 ours@1,1,2 \
           --out "$OUT/peers_tp2.json" > "$OUT/peers_tp2.txt" 2>&1; step peers_tp2 $?
       timeout 80 python benchmarks/train_throughput.py $GPT --layouts 1,1,2 --sequence-parallel --compression fe \
           --timeout 70 --out "$OUT/tp2_sp.json" > "$OUT/tp2_sp.txt" 2>&1; step tp2_sp $?
-      L3D_TEST_DEVICE=cuda timeout 100 python -m tests.scenarios.transport_gpu --out "$OUT/transport" --budget 90 \
+      L3D_TEST_DEVICE=cuda timeout 80 python -m tests.scenarios.transport_gpu --out "$OUT/transport" --budget 70 \
           --only layouts > "$OUT/transport.log" 2>&1; step transport $?
-      timeout 150 python benchmarks/context_parallel_scaling.py --preset 1.3b --seq 131072 --cp 2 --steps 2 \
-          --warmup 1 --timeout 140 --out "$OUT/cp_scaling.json" > "$OUT/cp_scaling.txt" 2>&1; step cp128k $? ) &
+      timeout 120 python benchmarks/context_parallel_scaling.py --preset 1.3b --seq 131072 --cp 2 --steps 2 \
+          --warmup 1 --timeout 110 --out "$OUT/cp_scaling.json" > "$OUT/cp_scaling.txt" 2>&1; step cp128k $? ) &
     wait
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
@@ -93,6 +96,9 @@ for log in sorted(out.glob("tp2_profile_logs/*rank0.log")):  # rank 0 prints the
 for name in ("peers_tp2", "peers_tp4"):
     if (out / f"{name}.txt").exists():  # peers.py ends its output with the side-by-side table
         print(name, (out / f"{name}.txt").read_text()[-2500:])
+if (out / "planner_one.txt").exists():
+    text = (out / "planner_one.txt").read_text()
+    print("planner_one", text[-3500:])
 if (out / "long_sequence.txt").exists():
     print("long_sequence", (out / "long_sequence.txt").read_text()[-3500:])
 path = out / "cp_scaling.json"
