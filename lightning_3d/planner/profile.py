@@ -236,6 +236,10 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     layers = recipe.layers(dict(model.get("init_args") or {}), dict((cfg.get("data") or {}).get("init_args") or {}), shape, device)
     # The layers as the strategy trains them: its default gradient-accumulation fusion turns their nn.Linear into
     # FusedGradLinear (weight gradients added in fp32 inside the backward's GEMM, through a custom op).
+    # On the device first: a fused layer's gradient slot is a buffer, and moving the module afterwards would replace
+    # it with a copy that the slot registry does not know.
+    for module, _, _ in layers.values():
+        module.to(device)
     fused = {kind: _fuse(module) for kind, (module, _, _) in layers.items()} if fuse_gradients else {}
     variants = [(kind, rc, False) for kind in layers for rc in (recompute if kind not in ("embedding", "head") else (False,))
                 if eager]

@@ -12,6 +12,7 @@ under torch's DTensor plan, and ``L3D_TP_IMPLEMENTATION`` selects the plan.
 from __future__ import annotations
 
 import copy
+import gc
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from lightning_3d.tensor_parallel import (
     TensorParallel, column_parallel, copy_to_region, fused_column_parallel, gather_sequence, reduce_from_region,
     reduce_scatter_sequence, replicated, row_parallel, split_sequence,
 )
+from lightning_3d.utils.compat import clear_dtensor_caches
 from tests.scenarios.common import parse_args, write_report
 from tests.tolerance import chain_tolerance, scaled_error
 
@@ -318,6 +320,10 @@ def main() -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
     write_report(args.report, {"ranks": gathered})
+    # The meshes and DTensors made here hold torch's sharding caches; released before the group, or the process can
+    # abort at interpreter exit ("terminate called without an active exception") after a successful run.
+    clear_dtensor_caches()
+    gc.collect()
     dist.destroy_process_group()
 
 
