@@ -4,6 +4,7 @@
 # results that matter are printed at the end.
 #   tp:       issue 26 item 1: ours dp vs tp vs ModelParallelStrategy at 2 and 4 GPUs, a profiled sequence-parallel
 #             tp = 2 step, the transport on NCCL again
+#   lanes, lanes1: independent jobs side by side on disjoint GPUs (see each part)
 #   diagnose: the pipeline transport on NCCL (issue 18), NCCL collective times (2 and 4 GPUs), a profiled tp = 2 step
 #             (issue 26), tp = 4, dp = 4 with and without sharded optimizer state (issue 26), context-parallel
 #             scaling at cp = 1, 2, 4 (issue 27)
@@ -70,6 +71,32 @@ print(json.dumps({k: d[k] for k in ('all_reduce', 'reduce_scatter', 'all_gather'
       timeout 120 python benchmarks/context_parallel_scaling.py --preset 1.3b --seq 131072 --cp 2 --steps 2 \
           --warmup 1 --timeout 110 --out "$OUT/cp_scaling.json" > "$OUT/cp_scaling.txt" 2>&1; step cp128k $? ) &
     wait
+    ;;
+  lanes1)
+    # Four one-GPU jobs side by side, each on its own GPU, within ~5 minutes (the end of a session's device time):
+    # GPU 0 our long-sequence sweep (issue 27; the plain model's ran in the lanes part), GPU 1 the planner's one-GPU
+    # validation on GPT-350M (issue 22), GPU 2 the dynamic cost model's accuracy with a measured profile and the plan
+    # hand-off (issue 21), GPU 3 GPT-1.3B on the multi-task mix under each micro-batching (issue 21).
+    T=${LANE_S:-270}
+    MT="--seq-length 2048 --target-length 512 --num-samples 20000 --vocab-size 32000 --cache-dir .l3d_cache"
+    ( CUDA_VISIBLE_DEVICES=0 timeout $T python benchmarks/long_sequence.py --systems ours --find-longest \
+        --time-budget $((T - 30)) --out "$OUT/long_sequence.json" > "$OUT/long_sequence.txt" 2>&1; step long_sequence $? ) &
+    ( CUDA_VISIBLE_DEVICES=1 timeout $T python benchmarks/planner_validate.py --suite one --models gpt_350m \
+        --budget-s $((T - 30)) --out "$OUT/planner_one.json" > "$OUT/planner_one.txt" 2>&1; step planner_one $? ) &
+    ( CUDA_VISIBLE_DEVICES=2 timeout $T python benchmarks/dynamic_gpu.py --preset 1.3b --vocab-size 32000 \
+        --max-seq-len 2048 --tokens 32768 --batches 20 --parts accuracy waits --profile measure \
+        --profile-sizes 1,2,4,8,16,32 --profile-lens 64,256,1024,2048 --profile-repeats 2 --wait-steps 200 \
+        --wait-tokens 8192 --workers 2 --out "$OUT/dynamic_gpu.json" > "$OUT/dynamic_gpu.txt" 2>&1; step dynamic_gpu $? ) &
+    ( export CUDA_VISIBLE_DEVICES=3
+      python benchmarks/multitask_microbatching.py --prepare-only --model gpt $MT > "$OUT/prepare.txt" 2>&1
+      timeout $((T - 70)) python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset 1.3b $MT \
+        --global-batch 256 --steps 4 --warmup 1 --profile none \
+        --variants padding@4 packing@1 packing@2 token_budget@16384 dynamic --out "$OUT/multitask_gpt.json" \
+        > "$OUT/multitask_gpt.txt" 2>&1; step multitask_gpt $? ) &
+    wait
+    for name in dynamic_gpu multitask_gpt; do
+      echo "== $name"; grep '^{' "$OUT/$name.txt" | cut -c1-900; tail -n 4 "$OUT/$name.txt"
+    done
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
