@@ -8,10 +8,10 @@ a guess about a model one cannot read would give false errors. Every rank comput
 pipeline rank and compares the largest with its own card, so a job on equal GPUs fails on every rank alike without
 communicating.
 
-Measured on one H100, the planner's model over-predicted peaks by up to 9.8 % with a profile and this analytic
-estimate under-predicted them (benchmarks/RESULTS.md, docs/context_parallel.md), so ``memory_check="error"`` raises
-only when the estimate exceeds the usable memory by more than ``MARGIN`` (then even a 13 % over-prediction still does
-not fit) and warns between the two. docs/context_parallel.md ("Will it fit?").
+Measured against real peaks, this estimate was up to 24 % above them (long sequences with checkpointing) and up
+to 17 % below (benchmarks/RESULTS.md, docs/context_parallel.md), so ``memory_check="error"`` raises only when the
+estimate exceeds the usable memory by more than ``MARGIN`` (then even the largest measured over-prediction still
+does not fit) and warns between the two. docs/context_parallel.md ("Will it fit?").
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from lightning_3d.strategies.protocol import split_layers
 log = logging.getLogger(__name__)
 
 MEMORY_CHECKS = ("error", "warn", "off")
-#: What the estimate may exceed the usable memory by before "error" raises: the model's largest measured
-#: over-prediction (9.8 %) and a few percent for layouts the validation did not cover.
-MARGIN = 0.15
+#: What the estimate may exceed the usable memory by before "error" raises: the estimate's largest measured
+#: over-prediction (24 %, GPT-1.3B at 128k tokens with checkpointing) and a few percent for what was not measured.
+MARGIN = 0.30
 #: CUDA context, allocator fragmentation and communication buffers (the planner's ``Workload.memory_reserve``).
 RESERVE = 1.5 * GIB
 #: Device memory in GiB to check against instead of the card's (tests on CPU, or planning for a smaller card).
@@ -239,7 +239,7 @@ class FitReport:
         ]
         for name, peak in self.fixes():
             lines.append(f"    {'fits' if peak <= self.usable else 'over':>4}  {size(peak):>10}  {name}")
-        lines.append(f"  The estimate was within 17 % of measured peaks; this stops only above {1 + MARGIN:.2f}x the usable"
+        lines.append(f"  Measured peaks were 24 % below to 17 % above the estimate; this stops only above {1 + MARGIN:.2f}x the usable"
                      " memory. memory_check='warn' (or 'off') lets it start anyway; docs/context_parallel.md, 'Will it"
                      " fit?'.")
         return "\n".join(lines)
