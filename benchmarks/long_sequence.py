@@ -257,6 +257,23 @@ def extrapolate(runs: list[dict], capacity_gib: float | None, multiple: int) -> 
     return int((s1 + (usable - m1) / slope) // multiple * multiple)
 
 
+def time_cap(runs: list[dict], seconds: float, steps: int, multiple: int, start_s: float = 30.0) -> int | None:
+    """The longest multiple of ``multiple`` whose ``steps`` steps (plus a process start) should end within
+    ``seconds``: step time extrapolated as a + b·s² (the MLPs are linear in the sequence, attention quadratic) through
+    the two longest measured lengths. None without two measured steps. Keeps the memory-based search from probing a
+    length that fits in memory but cannot finish a step within the per-measurement timeout."""
+    measured = sorted((r["seq"], r["step_s"]) for r in runs if r.get("fits") and r.get("step_s"))
+    if len(measured) < 2:
+        return None
+    (s0, t0), (s1, t1) = measured[-2], measured[-1]
+    b = max((t1 - t0) / (s1 * s1 - s0 * s0), 0.0)
+    a = max(t1 - b * s1 * s1, 0.0)
+    per_step = (seconds - start_s) / max(1, steps)
+    if b == 0.0 or per_step <= a:
+        return None
+    return int(((per_step - a) / b) ** 0.5 // multiple * multiple)
+
+
 def summary(report: dict) -> str:
     """The compact table printed at the end."""
     rows = [f"{'system':>6} {'seq':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>5} {'step s':>7} {'peak GiB':>8}"
@@ -278,8 +295,10 @@ def summary(report: dict) -> str:
     longest = report["longest"]
     if longest:
         cut = {k for k in longest if any(name.startswith(k + " ") for name in report.get("skipped", []))}
-        text = ", ".join(f"{k} >= {v} (search cut by the time budget)" if k in cut else f"{k} {v}"
-                         for k, v in longest.items())
+        slow = set(report.get("cut_by_time", [])) - cut
+        text = ", ".join(f"{k} >= {v} (search cut by the time budget)" if k in cut
+                         else f"{k} >= {v} (search cut: a longer probe cannot finish within --timeout)" if k in slow
+                         else f"{k} {v}" for k, v in longest.items())
         if longest.get("ours") and longest.get("plain"):
             text += f"; ours / plain {longest['ours'] / longest['plain']:.2f} (goal >= 2)"
         rows.append(f"longest that fits: {text}")
@@ -358,9 +377,22 @@ def main() -> None:
         if args.find_longest and fitted:
             runs = [r for r in report["runs"] if r["system"] == system]
             guess = extrapolate(runs, report["device_memory_gb"], args.multiple)
-            report["longest"][system] = longest_fitting(
-                lambda s: record(system, s, steps=args.probe_steps, warmup=0), fitted[-1], args.max_length,
-                args.multiple, failed, guess)
+            # A probe must also finish within the per-measurement timeout: past that length the search can only
+            # say "at least" (recorded as cut).
+            cap = time_cap(runs, args.timeout, args.probe_steps, args.multiple)
+            limit = min(args.max_length, cap) if cap and cap > fitted[-1] else args.max_length
+            if guess is not None:
+                guess = min(guess, limit)
+            verdicts: list[bool | None] = []
+
+            def probe(seq: int, system: str = system) -> bool | None:
+                verdicts.append(record(system, seq, steps=args.probe_steps, warmup=0))
+                return verdicts[-1]
+
+            longest = longest_fitting(probe, fitted[-1], limit, args.multiple, failed, guess)
+            report["longest"][system] = longest
+            if None in verdicts or (limit < args.max_length and longest + args.multiple > limit):
+                report.setdefault("cut_by_time", []).append(system)
     out.write_text(json.dumps(report, indent=1))
     print(summary(report), flush=True)
 

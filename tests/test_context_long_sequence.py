@@ -96,3 +96,19 @@ def test_the_summary_has_the_goals(bench) -> None:
     assert ("longest that fits: plain 24576, ours >= 229376 (search cut by the time budget); ours / plain 9.33"
             " (goal >= 2)") in text
     assert "+10%" in text and "out of memory" in text and "not run (time budget): ours 237568" in text
+    report.update(skipped=[], cut_by_time=["ours"])
+    assert "ours >= 229376 (search cut: a longer probe cannot finish within --timeout)" in bench.summary(report)
+
+
+def test_time_cap_keeps_probes_within_the_measurement_timeout(bench) -> None:
+    """The 128k-token step of GPT-1.3B took 16.35 s and the 64k one 4.66 s on an H200: a probe of one step within a
+    97 s timeout (30 s to start) can be at most ~262k tokens long, not the 630k that memory alone allowed."""
+    script = bench
+    runs = [{"seq": 65536, "step_s": 4.66, "fits": True}, {"seq": 131072, "step_s": 16.35, "fits": True}]
+    cap = script.time_cap(runs, 97.0, 1, 8192)
+    b = (16.35 - 4.66) / (131072**2 - 65536**2)
+    a = 16.35 - b * 131072**2
+    assert cap == int(((67.0 - a) / b) ** 0.5 // 8192 * 8192)
+    assert 131072 < cap < 630784
+    assert script.time_cap(runs[:1], 97.0, 1, 8192) is None  # one measurement: no extrapolation
+    assert script.time_cap(runs, 20.0, 1, 8192) is None  # not even the start fits
