@@ -8,8 +8,8 @@ a guess about a model one cannot read would give false errors. Every rank comput
 pipeline rank and compares the largest with its own card, so a job on equal GPUs fails on every rank alike without
 communicating.
 
-Measured against real peaks, this estimate was up to 24 % above them (long sequences with checkpointing) and up
-to 17 % below (benchmarks/RESULTS.md, docs/context_parallel.md), so ``memory_check="error"`` raises only when the
+Measured against real peaks, this estimate errs both ways, over-predicting most at long sequences with
+checkpointing (benchmarks/RESULTS.md, docs/context_parallel.md), so ``memory_check="error"`` raises only when the
 estimate exceeds the usable memory by more than ``MARGIN`` (then even the largest measured over-prediction still
 does not fit) and warns between the two. docs/context_parallel.md ("Will it fit?").
 """
@@ -32,8 +32,8 @@ from lightning_3d.strategies.protocol import split_layers
 log = logging.getLogger(__name__)
 
 MEMORY_CHECKS = ("error", "warn", "off")
-#: What the estimate may exceed the usable memory by before "error" raises: the estimate's largest measured
-#: over-prediction (24 %, GPT-1.3B at 128k tokens with checkpointing) and a few percent for what was not measured.
+#: What the estimate may exceed the usable memory by before "error" raises: above the estimate's largest measured
+#: over-prediction (docs/context_parallel.md, "The margin"), with a few percent for what was not measured.
 MARGIN = 0.30
 #: CUDA context, allocator fragmentation and communication buffers (the planner's ``Workload.memory_reserve``).
 RESERVE = 1.5 * GIB
@@ -239,9 +239,8 @@ class FitReport:
         ]
         for name, peak in self.fixes():
             lines.append(f"    {'fits' if peak <= self.usable else 'over':>4}  {size(peak):>10}  {name}")
-        lines.append(f"  Measured peaks were 24 % below to 17 % above the estimate; this stops only above {1 + MARGIN:.2f}x the usable"
-                     " memory. memory_check='warn' (or 'off') lets it start anyway; docs/context_parallel.md, 'Will it"
-                     " fit?'.")
+        lines.append(f"  The estimate errs both ways, so this stops only above {1 + MARGIN:.2f}x the usable memory."
+                     " memory_check='warn' (or 'off') lets it start anyway; docs/context_parallel.md, 'Will it fit?'.")
         return "\n".join(lines)
 
 

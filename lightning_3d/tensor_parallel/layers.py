@@ -34,7 +34,7 @@ def local_view(param: Tensor, partial_grad: bool = False) -> Tensor:
     Eagerly, the plain tensor is a leaf sharing the parameter's local storage (``_LocalLeaf``): autograd accumulates
     into it as into any plain tensor, and the DTensor's ``.grad`` is only wrapped around the first micro-batch's
     gradient and added to in place after. Through ``to_local`` every parameter would cost a DTensor construction and
-    a DTensor ``add`` per micro-batch on the host, which leaves the GPU idle for a third of a tensor-parallel step
+    a DTensor ``add`` per micro-batch on the host, and the GPU of a tensor-parallel step waits for the host
     (benchmarks/RESULTS.md). Compiled code keeps ``to_local`` (its graph sees no Python-side caches)."""
     if not isinstance(param, DTensor):
         return param
