@@ -150,3 +150,37 @@ def test_backward_after_teardown_says_why() -> None:
     model, _, _, _, _ = fit(True, steps=1)
     with pytest.raises(RuntimeError, match="without a registered gradient slot"):
         model.model(torch.randint(0, 512, (1, 8))).sum().backward()
+
+
+def test_a_slot_of_its_own_follows_the_layer_when_it_moves_and_a_bucket_view_does_not() -> None:
+    """``.to()`` gives the slot buffer a new address (the profiler moves layers between the CPU and the GPU): a
+    standalone slot's registration moves with it; a bucket view's is dropped, so the backward names the cause instead
+    of writing into the old address. ``_apply`` with a copy stands in for a device move on a CPU-only machine."""
+    from lightning_3d.strategies.wgrad_fusion import _SLOTS, register_slot, unfuse_gradient_accumulation
+
+    torch.manual_seed(0)
+    layer, plain = nn.Linear(4, 3), nn.Linear(4, 3)
+    plain.load_state_dict(layer.state_dict())
+    (weight,) = fuse_gradient_accumulation([layer])
+    register_slot(weight, torch.zeros_like(weight), None)
+    try:
+        old = layer.grad_slot.data_ptr()
+        layer._apply(lambda t: t.clone())  # every buffer (and parameter data) to a new tensor, as a device move does
+        assert layer.grad_slot.data_ptr() != old and old not in _SLOTS
+        x = torch.randn(5, 4)
+        layer(x).square().sum().backward()
+        plain(x).square().sum().backward()
+        assert layer.weight.grad.data_ptr() == layer.grad_slot.data_ptr()
+        torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=0, atol=0)  # fp32 on CPU: same GEMM
+    finally:
+        unfuse_gradient_accumulation([weight])
+
+    bucket_layer = nn.Linear(4, 4)
+    sync = GradientSynchronizer({0: [bucket_layer.weight]}, None, 1,
+                                fused=fuse_gradient_accumulation([bucket_layer]))
+    try:
+        bucket_layer._apply(lambda t: t.clone())
+        with pytest.raises(RuntimeError, match="moved to another device or dtype after the strategy laid"):
+            bucket_layer(torch.randn(3, 4)).sum().backward()
+    finally:
+        sync.remove_hooks()

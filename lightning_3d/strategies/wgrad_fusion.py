@@ -60,7 +60,9 @@ def accumulate_weight_grad(slot: Tensor, grad_output: Tensor, saved_input: Tenso
     if weight is None:
         raise RuntimeError(
             "A FusedGradLinear ran its backward without a registered gradient slot (the strategy that owned it was torn"
-            " down). Train it under Compressed3DStrategy, or build the model again without gradient_accumulation_fusion."
+            " down, or the layer was moved to another device or dtype after the strategy laid its gradients out in"
+            " buckets). Train it under Compressed3DStrategy, moving the model before the strategy's setup, or build the"
+            " model again without gradient_accumulation_fusion."
         )
     g = grad_output.reshape(-1, grad_output.shape[-1]).t()
     x = saved_input.reshape(-1, saved_input.shape[-1])
@@ -136,6 +138,20 @@ class FusedGradLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return _LinearWithFusedWeightGrad.apply(x, self.weight, self.bias, self.grad_slot)
+
+    def _apply(self, fn, recurse=True):
+        # ``.to()``, ``.cuda()``, ``.cpu()`` replace the slot buffer with a new tensor at a new address, which the
+        # registry (keyed by address) does not know. A slot of its own follows the layer: its registration moves to
+        # the new tensor. A slot that is a view into a synchronizer's bucket cannot follow (the bucket stays where
+        # it was): its registration is dropped, so the next backward raises the op's error instead of writing into
+        # a stale address that a later allocation may reuse.
+        old = self._buffers.get("grad_slot")
+        entry = _SLOTS.pop(old.data_ptr(), None) if old is not None and old.numel() else None
+        out = super()._apply(fn, recurse)
+        new = self._buffers.get("grad_slot")
+        if entry is not None and old._base is None and new is not None and new.numel():
+            _SLOTS[new.data_ptr()] = entry
+        return out
 
 
 def fusable_linears(module: nn.Module, exclude: Iterable[int] = ()) -> list[nn.Linear]:
