@@ -1,0 +1,142 @@
+"""What a new micro-batch shape costs the attention kernels (issue 21: dynamic micro-batches ran far slower per token
+than packed rows of one fixed shape).
+
+For the attention geometry of a GPT preset (heads, head dim; bf16 on CUDA), a sequence of micro-batch shapes
+(batch, length) with about ``--tokens`` tokens each, every one new to the process, runs causal
+``scaled_dot_product_attention`` forward and backward under each SDPA backend order:
+
+- ``torch``: torch's own priority order (what the model ran before; on Hopper with recent cuDNN, cuDNN first);
+- ``model``: the GPT recipe's order for causal attention (``recipes.gpt.model.CAUSAL_SDPA_BACKENDS``);
+- ``cudnn``, ``flash``, ``efficient``, ``math``: that backend alone.
+
+Each shape runs twice: the first call pays whatever the backend sets up per shape (cuDNN builds an execution graph;
+flash attention and the efficient kernel set up nothing), the second is the steady state. Printed per order, one JSON
+line: median first-call and repeat milliseconds, their ratio, the total over all shapes, and the attention kernels
+the first shape launched (profiler kernel names, so the line says which backend torch's order chose). An order whose
+backend cannot run the inputs (say cuDNN off this build) reports its error instead.
+
+    python benchmarks/dynamic_shapes.py --preset 1.3b --tokens 4096 --shapes 24
+    python benchmarks/dynamic_shapes.py --device cpu --preset tiny --tokens 256 --shapes 4 --orders torch math
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lightning_3d.recipes.gpt import model as gpt_model  # noqa: E402
+from lightning_3d.recipes.gpt.config import preset  # noqa: E402
+
+SINGLE = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def shapes(tokens: int, count: int, max_len: int, seed: int) -> list[tuple[int, int]]:
+    """``count`` distinct (batch, length) shapes of about ``tokens`` tokens, lengths multiples of 8 spread over
+    [16, max_len] in a seeded order (as a dynamic plan's micro-batches come)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = sorted({max(16, min(max_len, 8 * round(float(x) / 8))) for x in torch.logspace(
+        4, torch.log2(torch.tensor(float(max_len))).item(), 4 * count, base=2)})
+    pick = [lens[int(i)] for i in torch.randperm(len(lens), generator=gen)[:count]]
+    out, seen = [], set()
+    for s in pick:
+        b = max(1, tokens // s)
+        if (b, s) not in seen:
+            seen.add((b, s))
+            out.append((b, s))
+    return out
+
+
+def attention_call(q, k, v, order: str) -> None:
+    """One causal forward and backward under ``order``."""
+    def run():
+        if order == "model":
+            y = gpt_model.causal_sdpa(q, k, v, 0.0)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y.backward(torch.ones_like(y))
+
+    if order in ("torch", "model"):
+        run()
+    else:
+        with sdpa_kernel([SINGLE[order]]):
+            run()
+
+
+def kernels_of(fn, device: str) -> list[str]:
+    """Names of the attention-looking device kernels ``fn`` launches (which backend ran)."""
+    if device != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    keys = ("attn", "attention", "fmha", "flash", "cudnn", "sdpa", "softmax", "bmm", "gemm")
+    names = sorted({e.key for e in prof.key_averages() if any(k in e.key.lower() for k in keys)})
+    return [n[:80] for n in names[:6]]
+
+
+def measure(order: str, shape_list, heads: int, head_dim: int, device: str, dtype) -> dict:
+    first, repeat = [], []
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    kernels = None
+    for b, s in shape_list:
+        q, k, v = (torch.randn(b, s, heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+                   for _ in range(3))  # the model's (batch, heads, seq, dim) view of (batch, seq, heads, dim)
+        for times in (first, repeat):
+            sync()
+            start = time.perf_counter()
+            attention_call(q, k, v, order)
+            sync()
+            times.append(1000 * (time.perf_counter() - start))
+        if kernels is None:
+            kernels = kernels_of(lambda: attention_call(q, k, v, order), device)
+    f, r = statistics.median(first), statistics.median(repeat)
+    return {"order": order, "first_ms_median": round(f, 3), "repeat_ms_median": round(r, 3),
+            "first_over_repeat": round(f / r, 1) if r else None, "first_ms_total": round(sum(first), 1),
+            "repeat_ms_total": round(sum(repeat), 1), "kernels": kernels, "error": None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", default="1.3b")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch shape")
+    parser.add_argument("--shapes", type=int, default=24, help="distinct shapes per order")
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--orders", nargs="+", default=["torch", "model", "cudnn", "flash", "efficient"],
+                        choices=["torch", "model", *SINGLE])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    config = preset(args.preset)
+    heads, head_dim = config.num_heads, config.hidden_size // config.num_heads
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    info = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version() if args.device == "cuda" else None, "heads": heads,
+            "head_dim": head_dim, "tokens": args.tokens}
+    print(json.dumps({"setup": info}), flush=True)
+    for i, order in enumerate(args.orders):
+        # Each order gets shapes no earlier order ran (a different seed): per-shape caches start cold for it.
+        shape_list = shapes(args.tokens, args.shapes, args.max_len, args.seed + 1000 * (i + 1))
+        try:
+            row = measure(order, shape_list, heads, head_dim, args.device, dtype)
+        except RuntimeError as err:  # a backend that cannot run these inputs: report it, measure the others
+            row = {"order": order, "error": str(err).splitlines()[0][:200]}
+        row["shapes"] = len(shape_list)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
