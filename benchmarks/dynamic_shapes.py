@@ -15,6 +15,13 @@ line: median first-call and repeat milliseconds, their ratio, the total over all
 the first shape launched (profiler kernel names, so the line says which backend torch's order chose). An order whose
 backend cannot run the inputs (say cuDNN off this build) reports its error instead.
 
+``--parts model``: the whole GPT preset (bf16 autocast, fp32 weights, as ``multitask_microbatching.py --engine
+direct`` trains it), forward, loss and backward of one micro-batch per shape of ``--model-shapes`` (default: a dynamic
+plan's and a token-budget plan's micro-batches of the multi-task mix, GPT-1.3B, analytic cost model), first call and
+repeat, under the ``torch`` and ``model`` orders; per order one JSON line with every shape's milliseconds, and for the
+slowest first call a profile of a fresh shape of the same kind: the top host operators by self time and the top device
+kernels (what the time went to, whatever it is).
+
     python benchmarks/dynamic_shapes.py --preset 1.3b --tokens 4096 --shapes 24
     python benchmarks/dynamic_shapes.py --device cpu --preset tiny --tokens 256 --shapes 4 --orders torch math
 """
@@ -37,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_3d.recipes.gpt import model as gpt_model  # noqa: E402
 from lightning_3d.recipes.gpt.config import preset  # noqa: E402
+from lightning_3d.recipes.gpt.model import CAUSAL_SDPA_BACKENDS as MODEL_ORDER  # noqa: E402
 
 SINGLE = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
           "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
@@ -109,6 +117,75 @@ def measure(order: str, shape_list, heads: int, head_dim: int, device: str, dtyp
             "repeat_ms_total": round(sum(repeat), 1), "kernels": kernels, "error": None}
 
 
+# The micro-batches of the multi-task mix's first global batch (256 samples, GPT-1.3B, H200 budget): the dynamic
+# plan with the analytic cost model, then token_budget@16384 (multitask_microbatching.py --plans-only).
+MODEL_SHAPES = ("56x40,39x56,31x72,26x96,20x112,19x136,16x168,11x208,9x264,8x296,6x376,5x464,4x720,2x1000,3x1392,"
+                "1x2048,8x2048,24x673,67x243,157x99")
+
+
+def build_model(args):
+    """The preset's GPT, built on the device (fp32 weights), with positions for the shifted lengths."""
+    from lightning_3d.recipes.gpt.model import GPTModel
+
+    config = preset(args.preset, vocab_size=32000, seq_length=args.max_len + 64 * 8)
+    with torch.device(args.device):
+        return GPTModel(config)
+
+
+def model_part(args, model, order: str, shape_list: list[tuple[int, int]], offset: int) -> dict:
+    """Forward, loss and backward of the GPT preset per shape, first call and repeat (see the module docstring).
+    ``offset`` shifts every length by a multiple of 8 no other order used, so each order meets cold shapes."""
+    device = args.device
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    before = gpt_model.CAUSAL_SDPA_BACKENDS
+    gpt_model.CAUSAL_SDPA_BACKENDS = list(MODEL_ORDER) if order == "model" else None
+
+    def run(b: int, s: int) -> float:
+        ids = torch.randint(0, 32000, (b, s), device=device)
+        sync()
+        start = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+        sync()
+        return 1000 * (time.perf_counter() - start)
+
+    try:
+        for b, s in ((2, 64), (3, 64), (2, 64)):  # the process's one-time set-up (handles, allocator) unmeasured
+            run(b, s)
+        rows, worst = [], None
+        for b, s in shape_list:
+            s = s + offset
+            first, repeat = run(b, s), run(b, s)
+            rows.append([b, s, round(first, 1), round(repeat, 1)])
+            if worst is None or first - repeat > worst[2]:
+                worst = (b, s, first - repeat)
+        out = {"part": "model", "order": order, "shapes_b_s_first_repeat_ms": rows,
+               "first_ms_median": round(statistics.median(r[2] for r in rows), 1),
+               "repeat_ms_median": round(statistics.median(r[3] for r in rows), 1),
+               "first_ms_total": round(sum(r[2] for r in rows), 1), "repeat_ms_total": round(sum(r[3] for r in rows), 1)}
+        if worst is not None:
+            # A fresh shape like the slowest one (8 tokens longer): profile its first call.
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
+                run(worst[0], worst[1] + 8)
+            events = prof.key_averages()
+            host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+            out["profiled_shape"] = [worst[0], worst[1] + 8]
+            out["top_host_ms"] = [[e.key[:60], round(e.self_cpu_time_total / 1000, 2), e.count] for e in host]
+            if cuda:
+                dev = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:8]
+                out["top_device_ms"] = [[e.key[:60], round(getattr(e, "self_device_time_total", 0) / 1000, 2), e.count]
+                                        for e in dev]
+        return out
+    finally:
+        gpt_model.CAUSAL_SDPA_BACKENDS = before
+        model.zero_grad(set_to_none=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -119,6 +196,8 @@ def main() -> None:
     parser.add_argument("--orders", nargs="+", default=["torch", "model", "cudnn", "flash", "efficient"],
                         choices=["torch", "model", *SINGLE])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", nargs="+", choices=["attention", "model"], default=["attention", "model"])
+    parser.add_argument("--model-shapes", default=MODEL_SHAPES, help="BxS,...: micro-batch shapes for --parts model")
     args = parser.parse_args()
     config = preset(args.preset)
     heads, head_dim = config.num_heads, config.hidden_size // config.num_heads
@@ -127,6 +206,16 @@ def main() -> None:
             "cudnn": torch.backends.cudnn.version() if args.device == "cuda" else None, "heads": heads,
             "head_dim": head_dim, "tokens": args.tokens}
     print(json.dumps({"setup": info}), flush=True)
+    if "model" in args.parts:
+        shape_list = [tuple(int(x) for x in item.split("x")) for item in args.model_shapes.split(",")]
+        model = build_model(args)
+        for i, order in enumerate(["model", "torch"]):
+            print(json.dumps(model_part(args, model, order, shape_list, 8 * (i + 1))), flush=True)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if "attention" not in args.parts:
+        return
     for i, order in enumerate(args.orders):
         # Each order gets shapes no earlier order ran (a different seed): per-shape caches start cold for it.
         shape_list = shapes(args.tokens, args.shapes, args.max_len, args.seed + 1000 * (i + 1))

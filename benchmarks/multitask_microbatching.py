@@ -73,6 +73,26 @@ def shape_counts(steps: list[list[dict]], seen: set) -> tuple[float, float]:
     return round(float(np.mean(distinct)), 1), round(float(np.mean(new)), 1)
 
 
+TABLE = [("variant", "variant", "{}"), ("sdpa", "sdpa", "{}"), ("tok/s", "useful_tokens_per_s", "{:,}"),
+         ("repeat tok/s", "useful_tokens_per_s_repeat", "{:,}"), ("step s", "step_s_mean", "{:.3f}"),
+         ("predicted s", "predicted_step_s_mean", "{:.3f}"), ("mb/step", "microbatches_per_step", "{}"),
+         ("shapes", "shapes_per_step", "{}"), ("new shapes", "new_shapes_per_step", "{}"),
+         ("padding", "padding_fraction", "{:.1%}"), ("dev allocs", "device_allocs_per_step", "{}"),
+         ("peak GB", "peak_memory_gb", "{}")]
+
+
+def table(rows: list[dict]) -> str:
+    """The direct engine's rows as a compact Markdown table (stdout; the JSON lines carry the same numbers)."""
+    lines = ["| " + " | ".join(h for h, _, _ in TABLE) + " |", "|" + "---|" * len(TABLE)]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['variant']} | {r.get('sdpa', '')} | error: {r['error'][:120]} |")
+            continue
+        cells = [fmt.format(r[key]) if r.get(key) is not None else "" for _, key, fmt in TABLE]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def sdpa_order(name: str):
     """``--sdpa``: ``model`` runs the GPT recipe's order for causal attention (flash first), ``torch`` torch's own
     order (before issue 21's fix). Sets ``recipes.gpt.model.CAUSAL_SDPA_BACKENDS``; returns its value to restore."""
@@ -460,6 +480,8 @@ def main() -> None:
             summary[f"{key}_vs_padding"] = round(dyn / base, 2) if dyn and base else None
             summary[f"{key}_vs_best_packing"] = round(dyn / max(packed), 2) if dyn and packed else None
     if int(os.environ.get("RANK", "0")) == 0:
+        if args.engine == "direct":
+            print(table(results), flush=True)
         print(json.dumps({"summary": summary}), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
