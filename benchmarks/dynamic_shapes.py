@@ -22,6 +22,9 @@ repeat, under the ``torch`` and ``model`` orders; per order one JSON line with e
 slowest first call a profile of a fresh shape of the same kind: the top host operators by self time and the top device
 kernels (what the time went to, whatever it is).
 
+``--parts packed``: packing's attention (two rows of documents under the document mask) against causal attention
+over the same rows, so the packing baseline's attention cost is known (see :func:`packed_part`).
+
     python benchmarks/dynamic_shapes.py --preset 1.3b --tokens 4096 --shapes 24
     python benchmarks/dynamic_shapes.py --device cpu --preset tiny --tokens 256 --shapes 4 --orders torch math
 """
@@ -186,6 +189,49 @@ def model_part(args, model, order: str, shape_list: list[tuple[int, int]], offse
         model.zero_grad(set_to_none=True)
 
 
+def packed_part(args, heads: int, head_dim: int, dtype) -> dict:
+    """What packing's attention costs: rows of ``--max-len`` tokens holding documents of the multi-task mix's
+    typical lengths, attended with the model's document mask (a dense (rows, 1, s, s) boolean mask, torch's backend
+    order) against plain causal flash attention over the same rows (what varlen flash or FlexAttention would cost at
+    most: they also skip the blocks across documents). Steady state (each measured after one call)."""
+    device, s = args.device, args.max_len
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for _ in range(2):
+        lengths, total = [], 0
+        while total < s:
+            n = min(s - total, int(torch.randint(24, 400, (1,), generator=gen)))
+            lengths.append(n)
+            total += n
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    documents = torch.stack(rows).to(device)
+    mask = gpt_model.document_mask(documents)
+    q, k, v = (torch.randn(2, s, heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+
+    def masked():
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y.backward(torch.ones_like(y))
+
+    def causal():
+        attention_call(q, k, v, "model")
+
+    out = {"part": "packed", "rows": 2, "length": s, "documents": [int(r.max()) + 1 for r in rows]}
+    for name, fn in (("masked", masked), ("causal_model_order", causal)):
+        fn()
+        times = []
+        for _ in range(5):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(1000 * (time.perf_counter() - start))
+        out[f"{name}_ms"] = round(statistics.median(times), 3)
+        out[f"{name}_kernels"] = kernels_of(fn, device)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -196,7 +242,8 @@ def main() -> None:
     parser.add_argument("--orders", nargs="+", default=["torch", "model", "cudnn", "flash", "efficient"],
                         choices=["torch", "model", *SINGLE])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--parts", nargs="+", choices=["attention", "model"], default=["attention", "model"])
+    parser.add_argument("--parts", nargs="+", choices=["attention", "model", "packed"],
+                        default=["attention", "model", "packed"])
     parser.add_argument("--model-shapes", default=MODEL_SHAPES, help="BxS,...: micro-batch shapes for --parts model")
     args = parser.parse_args()
     config = preset(args.preset)
@@ -214,6 +261,8 @@ def main() -> None:
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    if "packed" in args.parts:
+        print(json.dumps(packed_part(args, heads, head_dim, dtype)), flush=True)
     if "attention" not in args.parts:
         return
     for i, order in enumerate(args.orders):
