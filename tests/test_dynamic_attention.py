@@ -109,3 +109,43 @@ def test_compiles_without_graph_break():
     q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
     compiled = torch.compile(gpt_model.causal_sdpa, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v, 0.0), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+# ----- the benchmarks that measure it (issue 21's GPU command) ------------------------------------------------------
+def test_multitask_benchmark_counts_shapes_and_switches_the_order():
+    from benchmarks.multitask_microbatching import parse_variant, sdpa_order, shape_counts, table
+
+    def mb(b, s):
+        return {"input_ids": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long)}
+
+    seen: set = set()
+    # step 1: shapes (4, 8) twice and (2, 16): 2 distinct, 2 new; step 2: (2, 16) again and (1, 32): 2 distinct, 1 new
+    assert shape_counts([[mb(4, 8), mb(4, 8), mb(2, 16)], [mb(2, 16), mb(1, 32)]], seen) == (2.0, 1.5)
+    assert shape_counts([[mb(1, 32)]], seen) == (1.0, 0.0)  # seen in this process before: not new
+    assert parse_variant("packing@2") == ("packing", 2)
+    assert parse_variant("dynamic@analytic") == ("dynamic", None)
+    for bad in ("dynamic@3", "padding@0", "padding@x", "ring@2"):
+        with pytest.raises(SystemExit, match="variant"):
+            parse_variant(bad)
+    default = gpt_model.CAUSAL_SDPA_BACKENDS
+    restore = sdpa_order("torch")
+    assert gpt_model.CAUSAL_SDPA_BACKENDS is None and restore == default
+    sdpa_order("model")
+    assert gpt_model.CAUSAL_SDPA_BACKENDS == default
+    gpt_model.CAUSAL_SDPA_BACKENDS = restore
+    rows = [{"variant": "dynamic", "sdpa": "model", "error": None, "useful_tokens_per_s": 12345, "step_s_mean": 0.5,
+             "padding_fraction": 0.095},
+            {"variant": "padding@4", "sdpa": "torch", "error": "out of memory: x"}]
+    lines = table(rows).splitlines()
+    assert len(lines) == 4 and "| dynamic | model | 12,345 |" in lines[2] and "9.5%" in lines[2]
+    assert lines[3].startswith("| padding@4 | torch | error: out of memory")
+
+
+def test_dynamic_shapes_gives_distinct_shapes_of_about_the_token_count():
+    from benchmarks.dynamic_shapes import shapes
+
+    out = shapes(4096, 24, 2048, seed=1)
+    assert len(out) == len(set(out)) > 12
+    for b, s in out:
+        assert s % 8 == 0 and 16 <= s <= 2048 and b == max(1, 4096 // s)
+    assert shapes(4096, 24, 2048, seed=1) == out and shapes(4096, 24, 2048, seed=2) != out
