@@ -105,7 +105,7 @@ def test_packed_rows_still_match_their_documents_alone():
 
 
 def test_compiles_without_graph_break():
-    """The order's context manager is traced by dynamo (fullgraph: a graph break would raise)."""
+    """Compiled code keeps torch's order (no context manager traced): fullgraph, a graph break would raise."""
     q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
     compiled = torch.compile(gpt_model.causal_sdpa, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v, 0.0), F.scaled_dot_product_attention(q, k, v, is_causal=True))

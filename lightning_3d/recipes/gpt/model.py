@@ -41,9 +41,11 @@ CAUSAL_SDPA_BACKENDS: list[SDPBackend] | None = [
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
     """Causal ``scaled_dot_product_attention`` under :data:`CAUSAL_SDPA_BACKENDS` (on every device, so that CPU tests
-    run the same code; the CPU kernels do not depend on the order)."""
+    run the same code; the CPU kernels do not depend on the order). Compiled code keeps torch's order: a compiled
+    graph is specialised to its shapes anyway (a new shape recompiles, which dwarfs any per-shape set-up), and leaving
+    the context manager out of traced code keeps compiled graphs exactly as they were."""
     backends = CAUSAL_SDPA_BACKENDS
-    if backends is None:
+    if backends is None or torch.compiler.is_compiling():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     with sdpa_kernel(backends, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
