@@ -21,7 +21,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   SHAPES="4x16,2x40,1x120"; PSIZES=1,2,4,8,16; PLENS=16,32,64,128; L1=120; L2=300
 else
   DEV=""; GPT=1.3b; SEQ=2048; TGT=512; NS=20000; VOCAB=32000; GB=256; STEPS=4; WARM=1; TB=16384; TOK=4096
-  SHAPES=""; PSIZES=1,2,4,8,16,32,64,128; PLENS=16,32,64,128,256,512,1024,1536,2048; L1=90; L2=370
+  SHAPES=""; PSIZES=1,2,4,8,16,32,64,128; PLENS=16,32,64,128,256,512,1024,1536,2048; L1=80; L2=380
 fi
 
 part() {  # name, time limit (s), lines to print (grep -E), command...: run it, print its rc, wall time and those lines
@@ -32,7 +32,10 @@ part() {  # name, time limit (s), lines to print (grep -E), command...: run it, 
   rc=$?
   echo "== $name rc=$rc $(($(date +%s) - start))s (limit ${limit}s)"
   grep -E "$show" "$OUT/$name.log" | cut -c1-1200
-  [ "$rc" = 0 ] || tail -n 5 "$OUT/$name.log"
+  if [ "$rc" != 0 ]; then  # cut short: the rows it finished (the table comes only at the end), then its last lines
+    grep '^{"model"' "$OUT/$name.log" | cut -c1-400
+    tail -n 5 "$OUT/$name.log" | cut -c1-400
+  fi
 }
 
 MT="--seq-length $SEQ --target-length $TGT --num-samples $NS --vocab-size $VOCAB --cache-dir $CACHE"
