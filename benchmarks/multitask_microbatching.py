@@ -38,16 +38,69 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lightning_3d.recipes import GPT, T5  # noqa: E402
+from lightning_3d.recipes.gpt.model import CAUSAL_SDPA_BACKENDS as MODEL_SDPA_ORDER  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
 from lightning_3d.recipes.data.multitask_batching import (  # noqa: E402
     StepCollator, sample_input_length, sample_lengths, sample_target_length)
 
 
 def parse_variant(text: str) -> tuple[str, int | None]:
+    """``padding@N`` -> ("padding", N); ``dynamic`` -> ("dynamic", None) (plans with ``--profile``);
+    ``dynamic@analytic`` -> ("dynamic", None) planned with the analytic cost model whatever ``--profile`` says."""
     name, _, size = text.partition("@")
     if name not in ("padding", "packing", "token_budget", "dynamic"):
-        raise SystemExit(f"unknown variant {text!r}: use padding@N, packing@N, token_budget@N or dynamic")
-    return name, int(size) if size else None
+        raise SystemExit(f"unknown variant {text!r}: use padding@N, packing@N, token_budget@N, dynamic or"
+                         " dynamic@analytic")
+    if name == "dynamic":
+        if size not in ("", "analytic"):
+            raise SystemExit(f"unknown variant {text!r}: dynamic takes no size; use dynamic or dynamic@analytic")
+        return name, None
+    if not size.isdigit() or int(size) < 1:
+        raise SystemExit(f"variant {text!r} needs a positive size after @, e.g. {name}@4")
+    return name, int(size)
+
+
+def shape_counts(steps: list[list[dict]], seen: set) -> tuple[float, float]:
+    """(distinct micro-batch shapes per step, shapes per step never run before in this process), counted on the
+    ``input_ids`` (and T5 ``labels``) shapes: per-shape set-up (cuDNN attention graphs, allocator segments) is paid
+    once per process and shape."""
+    distinct, new = [], []
+    for mbs in steps:
+        keys = {tuple(mb["input_ids"].shape) + tuple(mb["labels"].shape) for mb in mbs}
+        distinct.append(len(keys))
+        new.append(len(keys - seen))
+        seen |= keys
+    return round(float(np.mean(distinct)), 1), round(float(np.mean(new)), 1)
+
+
+TABLE = [("variant", "variant", "{}"), ("sdpa", "sdpa", "{}"), ("tok/s", "useful_tokens_per_s", "{:,}"),
+         ("repeat tok/s", "useful_tokens_per_s_repeat", "{:,}"), ("step s", "step_s_mean", "{:.3f}"),
+         ("predicted s", "predicted_step_s_mean", "{:.3f}"), ("mb/step", "microbatches_per_step", "{}"),
+         ("shapes", "shapes_per_step", "{}"), ("new shapes", "new_shapes_per_step", "{}"),
+         ("padding", "padding_fraction", "{:.1%}"), ("dev allocs", "device_allocs_per_step", "{}"),
+         ("peak GB", "peak_memory_gb", "{}")]
+
+
+def table(rows: list[dict]) -> str:
+    """The direct engine's rows as a compact Markdown table (stdout; the JSON lines carry the same numbers)."""
+    lines = ["| " + " | ".join(h for h, _, _ in TABLE) + " |", "|" + "---|" * len(TABLE)]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['variant']} | {r.get('sdpa', '')} | error: {r['error'][:120]} |")
+            continue
+        cells = [fmt.format(r[key]) if r.get(key) is not None else "" for _, key, fmt in TABLE]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sdpa_order(name: str):
+    """``--sdpa``: ``model`` runs the GPT recipe's order for causal attention (flash first), ``torch`` torch's own
+    order (before issue 21's fix). Sets ``recipes.gpt.model.CAUSAL_SDPA_BACKENDS``; returns its value to restore."""
+    from lightning_3d.recipes.gpt import model as gpt_model
+
+    before = gpt_model.CAUSAL_SDPA_BACKENDS
+    gpt_model.CAUSAL_SDPA_BACKENDS = list(MODEL_SDPA_ORDER) if name == "model" else None
+    return before
 
 
 class ProfiledData(MultiTaskDataModule):
@@ -112,7 +165,7 @@ def cost_model_for(args, module, shape):
 # ----- direct engine: one model, every variant on the same batches ----------------------------------------------
 def direct(args) -> list[dict]:
     from lightning_3d.costs import model_shape
-    from lightning_3d.dynamic import DynamicMicroBatcher
+    from lightning_3d.dynamic import DynamicMicroBatcher, default_cost_model
     from lightning_3d.recipes.t5.model import run_stage
 
     cuda = torch.cuda.is_available()
@@ -156,59 +209,131 @@ def direct(args) -> list[dict]:
     else:
         baseline, budget = 0, 64e9
     shape = model_shape(module.config, bytes_per_element=2 if cuda else 4)
-    cost_model = cost_model_for(args, module, shape) if "dynamic" in [parse_variant(v)[0] for v in args.variants] else None
+    cost_model = cost_model_for(args, module, shape) if "dynamic" in args.variants else None
+    analytic = default_cost_model(shape)
     results = []
-    for text in args.variants:
+    seen: set = set()
+    cuda_stats = (lambda: torch.cuda.memory_stats()) if cuda else (lambda: {})
+    for sdpa, text in [(o, v) for o in args.sdpa for v in args.variants]:
         name, size = parse_variant(text)
-        row = {"variant": text, "error": None}
+        row = {"variant": text, "sdpa": sdpa, "error": None}
+        restore = sdpa_order(sdpa)
         try:
             collator: StepCollator = data_module(args, name if name != "dynamic" else "padding", size).collator(1, 0)
             plan_s = 0.0
             if name == "dynamic":
                 t5 = args.model == "t5"
                 collator.dynamic = DynamicMicroBatcher(
-                    collator.collate, shape=shape, dp=1, pp=1, dp_rank=0, memory_budget=budget, cost_model=cost_model,
+                    collator.collate, shape=shape, dp=1, pp=1, dp_rank=0, memory_budget=budget,
+                    cost_model=analytic if text == "dynamic@analytic" else cost_model,
                     max_seq_len=args.seq_length, max_target_len=args.target_length if t5 else None,
                     input_length=sample_input_length, target_length=sample_target_length if t5 else None)
                 collator.microbatching = "dynamic"
-            steps = []
+            steps, predicted = [], []
             for b in batches:
                 start = time.process_time()
-                steps.append(list(collator(b)))
+                planned = collator(b)
                 plan_s += time.process_time() - start
+                steps.append(list(planned))
+                if name == "dynamic":
+                    predicted.append(planned.plan.makespan)
             computed = [sum(mb["input_ids"].numel() + (mb["labels"].numel() if args.model == "t5" else 0) for mb in s)
                         for s in steps]
-            times = []
+            distinct, new = shape_counts(steps, seen)
+
+            def timed_pass() -> list[float]:
+                times = []
+                for mbs in steps:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    step(mbs)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                return times
+
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            for mbs in steps:
-                if cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                step(mbs)
-                if cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
+            stats = cuda_stats()
+            times = timed_pass()
+            after = cuda_stats()
             timed = slice(args.warmup, None)
             seconds = sum(times[timed])
             row.update({
                 "useful_tokens_per_s": round(sum(useful[timed]) / seconds) if seconds else None,
                 "step_s_mean": round(seconds / max(1, len(times[timed])), 4),
                 "microbatches_per_step": round(float(np.mean([len(s) for s in steps])), 1),
+                "shapes_per_step": distinct, "new_shapes_per_step": new,
                 "padding_fraction": round(1 - sum(useful) / sum(computed), 3),
                 "collate_ms_per_step": round(1000 * plan_s / len(steps), 1),
                 "peak_memory_gb": round((torch.cuda.max_memory_allocated() - baseline) / 2**30, 2) if cuda else None})
+            if cuda:  # allocator churn: segments allocated from the device, and retries after freeing the cache
+                row["device_allocs_per_step"] = round(
+                    (after.get("num_device_alloc", 0) - stats.get("num_device_alloc", 0)) / len(steps), 1)
+                row["alloc_retries"] = after.get("num_alloc_retries", 0) - stats.get("num_alloc_retries", 0)
+            if predicted:  # the cost model's simulated step time, against the measured one
+                row["predicted_step_s_mean"] = round(float(np.mean(predicted[timed])), 4)
+            if args.repeat:
+                # The same steps again: every shape has run once, so what the first pass paid per new shape is gone.
+                again = sum(timed_pass()[timed])
+                row["useful_tokens_per_s_repeat"] = round(sum(useful[timed]) / again) if again else None
         except torch.OutOfMemoryError as err:
             row["error"] = f"out of memory: {str(err)[:160]}"
         except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         finally:
+            from lightning_3d.recipes.gpt import model as gpt_model
+
+            gpt_model.CAUSAL_SDPA_BACKENDS = restore
             opt.zero_grad(set_to_none=False)
             if cuda:
                 torch.cuda.empty_cache()
         results.append(row)
         print(json.dumps({"model": args.model, **row}), flush=True)
     return results
+
+
+# ----- plans only: what each variant hands the model, without a GPU ------------------------------------------------
+def plans(args) -> list[dict]:
+    """Every variant's micro-batch shapes for the benchmark's global batches (the direct engine's, same seed), and for
+    dynamic the cost model's predicted time per micro-batch; no model runs. The memory budget is ``--memory-fraction``
+    of a ``--card-gb`` card less 16 bytes per parameter (fp32 weights and gradients, AdamW's two moments), as the
+    direct engine's budget is on the GPU."""
+    from lightning_3d.costs import model_shape
+    from lightning_3d.dynamic import DynamicMicroBatcher, default_cost_model
+
+    data = data_module(args)
+    data.setup("fit")
+    module = build_model(args, data)
+    shape = model_shape(module.config, bytes_per_element=2)
+    budget = args.memory_fraction * args.card_gb * 2**30 - 16 * module.config.num_parameters()
+    rng = np.random.default_rng(args.seed)
+    order = rng.permutation(len(data.train_dataset))
+    batches = [[data.train_dataset[int(i)] for i in order[k * args.global_batch : (k + 1) * args.global_batch]]
+               for k in range(args.steps)]
+    cost_model = cost_model_for(args, module, shape) if args.profile not in ("none", "measure") else None
+    rows = []
+    for text in args.variants:
+        name, size = parse_variant(text)
+        collator = data_module(args, name if name != "dynamic" else "padding", size).collator(1, 0)
+        if name == "dynamic":
+            t5 = args.model == "t5"
+            collator.dynamic = DynamicMicroBatcher(
+                collator.collate, shape=shape, dp=1, pp=1, dp_rank=0, memory_budget=budget,
+                cost_model=default_cost_model(shape) if text == "dynamic@analytic" or cost_model is None else cost_model,
+                max_seq_len=args.seq_length, max_target_len=args.target_length if t5 else None,
+                input_length=sample_input_length, target_length=sample_target_length if t5 else None)
+            collator.microbatching = "dynamic"
+        for k, b in enumerate(batches):
+            step = collator(b)
+            row = {"variant": text, "step": k, "shapes": [list(mb["input_ids"].shape) for mb in step]}
+            if name == "dynamic":
+                row["predicted_step_s"] = round(step.plan.makespan, 4)
+                row["cost_source"] = step.plan.cost_source
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 # ----- lightning engine: Trainer.fit per variant, any number of processes and pipeline stages ---------------------
@@ -313,6 +438,15 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="lightning engine: processes (torchrun's count)")
     parser.add_argument("--pp", type=int, default=1, help="lightning engine: pipeline stages")
     parser.add_argument("--num-workers", type=int, default=2, help="lightning engine: DataLoader workers")
+    parser.add_argument("--sdpa", nargs="+", choices=["model", "torch"], default=["model"],
+                        help="direct engine: causal attention's SDPA backend order, the recipe's (flash first) and/or"
+                             " torch's own (cuDNN first on Hopper); every variant runs under each")
+    parser.add_argument("--plans-only", action="store_true",
+                        help="print every variant's micro-batch shapes per step (and dynamic's predicted step time);"
+                             " no model runs (CPU)")
+    parser.add_argument("--card-gb", type=float, default=80.0, help="--plans-only: the card the budget assumes")
+    parser.add_argument("--repeat", action="store_true",
+                        help="direct engine: time the same steps a second time (every shape already seen)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "multitask_microbatching.json")
@@ -329,15 +463,25 @@ def main() -> None:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
     start = time.perf_counter()
+    if args.plans_only:
+        plans(args)
+        return
     results = direct(args) if args.engine == "direct" else lightning(args)
-    base = next((r["useful_tokens_per_s"] for r in results if r["variant"].startswith("padding") and not r["error"]), None)
-    packed = [r["useful_tokens_per_s"] for r in results if r["variant"].startswith("packing") and not r["error"]]
-    dyn = next((r["useful_tokens_per_s"] for r in results if r["variant"] == "dynamic" and not r["error"]), None)
     summary = {"model": args.model, "preset": args.preset, "engine": args.engine, "pp": args.pp,
-               "seconds": round(time.perf_counter() - start, 1),
-               "dynamic_vs_padding": round(dyn / base, 2) if dyn and base else None,
-               "dynamic_vs_best_packing": round(dyn / max(packed), 2) if dyn and packed else None}
+               "seconds": round(time.perf_counter() - start, 1)}
+    for order in args.sdpa if args.engine == "direct" else ["model"]:
+        # Ratios within one SDPA order; with several orders each key names its order.
+        rows = [r for r in results if r.get("sdpa", "model") == order and not r["error"]]
+        base = next((r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("padding")), None)
+        packed = [r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("packing")]
+        for r in (r for r in rows if r["variant"].startswith("dynamic")):
+            key = r["variant"].replace("@", "_") + ("" if len(args.sdpa) == 1 else f"_{order}")
+            dyn = r["useful_tokens_per_s"]
+            summary[f"{key}_vs_padding"] = round(dyn / base, 2) if dyn and base else None
+            summary[f"{key}_vs_best_packing"] = round(dyn / max(packed), 2) if dyn and packed else None
     if int(os.environ.get("RANK", "0")) == 0:
+        if args.engine == "direct":
+            print(table(results), flush=True)
         print(json.dumps({"summary": summary}), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
