@@ -104,6 +104,12 @@ class ProfiledCostModel:
         #: 0 for version-1 profiles, which did not measure them
         self.microbatch_overhead_seconds = float(overheads.get("microbatch_seconds") or 0.0)
         self.step_overhead_seconds = float(overheads.get("step_seconds") or 0.0)
+        #: per block kind, the host's seconds to issue the layer inside the training loop (the profiler's tiny model
+        #: at the real depth: ``measure_overheads``), which supersede the isolated ``host_forward``/``host_backward``
+        #: grids of that kind; absent from older profiles
+        self.host_layers_in_situ: dict[str, dict[str, float]] = {
+            k: {q: float(v[q]) for q in ("forward", "backward", "recompute_forward", "recompute_backward")}
+            for k, v in (overheads.get("host_layers") or {}).items()}
         #: grids of torch.compile'd blocks (``compiled=True``) instead of eager ones; embedding and head are eager
         self.compiled = bool(compiled)
         self.derive_tp = derive_tp
@@ -184,6 +190,12 @@ class ProfiledCostModel:
         the profile has none). A tensor-parallel shard launches the same kernels as the whole layer, so a degree
         the profile lacks takes the tp = 1 host time (the collectives' launches are not counted)."""
         p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
+        situ = self.host_layers_in_situ.get(kind)
+        if situ is not None:
+            # Measured inside the training loop, the same for every micro-batch size and shard (the same launches).
+            pre = "recompute_" if recompute else ""
+            shape = np.broadcast_shapes(*(np.shape(x) for x in p))
+            return np.full(shape, situ[pre + "forward"]), np.full(shape, situ[pre + "backward"])
         grid = self._grids.get((kind, recompute, tp)) or self._grids.get((kind, recompute, 1))
         if grid is None and kind in ("embedding", "head"):
             grid = self._grids.get((kind, False, tp)) or self._grids.get((kind, False, 1))
@@ -231,6 +243,14 @@ def check_profile(data: object, where: str = "profile") -> None:
                 for k in ("microbatch_seconds", "step_seconds")):
             raise ValueError(f"{where}: 'overheads' must hold microbatch_seconds and step_seconds as non-negative"
                              f" numbers (got {overheads!r}).")
+        situ = overheads.get("host_layers")
+        if situ is not None:
+            names = ("forward", "backward", "recompute_forward", "recompute_backward")
+            if not isinstance(situ, dict) or any(
+                    k not in BLOCK_KINDS or not isinstance(v, dict) or set(v) != set(names)
+                    or any(not isinstance(v[n], (int, float)) or not v[n] >= 0 for n in names) for k, v in situ.items()):
+                raise ValueError(f"{where}: 'overheads.host_layers' must map block kinds {list(BLOCK_KINDS)} to"
+                                 f" non-negative {list(names)} seconds (got {situ!r}); re-run `lightning-3d profile`.")
 
 
 def new_profile(shape: ModelShape, device: DeviceSpec, **extra) -> dict:
