@@ -222,7 +222,7 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
     path.write_text(json.dumps(doc, allow_nan=False))
     cm = ProfiledCostModel(path)
     assert cm.version == 2 and cm.step_overhead_seconds == o["step_seconds"]
-    assert float(cm.layer_host_time("block", 2, 32)[1]) == o["host_layers"]["block"]["backward"]
+    assert float(cm.layer_host_time("block", 2, 32)[1]) >= o["host_layers"]["block"]["backward"]  # a floor
     p = predict(Candidate(1, 1, 1, 2, 2, "1f1b", 1, (2,), (False,), False),
                 Workload(cm.shape, 32, 4, cm, ClusterSpec(1, 1, cm.device, 1e11, 1e10)))
     assert math.isfinite(p.step_time) and p.overhead_time == o["step_seconds"]
@@ -323,7 +323,11 @@ def _with_in_situ(doc: dict, f: float, b: float, rf: float, rb: float) -> dict:
     return doc
 
 
-def test_in_situ_host_times_supersede_the_isolated_grid_at_every_size() -> None:
+def test_in_situ_host_times_floor_every_size_besides_the_isolated_grid() -> None:
+    # The larger of the two lower bounds: an isolated grid above the in-situ time stands.
+    cm = _model(_with_in_situ(_v2(host=0.04), 0.02, 0.03, 0.025, 0.07))
+    assert tuple(float(x) for x in cm.layer_host_time("block", 2, SEQ)) == (0.04, 0.04)
+    assert tuple(float(x) for x in cm.layer_host_time("block", 2, SEQ, recompute=True)) == (0.04, 0.07)
     cm = _model(_with_in_situ(_v2(host=1e-6), 0.02, 0.03, 0.025, 0.07))
     for mbs in (1, 2, 8):
         assert tuple(float(x) for x in cm.layer_host_time("block", mbs, SEQ)) == (0.02, 0.03)
@@ -368,3 +372,40 @@ def test_the_in_situ_scale_solves_the_depth_equations() -> None:
     # A loop measured faster than the tight loop is noise: the scale stays 1 (the isolated times stand).
     fast = host_layers_in_situ(host, tiny, real, c_1, {False: c_1, True: ends})
     assert fast["host_scale"] == [1.0, 1.0]
+
+
+def test_grids_are_read_non_decreasing_in_microbatch_size() -> None:
+    from lightning_3d.costs.profiled import monotone_in_microbatch
+
+    # Pool adjacent violators: the least-squares non-decreasing fit; unprofiled (inf) cells stay.
+    np.testing.assert_allclose(monotone_in_microbatch(np.array([[3.0], [1.0], [5.0], [2.0], [4.0]])).ravel(),
+                               [2.0, 2.0, 3.5, 3.5, 4.0], rtol=1e-12)
+    np.testing.assert_array_equal(monotone_in_microbatch(np.array([[1.0, 2.0], [3.0, math.inf]])),
+                                  [[1.0, 2.0], [3.0, math.inf]])
+    mono = np.array([[1.0], [2.0], [2.0], [7.0]])
+    np.testing.assert_array_equal(monotone_in_microbatch(mono), mono)  # a monotone grid is kept as it is
+    # Read so from a profile: a backward that falls at micro-batch 2 is pooled with micro-batch 1's.
+    doc = _v2(host=1e-3)
+    e = doc["layers"]["block"][0]
+    col = e["microbatch_size"].index(2)
+    e["backward"][col] = [x * 1e-3 for x in e["backward"][col]]
+    raw1, raw2 = _v1()["layers"]["block"][0]["backward"][col - 1][0], e["backward"][col][0]
+    cm = _model(doc)
+    b1, b2 = (float(cm.layer_time("block", mbs, e["seq_len"][0])[1]) for mbs in (1, 2))
+    assert b1 == pytest.approx((raw1 + raw2) / 2, rel=1e-12) and b2 == pytest.approx(b1, rel=1e-12)
+
+
+def test_recompute_rebuilds_a_saved_reports_predictions_from_its_profiles(capsys) -> None:
+    v = _validate_module()
+    results = Path(__file__).parent.parent / "benchmarks" / "results"
+    report = results / "2026-11-27_planner_validate_one_1xh200.json"
+    names = ("gpt_350m", "gpt_1.3b", "t5_770m")
+    out = v.recompute(str(report), {n: str(results / f"2026-11-27_profile_one_{n}_1xh200.json") for n in names})
+    saved = json.loads(report.read_text())
+    assert out["all"]["old"]["time_mape"] == pytest.approx(saved["all"]["time_mape"], rel=1e-12)
+    assert out["all"]["new"]["measured"] == saved["all"]["measured"] == 13
+    for name in names:  # the same measured steps, predictions of the current model
+        rows = out["models"][name]["rows"]
+        assert [r["step_s"] for r in rows] == [r["step_s"] for r in saved["models"][name]["rows"] if "step_s" in r]
+        assert all(r["time_error"] == pytest.approx(r["predicted_step_s"] / r["step_s"] - 1) for r in rows)
+    assert "ALL: MAPE old 15.0 %" in capsys.readouterr().out

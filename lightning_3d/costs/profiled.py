@@ -34,6 +34,37 @@ HOST_QUANTITIES = ("host_forward", "host_backward")
 BLOCK_KINDS = ("block", "encoder_block", "decoder_block")
 
 
+#: the grids' seconds, made non-decreasing in micro-batch size when read (``monotone_in_microbatch``)
+TIME_QUANTITIES = ("forward", "backward", *HOST_QUANTITIES)
+
+
+def monotone_in_microbatch(grid: np.ndarray) -> np.ndarray:
+    """``grid`` (micro-batch size first) made non-decreasing along its first axis by pooling adjacent violators (the
+    least-squares monotone fit, PAVA), per point of the other axes; unprofiled (inf) cells stay as they are.
+
+    A layer's work grows with its micro-batch and its launches do not change, so its time cannot fall as the
+    micro-batch grows; a grid that falls holds the noise of its samples (each a median of a few chained timings,
+    a difference of two spans), which pooling averages over the neighbours instead of trusting one sample."""
+    out = np.array(grid, dtype=float, copy=True)
+    flat = out.reshape(out.shape[0], -1)
+    for j in range(flat.shape[1]):
+        col = flat[:, j]
+        n = int(np.argmax(~np.isfinite(col))) if not np.all(np.isfinite(col)) else len(col)
+        blocks: list[list[float]] = []  # [sum, count]
+        for v in col[:n]:
+            blocks.append([float(v), 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        i = 0
+        for total, count in blocks:
+            col[i:i + int(count)] = total / count
+            i += int(count)
+        flat[:, j] = col
+    return flat.reshape(out.shape)
+
+
 class _Grid:
     """One (kind, recompute, tp) grid: axes and the four measured quantities, interpolated with inf outside."""
 
@@ -54,6 +85,8 @@ class _Grid:
             grid = np.array([math.inf if v is None else float(v) for v in values.ravel()], dtype=float).reshape(shape)
             if np.any(grid < 0) or np.any(np.isnan(grid)):
                 raise ValueError(f"{where}: {q} holds negative or NaN values.")
+            if q in TIME_QUANTITIES:
+                grid = monotone_in_microbatch(grid)
             # Singleton axes cannot be interpolated: padded to two equal points so that only that value is inside.
             axes = [a if len(a) > 1 else np.array([a[0], a[0] * (1 + 1e-9)]) for a in self.axes]
             padded = grid
@@ -105,7 +138,7 @@ class ProfiledCostModel:
         self.microbatch_overhead_seconds = float(overheads.get("microbatch_seconds") or 0.0)
         self.step_overhead_seconds = float(overheads.get("step_seconds") or 0.0)
         #: per block kind, the host's seconds to issue the layer inside the training loop (the profiler's tiny model
-        #: at the real depth: ``measure_overheads``), which supersede the isolated ``host_forward``/``host_backward``
+        #: at the real depth: ``measure_overheads``), a floor besides the isolated ``host_forward``/``host_backward``
         #: grids of that kind; absent from older profiles
         self.host_layers_in_situ: dict[str, dict[str, float]] = {
             k: {q: float(v[q]) for q in ("forward", "backward", "recompute_forward", "recompute_backward")}
@@ -190,20 +223,21 @@ class ProfiledCostModel:
         the profile has none). A tensor-parallel shard launches the same kernels as the whole layer, so a degree
         the profile lacks takes the tp = 1 host time (the collectives' launches are not counted)."""
         p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
-        situ = self.host_layers_in_situ.get(kind)
-        if situ is not None:
-            # Measured inside the training loop, the same for every micro-batch size and shard (the same launches).
-            pre = "recompute_" if recompute else ""
-            shape = np.broadcast_shapes(*(np.shape(x) for x in p))
-            return np.full(shape, situ[pre + "forward"]), np.full(shape, situ[pre + "backward"])
         grid = self._grids.get((kind, recompute, tp)) or self._grids.get((kind, recompute, 1))
         if grid is None and kind in ("embedding", "head"):
             grid = self._grids.get((kind, False, tp)) or self._grids.get((kind, False, 1))
-        zeros = np.zeros(np.broadcast_shapes(*(np.shape(x) for x in p)))
-        if grid is None or "host_forward" not in grid.interp:
-            return zeros, zeros
-        q = p[: len(grid.axes)]
-        return grid("host_forward", q), grid("host_backward", q)
+        shape = np.broadcast_shapes(*(np.shape(x) for x in p))
+        f = b = np.zeros(shape)
+        if grid is not None and "host_forward" in grid.interp:
+            q = p[: len(grid.axes)]
+            f, b = grid("host_forward", q), grid("host_backward", q)
+        situ = self.host_layers_in_situ.get(kind)
+        if situ is not None:
+            # Both are lower bounds of the host's time: the isolated timing at this width, and the in-situ one
+            # (measured inside the training loop, the same for every micro-batch size and shard: the same launches).
+            pre = "recompute_" if recompute else ""
+            f, b = np.maximum(f, situ[pre + "forward"]), np.maximum(b, situ[pre + "backward"])
+        return f, b
 
     def layer_memory(self, kind: LayerKind, microbatch_size: ArrayLike, seq_len: ArrayLike, *,
                      target_len: ArrayLike | None = None, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
