@@ -6,6 +6,7 @@ configuration, synthetic data, bf16-mixed) and compare. Two suites, each sized f
     python benchmarks/planner_validate.py --suite four   # 4 GPUs: GPT-350M, every (dp, pp, tp) of 4 (14 configurations)
     L3D_COMPILE_BACKEND=aot_eager python benchmarks/planner_validate.py --suite one --device cpu   # CPU smoke test
     python benchmarks/planner_validate.py --suite four --device cpu   # CPU smoke test (tiny GPT, 4 processes)
+    python benchmarks/planner_validate.py --recompute REPORT.json --profiles gpt_350m=PROFILE.json ...  # offline
 
 Every configuration of a model trains the same global batch, so step times compare directly. Per configuration: the
 predicted and measured step time (median of the timed steps, with their p10-p90) and peak memory
