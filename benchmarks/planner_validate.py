@@ -6,6 +6,7 @@ configuration, synthetic data, bf16-mixed) and compare. Two suites, each sized f
     python benchmarks/planner_validate.py --suite four   # 4 GPUs: GPT-350M, every (dp, pp, tp) of 4 (14 configurations)
     L3D_COMPILE_BACKEND=aot_eager python benchmarks/planner_validate.py --suite one --device cpu   # CPU smoke test
     python benchmarks/planner_validate.py --suite four --device cpu   # CPU smoke test (tiny GPT, 4 processes)
+    python benchmarks/planner_validate.py --recompute REPORT.json --profiles gpt_350m=PROFILE.json ...  # offline
 
 Every configuration of a model trains the same global batch, so step times compare directly. Per configuration: the
 predicted and measured step time (median of the timed steps, with their p10-p90) and peak memory
@@ -223,10 +224,12 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
                                   "call_overhead": doc.get("call_overhead"), "optimizer": doc.get("optimizer")}
         print(f"{name}: profiled in {profile_s:.1f} s; overheads {_overheads(doc)}", flush=True)
         work += [(name, m, c) for c in m.configs]
-    # Round-robin over the models, so that a budget cut leaves every model measured; compiled configurations last,
-    # with their grids profiled only then (the compiles are the longest part) and only if the budget allows both.
+    # Round-robin over the models, so that a budget cut leaves every model measured; compiled configurations with
+    # their grids profiled only then and only if the budget allows both.
+    # A compiled configuration goes in round --compile-round (its grids' compile is the longest single item: late in
+    # the suite it was what the budget cut).
     position = {id(c): i for m in models.values() for i, c in enumerate(m.configs)}
-    order = sorted(work, key=lambda t: (t[2].compile, position[id(t[2])]))
+    order = sorted(work, key=lambda t: (ns.compile_round if t[2].compile else position[id(t[2])], t[2].compile))
     for name, m, c in order:
         row: dict = {"config": c.label()}
         if c.compile and not any(e.get("compiled") for e in docs[name]["layers"].get("block", [])):
@@ -317,7 +320,10 @@ def _overheads(doc: dict) -> str:
     o, c, opt = doc.get("overheads") or {}, doc.get("call_overhead") or {}, doc.get("optimizer") or {}
     return (f"micro-batch {1e3 * o.get('microbatch_seconds', 0):.2f} ms, step {1e3 * o.get('step_seconds', 0):.2f} ms,"
             f" call fwd/bwd {1e3 * c.get('forward_seconds', 0):.2f}/{1e3 * c.get('backward_seconds', 0):.2f} ms,"
-            f" optimizer {1e3 * opt.get('step_seconds', 0):.1f} ms")
+            f" optimizer {1e3 * opt.get('step_seconds', 0):.1f} ms"
+            + (f"; in-situ host scale {o['host_scale'][0]:.2f} (checkpointed {o['host_scale'][1]:.2f}), tiny model per"
+               f" micro-batch ms {({k: round(1e3 * v, 2) for k, v in o['host_microbatch_seconds'].items()})}"
+               if o.get("host_scale") else ""))
 
 
 def _line(name: str, r: dict) -> str:
@@ -346,6 +352,54 @@ def _print_summary(report: dict) -> None:
               + (f"  profile {s['profile_seconds']} s" if "profile_seconds" in s else ""))
 
 
+def breakdown(c: Candidate, w: Workload) -> dict:
+    """One micro-batch of a one-stage candidate, term by term (seconds): the layers' device spans, their host times,
+    the host floor the model takes, the per-micro-batch overhead; and the step's fixed terms."""
+    from lightning_3d.planner.model import layer_terms
+
+    out = layer_terms(c.microbatch_size, c.tp, c.stage_checkpointing[0], w)
+    return {k: round(v * 1e3, 3) for k, v in out.items()}
+
+
+def recompute(report_path: str, profiles: dict[str, str]) -> dict:
+    """The predictions of a saved report's configurations rebuilt from its saved profiles with the current model,
+    against the measured steps: per configuration old and new prediction, error, and the new one's breakdown."""
+    report = json.loads(Path(report_path).read_text())
+    suite = {"one": ONE, "four": FOUR}[report["suite"]]
+    gpus = report["gpus"]
+    out: dict = {"report": report_path, "models": {}}
+    every_old, every_new = [], []
+    for name, entry in report["models"].items():
+        if name not in profiles:
+            continue
+        m = suite[name]
+        doc = json.loads(Path(profiles[name]).read_text())
+        intra = (doc.get("collectives") or {}).get("intra_node_bandwidth") or 300e9
+        rows_old, rows_new = [], []
+        for row in entry["rows"]:
+            if "step_s" not in row:
+                continue
+            c = next(c for c in m.configs if c.label() == row["config"])
+            cm = ProfiledCostModel(doc, derive_tp=True, compiled=c.compile)
+            w = Workload(cm.shape, m.seq, m.batch, cm, ClusterSpec(1, gpus, cm.device, intra, intra), target_len=m.target)
+            cand = candidate(m, c, cm)
+            p = simulate_candidate(cand, w) if cand.pp > 1 else predict(cand, w)
+            new = dict(row, predicted_step_s=p.step_time, time_error=p.step_time / row["step_s"] - 1)
+            rows_old.append(row), rows_new.append(new)
+            terms = breakdown(cand, w) if cand.pp == 1 else {}
+            print(f"  {name:9s} {row['config']:24s} meas {row['step_s'] * 1e3:7.1f} old {row['predicted_step_s'] * 1e3:7.1f}"
+                  f" ({100 * row['time_error']:+6.1f} %) new {p.step_time * 1e3:7.1f} ({100 * new['time_error']:+6.1f} %)"
+                  f"  per-mb ms {terms}", flush=True)
+        out["models"][name] = {"old": summarize(rows_old), "new": summarize(rows_new), "rows": rows_new}
+        every_old += rows_old
+        every_new += rows_new
+        print(f"  {name}: MAPE old {100 * out['models'][name]['old'].get('time_mape', 0):.1f} %"
+              f" new {100 * out['models'][name]['new'].get('time_mape', 0):.1f} %")
+    out["all"] = {"old": summarize(every_old), "new": summarize(every_new)}
+    print(f"ALL: MAPE old {100 * out['all']['old'].get('time_mape', 0):.1f} % new {100 * out['all']['new'].get('time_mape', 0):.1f} %")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=("one", "four"), default="one")
@@ -359,9 +413,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--min-config-s", type=float, default=25.0, help="skip a configuration with less left")
     parser.add_argument("--compile-reserve-s", type=float, default=150.0,
                         help="seconds a compiled configuration needs left (its grids' compile and its run's)")
+    parser.add_argument("--compile-round", type=int, default=1,
+                        help="round (0-based, over the models) in which compiled configurations are measured")
     parser.add_argument("--remeasure-above", type=float, default=0.15, help="time error that triggers a re-run")
     parser.add_argument("--models", nargs="+", default=None, help="a subset of the suite's models")
+    parser.add_argument("--recompute", default=None, metavar="REPORT", help="no measurement: rebuild a saved report's"
+                        " predictions from its saved profiles (--profiles) with the current model, with a breakdown")
+    parser.add_argument("--profiles", nargs="+", default=[], metavar="NAME=PATH", help="with --recompute")
     ns = parser.parse_args(argv)
+    if ns.recompute:
+        try:
+            profiles = dict(p.split("=", 1) for p in ns.profiles)
+        except ValueError:
+            parser.error(f"--profiles takes NAME=PATH pairs, got {ns.profiles}")
+        return recompute(ns.recompute, profiles)
     warnings.simplefilter("ignore")
     if ns.out is None:
         ns.out = os.path.join(os.environ.get("OUT", "."), f"planner_validate_{ns.suite}.json")

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from lightning_3d.costs import ClusterSpec, ProfiledCostModel, device_spec
-from lightning_3d.planner.model import Candidate, Workload, pipeline_time, predict, send_times, simulate_candidate
+from lightning_3d.planner.model import (Candidate, Workload, pipeline_time, predict, send_times, simulate_candidate,
+                                        stage_costs)
 
 PROFILE = Path(__file__).parent / "data" / "profiles" / "gpt_synthetic.json"
 LAYERS = 8  # the synthetic model's blocks
@@ -94,7 +95,10 @@ def test_a_tensor_parallel_shard_keeps_the_whole_layers_host_time() -> None:
     w = _workload(cm)
     blocks, _, _ = w.layer_costs(4, 4, False)
     tp_comm = w.tp_comm("block", 4, 4)
-    np.testing.assert_allclose(blocks[0], 3e-3 + tp_comm, rtol=1e-12)  # the floor, plus the tp all-reduces
+    # The all-reduces run on the device (the host only launches them): the floor against the device's span plus them.
+    assert float(f4) + tp_comm < 3e-3
+    np.testing.assert_allclose(blocks[0], 3e-3, rtol=1e-12)
+    np.testing.assert_allclose(blocks[5], float(f4) + tp_comm, rtol=1e-12)
 
 
 @pytest.mark.parametrize("schedule,pp,v,m", [("1f1b", 1, 1, 4), ("1f1b", 2, 1, 4), ("gpipe", 2, 1, 3),
@@ -208,12 +212,17 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
         assert all(v is not None and v >= 0 for row in block[q] for v in row)
     o = doc["overheads"]
     assert o["microbatch_seconds"] >= 0 and o["step_seconds"] >= 0 and o["microbatches"] == [1, 4]
+    # The in-situ host terms: the tiny model at the real depth (2 blocks), without and with checkpointing.
+    assert set(o["host_microbatch_seconds"]) == {"depth_1", "depth", "depth_recompute"}
+    assert len(o["host_scale"]) == 2 and min(o["host_scale"]) >= 1.0
+    assert set(o["host_layers"]) == {"block"} and all(v > 0 for v in o["host_layers"]["block"].values())
     assert doc["optimizer"]["parameters"] > 0 and doc["optimizer"]["step_seconds"] > 0
     assert set(doc["call_overhead"]) == {"forward_seconds", "backward_seconds"}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc, allow_nan=False))
     cm = ProfiledCostModel(path)
     assert cm.version == 2 and cm.step_overhead_seconds == o["step_seconds"]
+    assert float(cm.layer_host_time("block", 2, 32)[1]) >= o["host_layers"]["block"]["backward"]  # a floor
     p = predict(Candidate(1, 1, 1, 2, 2, "1f1b", 1, (2,), (False,), False),
                 Workload(cm.shape, 32, 4, cm, ClusterSpec(1, 1, cm.device, 1e11, 1e10)))
     assert math.isfinite(p.step_time) and p.overhead_time == o["step_seconds"]
@@ -283,3 +292,120 @@ def test_compiled_grids_profiled_alone_join_an_eager_profile(monkeypatch) -> Non
     assert 0 < float(f) < math.inf and 0 < float(b) < math.inf
     assert math.isinf(float(cm.layer_time("block", 1, 32)[0]))  # compiled only at micro-batch 2
     assert float(cm.layer_time("embedding", 1, 32)[0]) > 0  # eager embedding serves the compiled model
+
+
+def test_a_stage_overlaps_host_and_device_across_its_layers() -> None:
+    # Half the layers host-bound, half device-bound: the stage's pass is max(Σ device, Σ host), not Σ max.
+    doc = _v2(host=None)
+    cm = _model(doc)
+    dev_f, dev_b = (float(x) for x in cm.layer_time("block", 2, SEQ))
+    doc = _v2(host=None)
+    for e in doc["layers"]["block"]:
+        e["host_forward"] = [[2 * dev_f] * len(e["seq_len"]) for _ in e["microbatch_size"]]
+        e["host_backward"] = [[0.0] * len(e["seq_len"]) for _ in e["microbatch_size"]]
+    for kind in ("embedding", "head"):
+        for e in doc["layers"][kind]:
+            e["host_forward"] = [[0.0] * len(e["seq_len"]) for _ in e["microbatch_size"]]
+            e["host_backward"] = [[0.0] * len(e["seq_len"]) for _ in e["microbatch_size"]]
+    cm = _model(doc)
+    w = _workload(cm)
+    ends_f = sum(float(cm.layer_time(k, 2, SEQ)[0]) for k in ("embedding", "head"))
+    ends_b = sum(float(cm.layer_time(k, 2, SEQ)[1]) for k in ("embedding", "head"))
+    fwd, bwd, *_ = stage_costs(_one_gpu(2, 1), w)
+    # forward: host 2·dev_f per block against the device's dev_f per block plus the ends
+    assert fwd[0] == pytest.approx(max(LAYERS * 2 * dev_f, LAYERS * dev_f + ends_f), rel=1e-12)
+    assert bwd[0] == pytest.approx(LAYERS * dev_b + ends_b, rel=1e-12)  # host 0: the device's sum
+
+
+def _with_in_situ(doc: dict, f: float, b: float, rf: float, rb: float) -> dict:
+    doc["overheads"]["host_layers"] = {"block": {"forward": f, "backward": b, "recompute_forward": rf,
+                                                 "recompute_backward": rb}}
+    return doc
+
+
+def test_in_situ_host_times_floor_every_size_besides_the_isolated_grid() -> None:
+    # The larger of the two lower bounds: an isolated grid above the in-situ time stands.
+    cm = _model(_with_in_situ(_v2(host=0.04), 0.02, 0.03, 0.025, 0.07))
+    assert tuple(float(x) for x in cm.layer_host_time("block", 2, SEQ)) == (0.04, 0.04)
+    assert tuple(float(x) for x in cm.layer_host_time("block", 2, SEQ, recompute=True)) == (0.04, 0.07)
+    cm = _model(_with_in_situ(_v2(host=1e-6), 0.02, 0.03, 0.025, 0.07))
+    for mbs in (1, 2, 8):
+        assert tuple(float(x) for x in cm.layer_host_time("block", mbs, SEQ)) == (0.02, 0.03)
+        assert tuple(float(x) for x in cm.layer_host_time("block", mbs, SEQ, recompute=True)) == (0.025, 0.07)
+        assert tuple(float(x) for x in cm.layer_host_time("block", mbs, SEQ, tp=4)) == (0.02, 0.03)
+        assert float(cm.layer_host_time("head", mbs, SEQ)[0]) == pytest.approx(1e-6)  # ends keep their grids
+    # Host-bound: a one-stage step is m × (blocks' in-situ host + the ends' own) + the fixed terms.
+    w = _workload(cm)
+    for ckpt, (f, b) in ((False, (0.02, 0.03)), (True, (0.025, 0.07))):
+        p = predict(_one_gpu(2, 4, ckpt), w)
+        assert LAYERS * (f + b) > 2 * _device_sum(cm, 2, ckpt)  # host-bound indeed
+        # per pass: the blocks' in-situ host plus the embedding's and head's host (1e-6 each)
+        assert p.pipeline_time == pytest.approx(4 * (LAYERS * (f + b) + 4e-6), rel=1e-12)
+
+
+def test_in_situ_host_layers_are_checked_by_name() -> None:
+    doc = _with_in_situ(_v2(host=1e-6), 0.02, 0.03, 0.025, 0.07)
+    doc["overheads"]["host_layers"]["block"]["forward"] = -1.0
+    with pytest.raises(ValueError, match="'overheads.host_layers' must map block kinds"):
+        _model(doc)
+    doc = _with_in_situ(_v2(host=1e-6), 0.02, 0.03, 0.025, 0.07)
+    doc["overheads"]["host_layers"]["head"] = doc["overheads"]["host_layers"]["block"]
+    with pytest.raises(ValueError, match="re-run `lightning-3d profile`"):
+        _model(doc)
+
+
+def test_the_in_situ_scale_solves_the_depth_equations() -> None:
+    from lightning_3d.costs import ModelShape
+    from lightning_3d.planner.profile import host_layers_in_situ
+
+    tiny = ModelShape("gpt", 1, 64, 2, 256, 512)
+    real = ModelShape("gpt", 24, 1024, 16, 4096, 50304)
+    host = {("block", False): (1e-3, 2e-3), ("block", True): (1.5e-3, 4e-3)}
+    ends, s, s_rc = 1.2e-3, 1.6, 1.3  # a micro-batch's cost outside the blocks; the loop's scales
+    c_1 = ends + s * 3e-3
+    deep = {False: ends + s * 24 * 3e-3, True: ends + s_rc * 24 * 5.5e-3}
+    out = host_layers_in_situ(host, tiny, real, c_1, deep)
+    assert out["host_scale"] == pytest.approx([s, s_rc], rel=1e-12)
+    assert out["host_layers"]["block"] == pytest.approx({"forward": s * 1e-3, "backward": s * 2e-3,
+                                                         "recompute_forward": s_rc * 1.5e-3,
+                                                         "recompute_backward": s_rc * 4e-3}, rel=1e-12)
+    # A loop measured faster than the tight loop is noise: the scale stays 1 (the isolated times stand).
+    fast = host_layers_in_situ(host, tiny, real, c_1, {False: c_1, True: ends})
+    assert fast["host_scale"] == [1.0, 1.0]
+
+
+def test_grids_are_read_non_decreasing_in_microbatch_size() -> None:
+    from lightning_3d.costs.profiled import monotone_in_microbatch
+
+    # Pool adjacent violators: the least-squares non-decreasing fit; unprofiled (inf) cells stay.
+    np.testing.assert_allclose(monotone_in_microbatch(np.array([[3.0], [1.0], [5.0], [2.0], [4.0]])).ravel(),
+                               [2.0, 2.0, 3.5, 3.5, 4.0], rtol=1e-12)
+    np.testing.assert_array_equal(monotone_in_microbatch(np.array([[1.0, 2.0], [3.0, math.inf]])),
+                                  [[1.0, 2.0], [3.0, math.inf]])
+    mono = np.array([[1.0], [2.0], [2.0], [7.0]])
+    np.testing.assert_array_equal(monotone_in_microbatch(mono), mono)  # a monotone grid is kept as it is
+    # Read so from a profile: a backward that falls at micro-batch 2 is pooled with micro-batch 1's.
+    doc = _v2(host=1e-3)
+    e = doc["layers"]["block"][0]
+    col = e["microbatch_size"].index(2)
+    e["backward"][col] = [x * 1e-3 for x in e["backward"][col]]
+    raw1, raw2 = _v1()["layers"]["block"][0]["backward"][col - 1][0], e["backward"][col][0]
+    cm = _model(doc)
+    b1, b2 = (float(cm.layer_time("block", mbs, e["seq_len"][0])[1]) for mbs in (1, 2))
+    assert b1 == pytest.approx((raw1 + raw2) / 2, rel=1e-12) and b2 == pytest.approx(b1, rel=1e-12)
+
+
+def test_recompute_rebuilds_a_saved_reports_predictions_from_its_profiles(capsys) -> None:
+    v = _validate_module()
+    results = Path(__file__).parent.parent / "benchmarks" / "results"
+    report = results / "2026-11-27_planner_validate_one_1xh200.json"
+    names = ("gpt_350m", "gpt_1.3b", "t5_770m")
+    out = v.recompute(str(report), {n: str(results / f"2026-11-27_profile_one_{n}_1xh200.json") for n in names})
+    saved = json.loads(report.read_text())
+    assert out["all"]["old"]["time_mape"] == pytest.approx(saved["all"]["time_mape"], rel=1e-12)
+    assert out["all"]["new"]["measured"] == saved["all"]["measured"] == 13
+    for name in names:  # the same measured steps, predictions of the current model
+        rows = out["models"][name]["rows"]
+        assert [r["step_s"] for r in rows] == [r["step_s"] for r in saved["models"][name]["rows"] if "step_s" in r]
+        assert all(r["time_error"] == pytest.approx(r["predicted_step_s"] / r["step_s"] - 1) for r in rows)
+    assert "ALL: MAPE old 15.0 %" in capsys.readouterr().out

@@ -34,6 +34,37 @@ HOST_QUANTITIES = ("host_forward", "host_backward")
 BLOCK_KINDS = ("block", "encoder_block", "decoder_block")
 
 
+#: the grids' seconds, made non-decreasing in micro-batch size when read (``monotone_in_microbatch``)
+TIME_QUANTITIES = ("forward", "backward", *HOST_QUANTITIES)
+
+
+def monotone_in_microbatch(grid: np.ndarray) -> np.ndarray:
+    """``grid`` (micro-batch size first) made non-decreasing along its first axis by pooling adjacent violators (the
+    least-squares monotone fit, PAVA), per point of the other axes; unprofiled (inf) cells stay as they are.
+
+    A layer's work grows with its micro-batch and its launches do not change, so its time cannot fall as the
+    micro-batch grows; a grid that falls holds the noise of its samples (each a median of a few chained timings,
+    a difference of two spans), which pooling averages over the neighbours instead of trusting one sample."""
+    out = np.array(grid, dtype=float, copy=True)
+    flat = out.reshape(out.shape[0], -1)
+    for j in range(flat.shape[1]):
+        col = flat[:, j]
+        n = int(np.argmax(~np.isfinite(col))) if not np.all(np.isfinite(col)) else len(col)
+        blocks: list[list[float]] = []  # [sum, count]
+        for v in col[:n]:
+            blocks.append([float(v), 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        i = 0
+        for total, count in blocks:
+            col[i:i + int(count)] = total / count
+            i += int(count)
+        flat[:, j] = col
+    return flat.reshape(out.shape)
+
+
 class _Grid:
     """One (kind, recompute, tp) grid: axes and the four measured quantities, interpolated with inf outside."""
 
@@ -54,6 +85,8 @@ class _Grid:
             grid = np.array([math.inf if v is None else float(v) for v in values.ravel()], dtype=float).reshape(shape)
             if np.any(grid < 0) or np.any(np.isnan(grid)):
                 raise ValueError(f"{where}: {q} holds negative or NaN values.")
+            if q in TIME_QUANTITIES:
+                grid = monotone_in_microbatch(grid)
             # Singleton axes cannot be interpolated: padded to two equal points so that only that value is inside.
             axes = [a if len(a) > 1 else np.array([a[0], a[0] * (1 + 1e-9)]) for a in self.axes]
             padded = grid
@@ -104,6 +137,12 @@ class ProfiledCostModel:
         #: 0 for version-1 profiles, which did not measure them
         self.microbatch_overhead_seconds = float(overheads.get("microbatch_seconds") or 0.0)
         self.step_overhead_seconds = float(overheads.get("step_seconds") or 0.0)
+        #: per block kind, the host's seconds to issue the layer inside the training loop (the profiler's tiny model
+        #: at the real depth: ``measure_overheads``), a floor besides the isolated ``host_forward``/``host_backward``
+        #: grids of that kind; absent from older profiles
+        self.host_layers_in_situ: dict[str, dict[str, float]] = {
+            k: {q: float(v[q]) for q in ("forward", "backward", "recompute_forward", "recompute_backward")}
+            for k, v in (overheads.get("host_layers") or {}).items()}
         #: grids of torch.compile'd blocks (``compiled=True``) instead of eager ones; embedding and head are eager
         self.compiled = bool(compiled)
         self.derive_tp = derive_tp
@@ -187,11 +226,18 @@ class ProfiledCostModel:
         grid = self._grids.get((kind, recompute, tp)) or self._grids.get((kind, recompute, 1))
         if grid is None and kind in ("embedding", "head"):
             grid = self._grids.get((kind, False, tp)) or self._grids.get((kind, False, 1))
-        zeros = np.zeros(np.broadcast_shapes(*(np.shape(x) for x in p)))
-        if grid is None or "host_forward" not in grid.interp:
-            return zeros, zeros
-        q = p[: len(grid.axes)]
-        return grid("host_forward", q), grid("host_backward", q)
+        shape = np.broadcast_shapes(*(np.shape(x) for x in p))
+        f = b = np.zeros(shape)
+        if grid is not None and "host_forward" in grid.interp:
+            q = p[: len(grid.axes)]
+            f, b = grid("host_forward", q), grid("host_backward", q)
+        situ = self.host_layers_in_situ.get(kind)
+        if situ is not None:
+            # Both are lower bounds of the host's time: the isolated timing at this width, and the in-situ one
+            # (measured inside the training loop, the same for every micro-batch size and shard: the same launches).
+            pre = "recompute_" if recompute else ""
+            f, b = np.maximum(f, situ[pre + "forward"]), np.maximum(b, situ[pre + "backward"])
+        return f, b
 
     def layer_memory(self, kind: LayerKind, microbatch_size: ArrayLike, seq_len: ArrayLike, *,
                      target_len: ArrayLike | None = None, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -231,6 +277,14 @@ def check_profile(data: object, where: str = "profile") -> None:
                 for k in ("microbatch_seconds", "step_seconds")):
             raise ValueError(f"{where}: 'overheads' must hold microbatch_seconds and step_seconds as non-negative"
                              f" numbers (got {overheads!r}).")
+        situ = overheads.get("host_layers")
+        if situ is not None:
+            names = ("forward", "backward", "recompute_forward", "recompute_backward")
+            if not isinstance(situ, dict) or any(
+                    k not in BLOCK_KINDS or not isinstance(v, dict) or set(v) != set(names)
+                    or any(not isinstance(v[n], (int, float)) or not v[n] >= 0 for n in names) for k, v in situ.items()):
+                raise ValueError(f"{where}: 'overheads.host_layers' must map block kinds {list(BLOCK_KINDS)} to"
+                                 f" non-negative {list(names)} seconds (got {situ!r}); re-run `lightning-3d profile`.")
 
 
 def new_profile(shape: ModelShape, device: DeviceSpec, **extra) -> dict:

@@ -75,33 +75,37 @@ class Workload:
         return [k for k in self.shape.layer_kinds() if k not in ("embedding", "head")]
 
     def layer_costs(self, mbs: int, tp: int, recompute: bool) -> tuple[np.ndarray, ...]:
-        """Per block (pipeline order) and for embedding/head: fwd, bwd, stored, peak seconds/bytes; cached."""
+        """Per block (pipeline order) and for embedding/head: fwd, bwd, stored, peak seconds/bytes, parameters, and
+        the device's fwd, bwd and the host's fwd, bwd seconds apart (fwd = max(device, host) per layer); cached."""
         key = (mbs, tp, recompute)
         if key not in self._cache:
             out = {}
             for kind in {*self.block_kinds(), "embedding", "head"}:
                 kw = dict(target_len=self.target_len, recompute=recompute and kind not in ("embedding", "head"), tp=tp)
                 f, b = self.cost_model.layer_time(kind, mbs, self.seq_len, **kw)
+                hf = hb = 0.0
                 host = getattr(self.cost_model, "layer_host_time", None)
                 if host is not None:
                     # A layer takes at least the host's time to issue its kernels (eager PyTorch launches each from
                     # Python): the floor that holds where the measured span does not already show it (a tp shard
-                    # the profile lacks, whose compute is scaled down but whose launches are not).
+                    # the profile lacks, whose compute is scaled down but whose launches are not; the host's time
+                    # inside the training loop, which the isolated span does not hold).
                     hf, hb = host(kind, mbs, self.seq_len, **kw)
-                    f, b = np.maximum(f, hf), np.maximum(b, hb)
                 st, pk = self.cost_model.layer_memory(kind, mbs, self.seq_len, **kw)
                 comm = self.tp_comm(kind, mbs, tp)
                 extra_bwd = comm if recompute and kind not in ("embedding", "head") else 0.0
-                out[kind] = (float(f) + comm, float(b) + comm + extra_bwd, float(st), float(pk),
-                             layer_parameters(self.shape, kind, tp))
+                df, db = float(f) + comm, float(b) + comm + extra_bwd
+                out[kind] = (max(df, float(hf)), max(db, float(hb)), float(st), float(pk),
+                             layer_parameters(self.shape, kind, tp), df, db, float(hf), float(hb))
             kinds = self.block_kinds()
-            blocks = tuple(np.array([out[k][i] for k in kinds]) for i in range(5))
+            blocks = tuple(np.array([out[k][i] for k in kinds]) for i in range(9))
             self._cache[key] = (blocks, out["embedding"], out["head"])
-            # Prefix sums (Python floats) of forward, backward, stored and parameters: O(1) stage sums; infinite
-            # (unprofiled) layers are counted apart, so that a stage holding one is inf (not inf - inf = nan).
+            # Prefix sums (Python floats) of forward, backward, stored, parameters, and the device's and host's
+            # forward and backward: O(1) stage sums; infinite (unprofiled) layers are counted apart, so that a stage
+            # holding one is inf (not inf - inf = nan).
             self._cache[("prefix", *key)] = tuple(
                 (np.concatenate([[0.0], np.cumsum(np.where(np.isinf(blocks[i]), 0.0, blocks[i]))]).tolist(),
-                 np.concatenate([[0], np.cumsum(np.isinf(blocks[i]))]).tolist()) for i in (0, 1, 2, 4))
+                 np.concatenate([[0], np.cumsum(np.isinf(blocks[i]))]).tolist()) for i in (0, 1, 2, 4, 5, 6, 7, 8))
         return self._cache[key]
 
     def prefix_sums(self, mbs: int, tp: int, recompute: bool) -> tuple[list[float], ...]:
@@ -170,25 +174,43 @@ class Prediction:
 
 
 def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
-    """Per stage (pipeline order, pp × v): forward s, backward s, stored bytes/micro-batch, transient bytes, params."""
+    """Per stage (pipeline order, pp × v): forward s, backward s, stored bytes/micro-batch, transient bytes, params.
+
+    A stage's pass over a micro-batch takes max(its layers' device seconds, their host seconds): the host issues the
+    next layers' kernels while the device runs the earlier ones, so the two overlap across the stage's layers, not
+    only within each (a per-layer max would charge every layer the slower of the two)."""
     fwd, bwd, stored, peak, params = [], [], [], [], []
     start = 0
     mb_overhead = float(getattr(w.cost_model, "microbatch_overhead_seconds", 0.0) or 0.0)
     for s, (n, ckpt) in enumerate(zip(c.layer_split, c.stage_checkpointing)):
         blocks, emb, head = w.layer_costs(c.microbatch_size, c.tp, ckpt)
-        pf, pb, pst, pp_ = w.prefix_sums(c.microbatch_size, c.tp, ckpt)
+        _, _, pst, pp_, pdf, pdb, phf, phb = w.prefix_sums(c.microbatch_size, c.tp, ckpt)
         lo, hi = start, start + n
         start = hi
-        f, b, st, p = (math.inf if count[hi] > count[lo] else total[hi] - total[lo] for total, count in (pf, pb, pst, pp_))
+        st, p, df, db, hf, hb = (math.inf if count[hi] > count[lo] else total[hi] - total[lo]
+                                 for total, count in (pst, pp_, pdf, pdb, phf, phb))
         pk = float(blocks[3][lo:hi].max()) if n else 0.0
-        for is_end, extra in ((s == 0, emb), (s == c.num_stages - 1, head)):
+        for is_end, x in ((s == 0, emb), (s == c.num_stages - 1, head)):
             if is_end:
-                f, b, st, pk, p = f + extra[0], b + extra[1], st + extra[2], max(pk, extra[3]), p + extra[4]
+                st, pk, p = st + x[2], max(pk, x[3]), p + x[4]
+                df, db, hf, hb = df + x[5], db + x[6], hf + x[7], hb + x[8]
         # Each stage (chunk) runs one forward and one backward call per micro-batch, whose fixed host costs (the
         # strategy's engine, the autograd engine's start) the profiler measured as one total: half on each pass.
-        f, b = f + mb_overhead / 2, b + mb_overhead / 2
+        f, b = max(df, hf) + mb_overhead / 2, max(db, hb) + mb_overhead / 2
         fwd.append(float(f)), bwd.append(float(b)), stored.append(float(st)), peak.append(pk), params.append(float(p))
     return fwd, bwd, stored, peak, params
+
+
+def layer_terms(mbs: int, tp: int, recompute: bool, w: Workload) -> dict[str, float]:
+    """One micro-batch through the whole model on one stage, term by term (seconds; what ``stage_costs`` adds up):
+    the blocks' device and host seconds, the embedding's and head's, the per-micro-batch overhead."""
+    blocks, emb, head = w.layer_costs(mbs, tp, recompute)
+    out = {"blocks_device_f": float(blocks[5].sum()), "blocks_device_b": float(blocks[6].sum()),
+           "blocks_host_f": float(blocks[7].sum()), "blocks_host_b": float(blocks[8].sum()),
+           "embedding_device": emb[5] + emb[6], "embedding_host": emb[7] + emb[8],
+           "head_device": head[5] + head[6], "head_host": head[7] + head[8],
+           "microbatch_overhead": float(getattr(w.cost_model, "microbatch_overhead_seconds", 0.0) or 0.0)}
+    return out
 
 
 def pipeline_time(schedule: str, pp: int, v: int, m: int, fwd: list[float], bwd: list[float],

@@ -409,13 +409,23 @@ def _import(path: str):
 
 
 def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precision: str, *, microbatches: int = 4,
-                      warmup: int = 3, steps: int = 6, log=print) -> dict:
+                      warmup: int = 3, steps: int = 6, in_situ: bool = True, log=print) -> dict:
     """The per-micro-batch and per-step seconds a step spends outside the layers and the optimizer's kernels: a
     one-layer model of the same recipe (``_TINY``) trains under ``Compressed3DStrategy`` (one GPU, exact: no
     compression) with 1 and then ``microbatches`` micro-batches of one sample; step(m) = step_s + optimizer_tiny
     + m (microbatch_s + layers_tiny), with the tiny model's layers profiled like the real one's. What it holds:
     Lightning's loop and hooks, the strategy's batch checks and engine, the loss's bookkeeping, each micro-batch's
-    forward and backward calls. A few seconds."""
+    forward and backward calls. A few seconds.
+
+    ``in_situ``: also the host's seconds per layer *inside* the training loop (``host_layers``). The same tiny widths
+    at the real model's depth train the same way, without and with activation checkpointing: their layers are
+    host-bound on a GPU, so each micro-batch's seconds are the host's, and the depth's extra layers cost
+    ``(c_depth - c_1)`` per micro-batch. That is more than the same layers' isolated host times (a block timed alone,
+    in a tight loop of three), by a factor ``host_scale`` that the isolated timing cannot see (the loop's other
+    Python state, the gradient-slot callbacks and hooks of every parameter, an autograd graph the model's depth
+    deep); each layer kind's in-situ host time is its tiny isolated host time times that factor (checkpointed
+    blocks: their own factor, from the checkpointed run). It depends on the kernels a layer launches, not on its
+    widths, so the planner takes it as a floor of the real layers' times at every micro-batch size."""
     import logging
 
     if shape.family not in _TINY:
@@ -429,9 +439,17 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     # Lightning sets the rendezvous variables (MASTER_PORT, WORLD_SIZE, ...) in this process's environment: restored,
     # so that processes started after the profile (a benchmark's workers) do not inherit them.
     environ = dict(os.environ)
+    deep_args = dict(model_args, num_layers=shape.num_layers)
+    if shape.family == "t5":
+        deep_args["num_decoder_layers"] = shape.num_decoder_layers
+    deep = {}
     try:
         step_s = _train_tiny(module_path, data_path, model_args, data_args, shape.family, device, precision,
                              microbatches, warmup, steps)
+        if in_situ:
+            for rc in (False, True):
+                deep[rc] = _train_tiny(module_path, data_path, dict(deep_args, activation_checkpointing=rc), data_args,
+                                       shape.family, device, precision, microbatches, 2, 5)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -442,20 +460,70 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     # The tiny model's own layers and optimizer, measured as the real model's are, come off those times.
     tiny_cfg = {"trainer": {"precision": precision}, "model": {"class_path": module_path, "init_args": model_args},
                 "data": {"init_args": {**data_args}}}
-    tiny = profile_model(tiny_cfg, device=device, microbatch_sizes=[1], seq_lens=None, recompute=(False,),
-                         warmup=2, repeats=5, collectives=False, overheads=False, log=lambda *a: None)
+    tiny = profile_model(tiny_cfg, device=device, microbatch_sizes=[1], seq_lens=None,
+                         recompute=(False, True) if in_situ else (False,), warmup=2, repeats=5, collectives=False,
+                         overheads=False, log=lambda *a: None)
     tiny_shape = ModelShape(**tiny["model"])
+    host = _tiny_cells(tiny, ("host_forward", "host_backward"))
     layers_s = 0.0
     for kind in tiny_shape.layer_kinds():
-        entry = tiny["layers"][kind][0]
-        cell = entry["forward"][0][-1] if entry.get("target_len") is None else entry["forward"][0][-1][-1]
-        back = entry["backward"][0][-1] if entry.get("target_len") is None else entry["backward"][0][-1][-1]
-        layers_s += cell + back
+        f, b = _tiny_cells(tiny, ("forward", "backward"))[(kind, False)]
+        layers_s += f + b
     microbatch_s = max(0.0, per_mb - layers_s)
     step_only = max(0.0, one - per_mb - tiny["optimizer"]["step_seconds"])
     log(f"overheads: {microbatch_s * 1e3:.2f} ms per micro-batch, {step_only * 1e3:.2f} ms per step")
-    return {"microbatch_seconds": microbatch_s, "step_seconds": step_only, "measured_step_seconds": [one, many],
-            "microbatches": [1, microbatches], "tiny_layers_seconds": layers_s, "model": module_path}
+    out = {"microbatch_seconds": microbatch_s, "step_seconds": step_only, "measured_step_seconds": [one, many],
+           "microbatches": [1, microbatches], "tiny_layers_seconds": layers_s, "model": module_path}
+    if in_situ:
+        out.update(host_layers_in_situ(host, tiny_shape, shape, per_mb, {rc: _per_microbatch(d, microbatches)
+                                                                          for rc, d in deep.items()}))
+        log(f"in-situ host: scale {out['host_scale']}, per micro-batch {out['host_microbatch_seconds']}")
+    return out
+
+
+def _tiny_cells(doc: dict, quantities: tuple[str, str]) -> dict[tuple[str, bool], tuple[float, float]]:
+    """(kind, recompute) -> the two quantities at the tiny profile's single grid point."""
+    out = {}
+    for kind, entries in doc["layers"].items():
+        for e in entries:
+            cells = []
+            for q in quantities:
+                v = e[q][0][-1]
+                cells.append(float(v[-1] if isinstance(v, list) else v))
+            out[(kind, bool(e["recompute"]))] = tuple(cells)
+    return out
+
+
+def _per_microbatch(step_s: dict[int, list[float]], microbatches: int) -> float:
+    return max(0.0, (statistics.median(step_s[microbatches]) - statistics.median(step_s[1])) / (microbatches - 1))
+
+
+def host_layers_in_situ(host: dict[tuple[str, bool], tuple[float, float]], tiny: ModelShape, shape: ModelShape,
+                        c_1: float, c_deep: dict[bool, float]) -> dict:
+    """Each layer kind's host seconds inside the training loop, from the isolated host times of the tiny model's
+    layers (``host``: (kind, recompute) -> (forward, backward)) and the per-micro-batch seconds of the tiny model
+    at depth 1 (``c_1``) and at the real model's depth (``c_deep[recompute]``): with ``ends`` the micro-batch's
+    cost outside the blocks, c_1 = ends + s · Σ_1 h and c_deep[False] = ends + s · Σ_deep h (the sums over each
+    model's blocks of their isolated host times, forward + backward), so s = (c_deep - c_1) / (Σ_deep - Σ_1); the
+    checkpointed depth gives s_rc = (c_deep[True] - ends) / Σ_deep h_rc. A scale is at least 1 (the loop cannot
+    issue a layer's kernels faster than a tight loop does; below is noise)."""
+    from collections import Counter
+
+    blocks = [k for k in shape.layer_kinds() if k not in ("embedding", "head")]
+    deep, one = Counter(blocks), Counter(k for k in tiny.layer_kinds() if k not in ("embedding", "head"))
+    total = lambda counts, rc: sum(n * sum(host[(k, rc)]) for k, n in counts.items())  # noqa: E731
+    extra = total(deep, False) - total(one, False)
+    scale = max(1.0, (c_deep[False] - c_1) / extra) if extra > 0 else 1.0
+    ends = c_1 - scale * total(one, False)
+    scale_rc = max(1.0, (c_deep[True] - ends) / total(deep, True)) if total(deep, True) > 0 else 1.0
+    layers = {}
+    for kind in deep:
+        f, b = host[(kind, False)]
+        fr, br = host[(kind, True)]
+        layers[kind] = {"forward": scale * f, "backward": scale * b,
+                        "recompute_forward": scale_rc * fr, "recompute_backward": scale_rc * br}
+    return {"host_layers": layers, "host_scale": [scale, scale_rc],
+            "host_microbatch_seconds": {"depth_1": c_1, "depth": c_deep[False], "depth_recompute": c_deep[True]}}
 
 
 def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: dict, family: str, device: torch.device,
