@@ -5,8 +5,8 @@ For the attention geometry of a GPT preset (heads, head dim; bf16 on CUDA), a se
 (batch, length) with about ``--tokens`` tokens each, every one new to the process, runs causal
 ``scaled_dot_product_attention`` forward and backward under each SDPA backend order:
 
-- ``torch``: torch's own priority order (what the model ran before; on Hopper with recent cuDNN, cuDNN first);
-- ``model``: the GPT recipe's order for causal attention (``recipes.gpt.model.CAUSAL_SDPA_BACKENDS``);
+- ``torch``: torch's own priority order (what the GPT recipe runs);
+- ``flash_first``: the order flash, efficient, cuDNN, math (``FLASH_FIRST``);
 - ``cudnn``, ``flash``, ``efficient``, ``math``: that backend alone.
 
 Each shape runs twice: the first call pays whatever the backend sets up per shape (cuDNN builds an execution graph;
@@ -18,7 +18,7 @@ backend cannot run the inputs (say cuDNN off this build) reports its error inste
 ``--parts model``: the whole GPT preset (bf16 autocast, fp32 weights, as ``multitask_microbatching.py --engine
 direct`` trains it), forward, loss and backward of one micro-batch per shape of ``--model-shapes`` (default: a dynamic
 plan's and a token-budget plan's micro-batches of the multi-task mix, GPT-1.3B, analytic cost model), first call and
-repeat, under the ``torch`` and ``model`` orders; per order one JSON line with every shape's milliseconds, and for the
+repeat, under the ``torch`` and ``flash_first`` orders; per order one JSON line with every shape's milliseconds, and for the
 slowest first call a profile of a fresh shape of the same kind: the top host operators by self time and the top device
 kernels (what the time went to, whatever it is).
 
@@ -32,6 +32,7 @@ over the same rows, so the packing baseline's attention cost is known (see :func
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -47,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_3d.recipes.gpt import model as gpt_model  # noqa: E402
 from lightning_3d.recipes.gpt.config import preset  # noqa: E402
-from lightning_3d.recipes.gpt.model import CAUSAL_SDPA_BACKENDS as MODEL_ORDER  # noqa: E402
 
+FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 SINGLE = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
           "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
@@ -72,16 +73,13 @@ def shapes(tokens: int, count: int, max_len: int, seed: int) -> list[tuple[int, 
 def attention_call(q, k, v, order: str) -> None:
     """One causal forward and backward under ``order``."""
     def run():
-        if order == "model":
-            y = gpt_model.causal_sdpa(q, k, v, 0.0)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y.backward(torch.ones_like(y))
 
-    if order in ("torch", "model"):
+    if order == "torch":
         run()
     else:
-        with sdpa_kernel([SINGLE[order]]):
+        with sdpa_kernel(FLASH_FIRST if order == "flash_first" else [SINGLE[order]], set_priority=order == "flash_first"):
             run()
 
 
@@ -141,16 +139,17 @@ def model_part(args, model, order: str, shape_list: list[tuple[int, int]], offse
     device = args.device
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    before = gpt_model.CAUSAL_SDPA_BACKENDS
-    gpt_model.CAUSAL_SDPA_BACKENDS = list(MODEL_ORDER) if order == "model" else None
-
     def run(b: int, s: int) -> float:
         ids = torch.randint(0, 32000, (b, s), device=device)
         sync()
         start = time.perf_counter()
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
-            logits = model(ids)
-        F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+        # The order (if any) holds for the forward and the backward alike.
+        with contextlib.ExitStack() as stack:
+            if order == "flash_first":
+                stack.enter_context(sdpa_kernel(FLASH_FIRST, set_priority=True))
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+                logits = model(ids)
+            F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
         sync()
         return 1000 * (time.perf_counter() - start)
 
@@ -185,7 +184,6 @@ def model_part(args, model, order: str, shape_list: list[tuple[int, int]], offse
                                         for e in dev]
         return out
     finally:
-        gpt_model.CAUSAL_SDPA_BACKENDS = before
         model.zero_grad(set_to_none=True)
 
 
@@ -215,10 +213,10 @@ def packed_part(args, heads: int, head_dim: int, dtype) -> dict:
         y.backward(torch.ones_like(y))
 
     def causal():
-        attention_call(q, k, v, "model")
+        attention_call(q, k, v, "flash_first")
 
     out = {"part": "packed", "rows": 2, "length": s, "documents": [int(r.max()) + 1 for r in rows]}
-    for name, fn in (("masked", masked), ("causal_model_order", causal)):
+    for name, fn in (("masked", masked), ("causal_flash_first", causal)):
         fn()
         times = []
         for _ in range(5):
@@ -239,8 +237,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch shape")
     parser.add_argument("--shapes", type=int, default=24, help="distinct shapes per order")
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--orders", nargs="+", default=["torch", "model", "cudnn", "flash", "efficient"],
-                        choices=["torch", "model", *SINGLE])
+    parser.add_argument("--orders", nargs="+", default=["torch", "flash_first", "cudnn", "flash", "efficient"],
+                        choices=["torch", "flash_first", *SINGLE])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", nargs="+", choices=["attention", "model", "packed"],
                         default=["attention", "model", "packed"])
@@ -256,7 +254,7 @@ def main() -> None:
     if "model" in args.parts:
         shape_list = [tuple(int(x) for x in item.split("x")) for item in args.model_shapes.split(",")]
         model = build_model(args)
-        for i, order in enumerate(["model", "torch"]):
+        for i, order in enumerate(["flash_first", "torch"]):
             print(json.dumps(model_part(args, model, order, shape_list, 8 * (i + 1))), flush=True)
         del model
         if args.device == "cuda":

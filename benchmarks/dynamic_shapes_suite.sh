@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue 21 on one GPU (H100 or H200), one device call of at most 8 minutes (the parts' limits): why dynamic
-# micro-batches ran slower per token than packed rows, and whether the GPT recipe's SDPA order (flash attention
-# first for causal attention) fixes it.
+# micro-batches ran slower per token than packed rows, and whether an SDPA backend order with flash attention first
+# (against torch's own, which may pick cuDNN and its per-shape set-up) changes it.
 #   1. dynamic_shapes: per-new-shape cost of causal attention under each SDPA backend order, and of whole GPT-1.3B
-#      micro-batches (first call against repeat) under torch's order and the recipe's, with a profile of the slowest
+#      micro-batches (first call against repeat) under torch's order and flash first, with a profile of the slowest
 #   2. multitask_microbatching (direct engine): useful tokens/s of GPT-1.3B on the multi-task mix, padding, packing
 #      at 1 and 2 rows, token budget, dynamic (analytic cost model) and dynamic (measured profile, grid from length
-#      16), each under the recipe's order and torch's, every step timed twice (--repeat: shapes already seen)
+#      16), each under torch's order and flash first, every step timed twice (--repeat: shapes already seen)
 # The data cache is built on the CPU in the background during part 1. Prints a table per part; logs and JSON in $OUT.
 #   SMOKE=1: tiny sizes on CPU (about 2 minutes on 2 busy cores).
 set -u
@@ -49,5 +49,5 @@ wait "$PREPARE"; echo "== prepare rc=$? $(tail -n 1 "$OUT/prepare.log" | cut -c1
 
 part multitask_gpt "$L2" '^(\||\{"summary)' python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset "$GPT" $MT \
   --global-batch "$GB" --steps "$STEPS" --warmup "$WARM" --profile measure --profile-sizes "$PSIZES" \
-  --profile-lens "$PLENS" --sdpa model torch --repeat \
+  --profile-lens "$PLENS" --sdpa torch flash_first --repeat \
   --variants padding@4 packing@1 packing@2 token_budget@$TB dynamic@analytic dynamic --out "$OUT/multitask_gpt.json"

@@ -24,6 +24,7 @@ synchronised per-step clock after ``--warmup`` steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -33,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lightning_3d.recipes import GPT, T5  # noqa: E402
-from lightning_3d.recipes.gpt.model import CAUSAL_SDPA_BACKENDS as MODEL_SDPA_ORDER  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
 from lightning_3d.recipes.data.multitask_batching import (  # noqa: E402
     StepCollator, sample_input_length, sample_lengths, sample_target_length)
@@ -93,14 +94,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def sdpa_order(name: str):
-    """``--sdpa``: ``model`` runs the GPT recipe's order for causal attention (flash first), ``torch`` torch's own
-    order (before issue 21's fix). Sets ``recipes.gpt.model.CAUSAL_SDPA_BACKENDS``; returns its value to restore."""
-    from lightning_3d.recipes.gpt import model as gpt_model
+def sdpa_context(name: str):
+    """``--sdpa``: ``torch`` runs the recipe's attention under torch's own backend order; ``flash_first`` runs the
+    whole variant (forward, loss, backward and any recomputation) under the order flash, efficient, cuDNN, math. An
+    experiment, not the recipe's setting: cuDNN's attention builds an execution graph per new shape, which changing
+    micro-batch shapes would pay again and again if torch's order chose it (docs/dynamic.md)."""
 
-    before = gpt_model.CAUSAL_SDPA_BACKENDS
-    gpt_model.CAUSAL_SDPA_BACKENDS = list(MODEL_SDPA_ORDER) if name == "model" else None
-    return before
+    if name == "torch":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                        SDPBackend.MATH], set_priority=True)
 
 
 class ProfiledData(MultiTaskDataModule):
@@ -217,8 +220,9 @@ def direct(args) -> list[dict]:
     for sdpa, text in [(o, v) for o in args.sdpa for v in args.variants]:
         name, size = parse_variant(text)
         row = {"variant": text, "sdpa": sdpa, "error": None}
-        restore = sdpa_order(sdpa)
+        backend_order = contextlib.ExitStack()
         try:
+            backend_order.enter_context(sdpa_context(sdpa))
             collator: StepCollator = data_module(args, name if name != "dynamic" else "padding", size).collator(1, 0)
             plan_s = 0.0
             if name == "dynamic":
@@ -283,9 +287,7 @@ def direct(args) -> list[dict]:
         except Exception as err:  # noqa: BLE001 - one failing variant must not lose the others
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         finally:
-            from lightning_3d.recipes.gpt import model as gpt_model
-
-            gpt_model.CAUSAL_SDPA_BACKENDS = restore
+            backend_order.close()
             opt.zero_grad(set_to_none=False)
             if cuda:
                 torch.cuda.empty_cache()
@@ -438,9 +440,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="lightning engine: processes (torchrun's count)")
     parser.add_argument("--pp", type=int, default=1, help="lightning engine: pipeline stages")
     parser.add_argument("--num-workers", type=int, default=2, help="lightning engine: DataLoader workers")
-    parser.add_argument("--sdpa", nargs="+", choices=["model", "torch"], default=["model"],
-                        help="direct engine: causal attention's SDPA backend order, the recipe's (flash first) and/or"
-                             " torch's own (cuDNN first on Hopper); every variant runs under each")
+    parser.add_argument("--sdpa", nargs="+", choices=["torch", "flash_first"], default=["torch"],
+                        help="direct engine: attention's SDPA backend order, torch's own and/or flash first (an"
+                             " experiment: see sdpa_context); every variant runs under each")
     parser.add_argument("--plans-only", action="store_true",
                         help="print every variant's micro-batch shapes per step (and dynamic's predicted step time);"
                              " no model runs (CPU)")
@@ -469,9 +471,9 @@ def main() -> None:
     results = direct(args) if args.engine == "direct" else lightning(args)
     summary = {"model": args.model, "preset": args.preset, "engine": args.engine, "pp": args.pp,
                "seconds": round(time.perf_counter() - start, 1)}
-    for order in args.sdpa if args.engine == "direct" else ["model"]:
+    for order in args.sdpa if args.engine == "direct" else ["torch"]:
         # Ratios within one SDPA order; with several orders each key names its order.
-        rows = [r for r in results if r.get("sdpa", "model") == order and not r["error"]]
+        rows = [r for r in results if r.get("sdpa", "torch") == order and not r["error"]]
         base = next((r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("padding")), None)
         packed = [r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("packing")]
         for r in (r for r in rows if r["variant"].startswith("dynamic")):

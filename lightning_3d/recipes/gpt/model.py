@@ -19,7 +19,6 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -27,28 +26,6 @@ from lightning_3d.context import ring_attention, ulysses_attention
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
-
-
-# SDPA backends for unmasked causal attention, in priority order; None leaves torch's own order. Flash attention comes
-# first because torch prefers cuDNN on Hopper with recent cuDNN, and cuDNN's attention builds an execution graph for
-# every new (batch, heads, length) shape before it runs (cached per shape). Padding, token-budget and dynamic
-# micro-batching change shapes from micro-batch to micro-batch, so they would pay that build again and again, where
-# flash attention has no per-shape set-up. Masked attention (packed documents) keeps torch's order: flash takes no
-# mask. docs/dynamic.md ("Attention for changing shapes") and benchmarks/dynamic_shapes.py measure it.
-CAUSAL_SDPA_BACKENDS: list[SDPBackend] | None = [
-    SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
-
-
-def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """Causal ``scaled_dot_product_attention`` under :data:`CAUSAL_SDPA_BACKENDS` (on every device, so that CPU tests
-    run the same code; the CPU kernels do not depend on the order). Compiled code keeps torch's order: a compiled
-    graph is specialised to its shapes anyway (a new shape recompiles, which dwarfs any per-shape set-up), and leaving
-    the context manager out of traced code keeps compiled graphs exactly as they were."""
-    backends = CAUSAL_SDPA_BACKENDS
-    if backends is None or torch.compiler.is_compiling():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-    with sdpa_kernel(backends, set_priority=True):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
 
 class Attention(nn.Module):
@@ -86,7 +63,6 @@ class Attention(nn.Module):
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project_qkv(x))
         b, s = q.shape[0], q.shape[2]
         causal = mask is None  # a mask already holds causality; SDPA refuses both at once
-        dropout = self.dropout if self.training else 0.0
         if self.context is not None:
             if mask is not None:
                 raise ValueError("Context-parallel attention is causal over whole sequences; packed documents (an"
@@ -96,15 +72,11 @@ class Attention(nn.Module):
             y = attend(q, k, v, group, causal=True, layout=layout)  # no dropout: refused with cp (enable_context_parallel)
         elif self.training and self.dropout > 0 and is_seeded():
             # The probabilities of this rank's own heads: their masks come from its tensor-parallel stream.
-            if causal:
-                y = in_tensor_parallel_region(causal_sdpa, q, k, v, self.dropout, device=x.device)
-            else:
-                y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, attn_mask=mask,
-                                              dropout_p=self.dropout, device=x.device)
-        elif causal:
-            y = causal_sdpa(q, k, v, dropout)
+            y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=causal,
+                                          dropout_p=self.dropout, device=x.device)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
