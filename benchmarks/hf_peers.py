@@ -35,7 +35,7 @@ def recipe_module(args: argparse.Namespace, system: dict, compile: bool | str | 
                   compile=compile, optimizer_fused=True, decay_steps=1000,
                   compile_scope="stage" if system.get("stage") else "block")
     if args.model == "t5":
-        return T5(**common)
+        return T5(attention="explicit" if system.get("explicit") else "sdpa", **common)
     extra = {"fused_head_loss": True} if system.get("fusedce") else {}
     return GPT(seq_length=args.seq_length, fp32_residual=system["fp32res"], **common, **extra)
 
@@ -51,7 +51,8 @@ def build_recipe_model(args: argparse.Namespace, system: dict, device: torch.dev
     module = recipe_module(args, system, compile)
     cls = T5Model if args.model == "t5" else GPTModel
     with torch.device("meta"):
-        module.model = cls(module.config, module.config.padded_vocab_size(1), system["ckpt"])
+        extra = {"attention": module.hparams.attention} if args.model == "t5" else {}
+        module.model = cls(module.config, module.config.padded_vocab_size(1), system["ckpt"], **extra)
     if args.model == "gpt" and system.get("fusedce"):
         module.model.head.fused_with_loss = True  # what GPT.configure_model sets for fused_head_loss=True
     materialize_(module.model, device)

@@ -11,7 +11,8 @@ with "max-autotune-no-cudagraphs"), ``+whole`` (plain only: ``torch.compile`` of
 user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (ours only: the default compression
 stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fusedce`` (GPT, plain and ours: the
 chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (ours only, with +compile: one graph
-per pipeline stage, ``compile_scope="stage"``). ``--model t5`` runs the T5 recipe (inputs of
+per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
+value mix, ``T5(attention="explicit")``, instead of one SDPA call). ``--model t5`` runs the T5 recipe (inputs of
 ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,10 +42,11 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
                                          environment)
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
-SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage")
+SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage", "explicit")
 OURS_ONLY = ("cc", "nofuse")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
+            "explicit": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
             "fp32res": ("plain", "ddp", "fsdp", "ours")}
 MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
@@ -124,6 +127,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for s in args.parsed:
         if s["world"] > args.gpus:
             p.error(f"{s['label']} needs {s['world']} GPUs; the run has --gpus {args.gpus}")
+        if args.model == "gpt" and s["explicit"]:
+            p.error(f"{s['label']}: +explicit is T5's attention option (GPT has no relative position bias); use --model t5")
         if args.model == "t5" and (s["name"] == "fsdp" or s["fusedce"] or s["fp32res"]):
             p.error(f"{s['label']}: --model t5 runs plain, hf, ddp and ours, without +fusedce or +fp32res")
         if s["name"] == "ours" and args.schedule != "gpipe" and args.num_microbatches < s["pp"]:
@@ -208,6 +213,42 @@ def table(rows: list[dict], header: str) -> str:
     return "\n".join(lines)
 
 
+def profile_digest(log: Path, rows: int = 6) -> list[str]:
+    """A few lines from a worker log's ``--profile`` tables (peer_workers.StepProfiler): the two steps' self CPU and
+    device totals (host-bound when CPU exceeds device), the top ``rows`` ops by device time and by CPU time. Printed
+    to stdout because a device call brings back its output before (and sometimes instead of) its files."""
+    if not log.exists():
+        return []
+    lines = log.read_text(errors="replace").splitlines()
+    out, totals = [], []
+    for title, key in (("by device time", "Self CUDA"), ("by CPU time", "Self CPU")):
+        start = next((i for i, line in enumerate(lines) if line.startswith("PROFILE") and title in line), None)
+        if start is None:
+            continue
+        header = next((i for i in range(start, len(lines)) if "Name" in lines[i]), None)
+        if header is None:
+            continue
+        columns = [c.strip() for c in re.split(r"\s{2,}", lines[header].strip())]
+        column = next((i for i, c in enumerate(columns) if c == key or (key == "Self CUDA" and c == "Self device")),
+                      None)
+        picked = []
+        for line in lines[header + 2:]:
+            if line.startswith("-"):
+                continue
+            if line.startswith("Self ") and "time total" in line:
+                if line not in totals:
+                    totals.append(line.strip())
+                continue
+            if not line.strip() or line.startswith("PROFILE"):
+                break
+            cells = [c.strip() for c in re.split(r"\s{2,}", line.strip())]
+            if column is not None and len(cells) == len(columns) and len(picked) < rows:
+                picked.append(f"{cells[0][:48]} {cells[column]} x{cells[-1]}")
+        if picked:
+            out.append(f"    top {title}: " + "; ".join(picked))
+    return ([f"    {'; '.join(totals)}"] if totals else []) + out
+
+
 def driver(args: argparse.Namespace) -> None:
     config, flops_per_token, formula = model_flops(args)
     if args.accelerator == "cpu":  # a CPU smoke run on a GPU host keeps its workers off the GPUs
@@ -239,6 +280,11 @@ def driver(args: argparse.Namespace) -> None:
                   f"{row['tokens_per_s']:,.0f} tokens/s, MFU {100 * (row['mfu'] or 0):.1f}%"), flush=True)
             report["results"].append(row)
             args.out.write_text(json.dumps(report, indent=1))
+    if args.profile or args.trace:
+        print("\nPROFILE digests (rank 0, the two profiled steps; full tables in the logs)")
+        for index, row in enumerate(report["results"]):
+            print(f"  {row['label']}:" + ("" if row.get("error") is None else " (failed)"))
+            print("\n".join(profile_digest(out_dir / f"{index:02d}.log")))
     print("\n" + table(report["results"], header) + f"\n\nJSON: {args.out}  logs: {out_dir}")
 
 
