@@ -12,7 +12,8 @@ user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (our
 stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fusedce`` (GPT, plain and ours: the
 chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (ours only, with +compile: one graph
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
-value mix, ``T5(attention="explicit")``, instead of one SDPA call). ``--model t5`` runs the T5 recipe (inputs of
+value mix, ``T5(attention="explicit")``, instead of one SDPA call), ``+cudagraphs`` (plain with +whole: the compiled
+model and loss replayed as CUDA graphs, ``mode="reduce-overhead"``). ``--model t5`` runs the T5 recipe (inputs of
 ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
@@ -42,11 +43,12 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
                                          environment)
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
-SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage", "explicit")
+SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage", "explicit",
+            "cudagraphs")
 OURS_ONLY = ("cc", "nofuse")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
-            "explicit": ("plain", "ours"),
+            "explicit": ("plain", "ours"), "cudagraphs": ("plain",),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
             "fp32res": ("plain", "ddp", "fsdp", "ours")}
 MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
@@ -68,6 +70,8 @@ def parse_system(text: str, gpus: int) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: +whole compiles the whole model; drop +compile/+autotune")
     if "whole" in suffixes and "fusedce" in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +fusedce runs its chunks outside the compiled model; not with +whole")
+    if "cudagraphs" in suffixes and "whole" not in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays the whole-model compile; add +whole")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
@@ -249,6 +253,12 @@ def profile_digest(log: Path, rows: int = 6) -> list[str]:
     return ([f"    {'; '.join(totals)}"] if totals else []) + out
 
 
+def profiled_ms(digest: list[str], which: str) -> float | None:
+    """``which`` ("CPU" or "CUDA") self time total of a digest's first line, in ms, or None."""
+    match = re.search(rf"Self {which} time total: ([0-9.]+)(us|ms|s)\b", digest[0]) if digest else None
+    return None if match is None else float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[match.group(2)]
+
+
 def driver(args: argparse.Namespace) -> None:
     config, flops_per_token, formula = model_flops(args)
     if args.accelerator == "cpu":  # a CPU smoke run on a GPU host keeps its workers off the GPUs
@@ -283,8 +293,14 @@ def driver(args: argparse.Namespace) -> None:
     if args.profile or args.trace:
         print("\nPROFILE digests (rank 0, the two profiled steps; full tables in the logs)")
         for index, row in enumerate(report["results"]):
-            print(f"  {row['label']}:" + ("" if row.get("error") is None else " (failed)"))
-            print("\n".join(profile_digest(out_dir / f"{index:02d}.log")))
+            digest = profile_digest(out_dir / f"{index:02d}.log")
+            busy = ""
+            if row.get("error") is None and (device_ms := profiled_ms(digest, "CUDA")) is not None:
+                # The kernels' summed time over the two profiled steps' wall time (about two median steps): well
+                # under 100 % means the device waits for the host.
+                busy = f" (device busy ~{100 * device_ms / (2 * row['step_ms']['median']):.0f} % of two median steps)"
+            print(f"  {row['label']}:" + ("" if row.get("error") is None else " (failed)") + busy)
+            print("\n".join(digest))
     print("\n" + table(report["results"], header) + f"\n\nJSON: {args.out}  logs: {out_dir}")
 
 

@@ -12,9 +12,11 @@
 #            per stage, ours per block; then ours without gradient-accumulation fusion (its per-linear custom op is
 #            host work). --profile: each system's log ends with a kernel table of two extra steps (device vs host)
 #     t5v    the T5 variants of issue 25, same shapes: transformers compiled whole, ours per stage as now (one SDPA
-#            call per attention, gradient-accumulation fusion), ours per stage with the explicit attention (before),
-#            ours per stage without gradient-accumulation fusion, our model compiled whole in a plain loop (no
-#            strategy: what the strategy costs); --profile, and a digest of each system's profile on stdout
+#            call per attention, gradient-accumulation fusion), ours per stage without gradient-accumulation fusion,
+#            ours per stage with the explicit attention (before), our model compiled whole in a plain loop (no
+#            strategy: what the strategy costs), the same replayed as CUDA graphs (what host work costs); --profile,
+#            and a digest of each system's profile on stdout (device busy share, top kernels and host ops).
+#            T5V_SYSTEMS="..." replaces the list (peers.py system names), e.g. to run the rest in a second call.
 # Each system is a fresh process with a cold compile (about 1-2 min for a whole-model or whole-stage graph of these
 # sizes, under 1 min per block), so all three parts take about 15 minutes: run them as two device calls,
 #   bash benchmarks/single_gpu_speed.sh "$OUT" gpt4 gpt16     and     bash benchmarks/single_gpu_speed.sh "$OUT" t5
@@ -71,9 +73,10 @@ for part in "${parts[@]}"; do
                       hf+compile ;;
     t5) run_part t5 --model t5 "${t5[@]}" "${mb_t5[@]}" \
             --systems hf+compile ours@1,1,1+compile+stage ours@1,1,1+compile ours@1,1,1+compile+nofuse ;;
-    t5v) run_part t5v --model t5 "${t5v[@]}" "${mb_t5[@]}" \
-            --systems hf+compile ours@1,1,1+compile+stage ours@1,1,1+compile+stage+explicit \
-                      ours@1,1,1+compile+stage+nofuse plain+whole ;;
+    t5v) systems=(hf+compile ours@1,1,1+compile+stage ours@1,1,1+compile+stage+nofuse ours@1,1,1+compile+stage+explicit
+                  plain+whole plain+whole+cudagraphs)
+         [[ -n ${T5V_SYSTEMS:-} ]] && read -ra systems <<< "$T5V_SYSTEMS"
+         run_part t5v --model t5 "${t5v[@]}" "${mb_t5[@]}" --systems "${systems[@]}" ;;
     gpt16) run_part gpt16 "${gpt[@]}" "${mb16[@]}" \
             --systems plain+whole ours@1,1,1+compile+stage+fusedce ours@1,1,1+compile ;;
     *) echo "unknown part $part (gpt4, gpt16, t5, t5v)" >&2; exit 2 ;;

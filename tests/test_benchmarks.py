@@ -288,7 +288,8 @@ def test_peers_system_suffixes() -> None:
                          ("plain+whole+compile", r"\+whole compiles the whole model; drop"),
                          ("ours@1,1,1+stage", r"\+stage sets what one compiled graph covers; add \+compile"),
                          ("plain+compile+stage", r"\+stage is for ours only, not plain"),
-                         ("hf+explicit", r"\+explicit is for plain and ours, not hf")):
+                         ("hf+explicit", r"\+explicit is for plain and ours, not hf"),
+                         ("plain+compile+cudagraphs", r"\+cudagraphs replays the whole-model compile; add \+whole")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse_system(bad, gpus=1)
 
@@ -304,8 +305,8 @@ def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
     # costs a process start and a compile, and the suite's time is shared.
     run = subprocess.run(["bash", str(ROOT / "benchmarks/single_gpu_speed.sh"), str(tmp_path), "t5v"], check=True,
                          cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env)
-    expected = {"t5v": ["hf+compile", "ours@1,1,1+compile+stage", "ours@1,1,1+compile+stage+explicit",
-                        "ours@1,1,1+compile+stage+nofuse", "plain+whole"]}
+    expected = {"t5v": ["hf+compile", "ours@1,1,1+compile+stage", "ours@1,1,1+compile+stage+nofuse",
+                        "ours@1,1,1+compile+stage+explicit", "plain+whole", "plain+whole+cudagraphs"]}
     for label in expected["t5v"]:  # the profile digest reaches stdout (a device call returns its output first)
         assert f"  {label}:\n    Self CPU time total: " in run.stdout, label
     for part, labels in expected.items():
