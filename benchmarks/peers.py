@@ -13,7 +13,8 @@ stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fuse
 chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (ours only, with +compile: one graph
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
 value mix, ``T5(attention="explicit")``, instead of one SDPA call), ``+cudagraphs`` (plain with +whole: the compiled
-model and loss replayed as CUDA graphs, ``mode="reduce-overhead"``). ``--model t5`` runs the T5 recipe (inputs of
+model and loss replayed as CUDA graphs, ``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so,
+the loss compiled as usual). ``--model t5`` runs the T5 recipe (inputs of
 ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
@@ -48,7 +49,7 @@ SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "
 OURS_ONLY = ("cc", "nofuse")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
-            "explicit": ("plain", "ours"), "cudagraphs": ("plain",),
+            "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
             "fp32res": ("plain", "ddp", "fsdp", "ours")}
 MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
@@ -70,8 +71,12 @@ def parse_system(text: str, gpus: int) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: +whole compiles the whole model; drop +compile/+autotune")
     if "whole" in suffixes and "fusedce" in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +fusedce runs its chunks outside the compiled model; not with +whole")
-    if "cudagraphs" in suffixes and "whole" not in suffixes:
+    if "cudagraphs" in suffixes and name == "plain" and "whole" not in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays the whole-model compile; add +whole")
+    if "cudagraphs" in suffixes and name == "ours" and not {"compile", "stage", "nofuse"} <= set(suffixes):
+        # The fused gradient op's Python body (the gradient slot's bookkeeping) would not run on a graph replay.
+        raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays whole stages without gradient-accumulation"
+                                         " fusion; add +compile+stage+nofuse")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []

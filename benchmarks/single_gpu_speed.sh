@@ -14,7 +14,8 @@
 #     t5v    the T5 variants of issue 25, same shapes: transformers compiled whole, ours per stage as now (one SDPA
 #            call per attention, gradient-accumulation fusion), ours per stage without gradient-accumulation fusion,
 #            ours per stage with the explicit attention (before), our model compiled whole in a plain loop (no
-#            strategy: what the strategy costs), the same replayed as CUDA graphs (what host work costs); --profile,
+#            strategy: what the strategy costs), the same replayed as CUDA graphs (what host work costs), ours per
+#            stage without fusion replayed as CUDA graphs (an experiment: not a recipe option); --profile,
 #            and a digest of each system's profile on stdout (device busy share, top kernels and host ops).
 #            T5V_SYSTEMS="..." replaces the list (peers.py system names), e.g. to run the rest in a second call.
 # Each system is a fresh process with a cold compile (about 1-2 min for a whole-model or whole-stage graph of these
@@ -74,7 +75,7 @@ for part in "${parts[@]}"; do
     t5) run_part t5 --model t5 "${t5[@]}" "${mb_t5[@]}" \
             --systems hf+compile ours@1,1,1+compile+stage ours@1,1,1+compile ours@1,1,1+compile+nofuse ;;
     t5v) systems=(hf+compile ours@1,1,1+compile+stage ours@1,1,1+compile+stage+nofuse ours@1,1,1+compile+stage+explicit
-                  plain+whole plain+whole+cudagraphs)
+                  plain+whole plain+whole+cudagraphs ours@1,1,1+compile+stage+nofuse+cudagraphs)
          [[ -n ${T5V_SYSTEMS:-} ]] && read -ra systems <<< "$T5V_SYSTEMS"
          run_part t5v --model t5 "${t5v[@]}" "${mb_t5[@]}" --systems "${systems[@]}" ;;
     gpt16) run_part gpt16 "${gpt[@]}" "${mb16[@]}" \
