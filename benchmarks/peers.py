@@ -12,7 +12,7 @@ user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (our
 stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fusedce`` (GPT, plain and ours: the
 chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (ours only, with +compile: one graph
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
-value mix, ``T5(attention="explicit")``, instead of one SDPA call), ``+cudagraphs`` (plain with +whole: the compiled
+value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per attention), ``+cudagraphs`` (plain with +whole: the compiled
 model and loss replayed as CUDA graphs, ``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so,
 the loss compiled as usual). ``--model t5`` runs the T5 recipe (inputs of
 ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.

@@ -1,6 +1,6 @@
-"""T5's two attention implementations compute the same function (issue 25: ``attention="sdpa"``, the default, runs one
+"""T5's two attention implementations compute the same function (issue 25: ``attention="sdpa"`` runs one
 ``scaled_dot_product_attention`` call per attention with the relative position bias and the masks as its additive
-``attn_mask`` and ``scale=1``; ``"explicit"`` runs scores, fp32 softmax and value mix).
+``attn_mask`` and ``scale=1``; ``"explicit"``, the default, runs scores, fp32 softmax and value mix).
 
 In fp32 the two differ only in summation order, so logits agree within tests/tolerance.py's chained bound for a T5
 and every gradient within the same analysis taken twice (the backward repeats each forward reduction once more); the
@@ -108,10 +108,11 @@ def test_dropout_in_training_keeps_the_explicit_path() -> None:
 def test_attention_option_is_checked() -> None:
     from lightning_3d.recipes import T5
 
-    with pytest.raises(ValueError, match=r"attention='flash' is not supported; choose one of \['sdpa', 'explicit'\]"):
+    with pytest.raises(ValueError, match=r"attention='flash' is not supported; choose one of \['explicit', 'sdpa'\]"):
         T5("tiny", attention="flash")
     with pytest.raises(ValueError, match="attention='math'"):
         T5Model(_config(), attention="math")
-    module = T5("tiny", attention="explicit")
-    module.configure_model()
-    assert {m.implementation for m in module.model.modules() if hasattr(m, "implementation")} == {"explicit"}
+    for kwargs, expected in (({}, "explicit"), ({"attention": "sdpa"}, "sdpa")):
+        module = T5("tiny", **kwargs)
+        module.configure_model()
+        assert {m.implementation for m in module.model.modules() if hasattr(m, "implementation")} == {expected}

@@ -37,9 +37,9 @@ class T5(pl.LightningModule):
     makes them. The pipeline cuts the encoder blocks followed by the decoder blocks; the model is built on the
     meta device and initialised by parameter name, so every layout starts from the single-device weights.
     Validation and test log ``{val,test}_loss`` and ``{val,test}_ppl`` (torchmetrics, averaged over the epoch).
-    ``attention="sdpa"`` (default) runs each attention as one ``scaled_dot_product_attention`` call with the relative
-    position bias as its additive mask; ``"explicit"`` as scores, fp32 softmax and value mix (the same function; with
-    dropout > 0 training always takes the explicit path, whose dropout draws from the tensor-parallel stream).
+    ``attention="explicit"`` (default) runs each attention as scores, fp32 softmax and value mix; ``"sdpa"`` as one
+    ``scaled_dot_product_attention`` call with the relative position bias as its additive mask (the same function;
+    with dropout > 0 training always takes the explicit path, whose dropout draws from the tensor-parallel stream).
     """
 
     # Tells ThroughputMFUMonitor that a batch's tokens are its inputs plus its targets (`labels`), see flops_per_token.
@@ -67,7 +67,7 @@ class T5(pl.LightningModule):
         activation_checkpointing: bool = False,
         compile: bool | str = False,
         compile_scope: str = "block",
-        attention: str = "sdpa",
+        attention: str = "explicit",
         learning_rate: float = 1e-3,
         min_learning_rate: float = 1e-4,
         weight_decay: float = 0.0,
