@@ -208,17 +208,17 @@ def model_flops(args: argparse.Namespace) -> tuple[Any, float, str]:
 def table(rows: list[dict], header: str) -> str:
     anchor = next((r for r in rows if r.get("error") is None), None)
     lines = [header, "system | GPUs | tokens/s | TFLOP/s/GPU | MFU % | per-GPU vs first | step ms median [p10-p90]"
-             " {min-max} | peak mem GB | first loss"]
+             " {min-max} | peak mem GB | first loss | GC ms/step [gen 0/1/2 collections]"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"{r['label']} | {r['world']} | - | - | - | - | - | - | {r['error'].splitlines()[-1][:70]}")
+            lines.append(f"{r['label']} | {r['world']} | - | - | - | - | - | - | {r['error'].splitlines()[-1][:70]} | -")
             continue
         rel = (r["tokens_per_s"] / r["world"]) / (anchor["tokens_per_s"] / anchor["world"])
         mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "n/a"
         lines.append(f"{r['label']} | {r['world']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.1f} | {mfu} |"
                      f" {rel:.2f}x | {r['step_ms']['median']:.1f} [{r['step_ms']['p10']:.1f}-{r['step_ms']['p90']:.1f}]"
                      f" {{{r['step_ms']['min']:.1f}-{r['step_ms']['max']:.1f}}}"
-                     f" | {r['peak_mem_gb']:.1f} | {r['first_loss']:.4f}")
+                     f" | {r['peak_mem_gb']:.1f} | {r['first_loss']:.4f} | {_gc_text(r.get('gc'))}")
     return "\n".join(lines)
 
 
@@ -262,6 +262,13 @@ def profiled_ms(digest: list[str], which: str) -> float | None:
     """``which`` ("CPU" or "CUDA") self time total of a digest's first line, in ms, or None."""
     match = re.search(rf"Self {which} time total: ([0-9.]+)(us|ms|s)\b", digest[0]) if digest else None
     return None if match is None else float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[match.group(2)]
+
+
+def _gc_text(gc: dict | None) -> str:
+    """Python's garbage collections inside the timed steps (peer_workers.GCTime), or "-" for older results."""
+    if not gc:
+        return "-"
+    return f"{gc['ms_per_step']:.1f} [{'/'.join(str(n) for n in gc['collections'])}]"
 
 
 def driver(args: argparse.Namespace) -> None:

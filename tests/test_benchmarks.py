@@ -320,6 +320,7 @@ def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
             assert row["error"] is None, row
             assert row["tokens_per_step"] == 2 * 2 * (32 + 8) and row["mfu"] is None  # no MFU on CPU
             assert set(row["step_ms"]) >= {"median", "p10", "p90", "min", "max", "mean"}
+            assert len(row["gc"]["collections"]) == 3 and row["gc"]["ms_per_step"] >= 0  # GC inside the timed steps
             assert row["compile"]["unique_graphs"] >= 1, label  # every system here is compiled
             assert row["compile"]["graph_breaks"] == 0 and row["compile"]["recompiles"] == 0, (label, row["compile"])
             if "+stage" in label:
