@@ -166,7 +166,7 @@ class StepTimer(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, idx: int) -> None:
         if idx % self.batches_per_step == 0:
             self.profiler.at_step(trainer.global_step, trainer.global_rank)
-            # global_step counts finished steps here; the timed ones are those after the warm-up (see on_train_batch_end)
+            # global_step counts finished steps here: the timed ones follow the warm-up (as in on_train_batch_end)
             GC_TIME.timing(self.warmup <= trainer.global_step < self.warmup + self.timed)
             _sync(trainer.strategy.root_device)
             self._start = time.perf_counter()

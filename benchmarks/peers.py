@@ -12,9 +12,9 @@ user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (our
 stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fusedce`` (GPT, plain and ours: the
 chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (ours only, with +compile: one graph
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
-value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per attention), ``+cudagraphs`` (plain with +whole: the compiled
-model and loss replayed as CUDA graphs, ``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so,
-the loss compiled as usual). ``--model t5`` runs the T5 recipe (inputs of
+value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per
+attention), ``+cudagraphs`` (plain with +whole: the compiled model and loss replayed as CUDA graphs,
+``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so, the loss compiled as usual). ``--model t5`` runs the T5 recipe (inputs of
 ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
@@ -137,7 +137,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if s["world"] > args.gpus:
             p.error(f"{s['label']} needs {s['world']} GPUs; the run has --gpus {args.gpus}")
         if args.model == "gpt" and s["explicit"]:
-            p.error(f"{s['label']}: +explicit is T5's attention option (GPT has no relative position bias); use --model t5")
+            p.error(f"{s['label']}: +explicit is T5's attention option (GPT has no relative position bias);"
+                    " use --model t5")
         if args.model == "t5" and (s["name"] == "fsdp" or s["fusedce"] or s["fp32res"]):
             p.error(f"{s['label']}: --model t5 runs plain, hf, ddp and ours, without +fusedce or +fp32res")
         if s["name"] == "ours" and args.schedule != "gpipe" and args.num_microbatches < s["pp"]:

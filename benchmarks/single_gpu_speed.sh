@@ -9,8 +9,8 @@
 #            block with the fused head/loss, transformers GPT2LMHeadModel (SDPA) compiled whole
 #     gpt16  GPT-1.3B, seq 2048, 16 x 2: plain compiled whole, ours per stage + fused head/loss; then ours per block
 #     t5     T5-770M (v1.0), 512 + 128, 8 x 8: transformers T5ForConditionalGeneration compiled whole, ours compiled
-#            per stage, ours per block (our T5 rows run SDPA attention unless +explicit); then ours without gradient-accumulation fusion (its per-linear custom op is
-#            host work). --profile: each system's log ends with a kernel table of two extra steps (device vs host)
+#            per stage, ours per block (our T5 rows run SDPA attention unless +explicit); then ours without
+#            gradient-accumulation fusion (its per-linear custom op is host work). --profile: each system's log ends with a kernel table of two extra steps (device vs host)
 #     t5v    the T5 variants of issue 25, same shapes, most decisive first: transformers compiled whole; ours per
 #            stage with SDPA attention and gradient-accumulation fusion; our model and loss compiled whole in a plain
 #            loop replayed as CUDA graphs (what the host's launches cost); ours per stage without fusion; the same
@@ -26,7 +26,8 @@
 # Time: a call ends within SPEED_BUDGET_S seconds (default 525, for a 10-minute device call): the budget is shared by
 # the parts asked for in the weights gpt4 4, gpt16 3, t5 4, t5v 5 as cumulative deadlines (time a part leaves unused goes to
 # the next), each system gets the time left before its part's deadline (at most SYSTEM_TIMEOUT_S, default 300), and a
-# system with under 45 s left (t5v: T5V_MIN_SYSTEM_S, default 170) is skipped and listed as such. Within a part the systems run most decisive first.
+# system with under 45 s left (t5v: T5V_MIN_SYSTEM_S, default 170) is skipped and listed as such. Within a part the
+# systems run most decisive first.
 # Results: OUT_DIR/speed_<part>.json and .txt, worker logs in OUT_DIR/speed_<part>_logs/.
 # SPEED_CPU=1: the same lists on CPU with tiny presets (tests/test_benchmarks.py), compile backend aot_eager.
 set -uo pipefail  # not -e: a part that fails must not cost the parts after it

@@ -281,7 +281,8 @@ def test_peers_system_suffixes() -> None:
     assert (hf["name"], hf["world"], hf["compile"], hf["whole"]) == ("hf", 1, True, False)
     assert parse_system("plain+whole", gpus=1)["whole"] and parse_system("ours@1,1,1+fusedce", gpus=1)["fusedce"]
     assert parse_system("ours@1,1,1+compile+stage", gpus=1)["stage"]
-    assert parse_system("plain+whole+explicit", gpus=1)["explicit"] and not parse_system("plain+whole", gpus=1)["explicit"]
+    assert parse_system("plain+whole+explicit", gpus=1)["explicit"]
+    assert not parse_system("plain+whole", gpus=1)["explicit"]
     for bad, message in (("ours@1,1,1+whole", r"\+whole is for plain only, not ours"),
                          ("hf+ckpt", r"\+ckpt is for plain and ddp and fsdp and ours, not hf"),
                          ("ddp+fusedce", r"\+fusedce is for plain and ours, not ddp"),

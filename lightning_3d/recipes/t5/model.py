@@ -43,8 +43,9 @@ ATTENTION_IMPLEMENTATIONS = ("explicit", "sdpa")
 
 def check_attention(implementation: str) -> None:
     if implementation not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"attention={implementation!r} is not supported; choose one of {list(ATTENTION_IMPLEMENTATIONS)}"
-                         " ('sdpa': fused kernels, 'explicit': scores, fp32 softmax and the value mix as three steps).")
+        raise ValueError(f"attention={implementation!r} is not supported; choose one of"
+                         f" {list(ATTENTION_IMPLEMENTATIONS)} ('explicit': scores, fp32 softmax and the value mix as three"
+                         " steps; 'sdpa': one scaled_dot_product_attention call).")
 
 
 class RMSNorm(nn.Module):
