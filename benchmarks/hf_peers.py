@@ -35,9 +35,29 @@ def recipe_module(args: argparse.Namespace, system: dict, compile: bool | str | 
                   compile=compile, optimizer_fused=True, decay_steps=1000,
                   compile_scope="stage" if system.get("stage") else "block")
     if args.model == "t5":
-        return T5(**common)
-    extra = {"fused_head_loss": True} if system.get("fusedce") else {}
-    return GPT(seq_length=args.seq_length, fp32_residual=system["fp32res"], **common, **extra)
+        module = T5(attention="explicit" if system.get("explicit") else "sdpa", **common)
+    else:
+        extra = {"fused_head_loss": True} if system.get("fusedce") else {}
+        module = GPT(seq_length=args.seq_length, fp32_residual=system["fp32res"], **common, **extra)
+    if system["name"] == "ours" and system.get("cudagraphs"):
+        _stages_as_cuda_graphs(module)
+    return module
+
+
+def _stages_as_cuda_graphs(module: Any) -> None:
+    """``ours+cudagraphs`` (an experiment, not a recipe option): each pipeline stage compiled with
+    ``mode="reduce-overhead"``, so its forward and backward replay as CUDA graphs (the loss keeps its default
+    compile). The recipes refuse CUDA-graph modes because pipeline stages may run variable shapes; at pp = 1 with
+    fixed shapes this measures what the host's kernel launches cost the step."""
+    build = module.build_pipeline_stages
+
+    def build_then_recompile(layouts):
+        stages = build(layouts)
+        for stage in stages:
+            stage.compile(backend=COMPILE_BACKEND, mode="reduce-overhead" if COMPILE_BACKEND == "inductor" else None)
+        return stages
+
+    module.build_pipeline_stages = build_then_recompile
 
 
 def build_recipe_model(args: argparse.Namespace, system: dict, device: torch.device, compile: bool | str | None = None):
@@ -51,7 +71,8 @@ def build_recipe_model(args: argparse.Namespace, system: dict, device: torch.dev
     module = recipe_module(args, system, compile)
     cls = T5Model if args.model == "t5" else GPTModel
     with torch.device("meta"):
-        module.model = cls(module.config, module.config.padded_vocab_size(1), system["ckpt"])
+        extra = {"attention": module.hparams.attention} if args.model == "t5" else {}
+        module.model = cls(module.config, module.config.padded_vocab_size(1), system["ckpt"], **extra)
     if args.model == "gpt" and system.get("fusedce"):
         module.model.head.fused_with_loss = True  # what GPT.configure_model sets for fused_head_loss=True
     materialize_(module.model, device)
@@ -136,7 +157,11 @@ def plain_peer(args: argparse.Namespace, system: dict, device: torch.device) -> 
     module = build_recipe_model(args, system, device, compile=False if system["whole"] else None)
     optimizer = module.configure_optimizers()["optimizer"]
     loss = RecipeLoss(module, args)
-    return (torch.compile(loss, backend=COMPILE_BACKEND) if system["whole"] else loss), optimizer
+    if not system["whole"]:
+        return loss, optimizer
+    # +cudagraphs: the compiled model and loss replayed as CUDA graphs (what a launch-bound step gains without host work)
+    mode = "reduce-overhead" if system.get("cudagraphs") and COMPILE_BACKEND == "inductor" else None
+    return torch.compile(loss, backend=COMPILE_BACKEND, mode=mode), optimizer
 
 
 def synthetic_data(args: argparse.Namespace):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -21,6 +22,35 @@ from lightning_3d.recipes.gpt.model import GPTModel
 from lightning_3d.recipes.training import compile_blocks, count_target_tokens
 from lightning_3d.strategies.stage_builder import replicate_plain_parameters
 from lightning_3d.utils.tensors import materialize_
+
+
+class GCTime:
+    """Python's cyclic garbage collections inside the timed steps (rank 0's process): their count per generation and
+    summed time. A collection pauses the host mid-step, so on a host-bound step it shows up as step-time spread."""
+
+    def __init__(self) -> None:
+        self.counting, self.started = False, 0.0
+        self.count = [0, 0, 0]
+        self.seconds = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.counting:
+            return
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self.started
+            self.count[info["generation"]] += 1
+
+    def timing(self, on: bool) -> None:
+        self.counting = on
+
+    def result(self, steps: int) -> dict:
+        return {"collections": self.count, "ms_per_step": 1e3 * self.seconds / max(steps, 1)}
+
+
+GC_TIME = GCTime()
 
 
 def run_worker(args: argparse.Namespace, system: dict) -> None:
@@ -58,6 +88,7 @@ def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> 
     profiler = StepProfiler(args)
     for step in range(total_steps(args)):
         profiler.at_step(step, 0)
+        GC_TIME.timing(args.warmup <= step < args.warmup + args.steps)
         _sync(device)
         start = time.perf_counter()
         total = torch.zeros((), device=device)
@@ -135,6 +166,8 @@ class StepTimer(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, idx: int) -> None:
         if idx % self.batches_per_step == 0:
             self.profiler.at_step(trainer.global_step, trainer.global_rank)
+            # global_step counts finished steps here: the timed ones follow the warm-up (as in on_train_batch_end)
+            GC_TIME.timing(self.warmup <= trainer.global_step < self.warmup + self.timed)
             _sync(trainer.strategy.root_device)
             self._start = time.perf_counter()
 
@@ -236,8 +269,9 @@ def _result(step_s: list[float], losses: list[float], device: torch.device, redu
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # Allocator retries (cudaMalloc failed, cache flushed, retried): a step near the memory limit that varies in time.
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0
+    GC_TIME.timing(False)
     return {"step_s": step_s, "first_loss": losses[0], "final_loss": losses[-1], "peak_mem_gb": peak.item() / 1e9,
-            "alloc_retries": int(retries), "compile": compile_counters(),
+            "alloc_retries": int(retries), "compile": compile_counters(), "gc": GC_TIME.result(len(step_s)),
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}
 
 

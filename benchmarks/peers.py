@@ -11,7 +11,10 @@ with "max-autotune-no-cudagraphs"), ``+whole`` (plain only: ``torch.compile`` of
 user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (ours only: the default compression
 stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fusedce`` (GPT, plain and ours: the
 chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (ours only, with +compile: one graph
-per pipeline stage, ``compile_scope="stage"``). ``--model t5`` runs the T5 recipe (inputs of
+per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
+value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per
+attention), ``+cudagraphs`` (plain with +whole: the compiled model and loss replayed as CUDA graphs,
+``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so, the loss compiled as usual). ``--model t5`` runs the T5 recipe (inputs of
 ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,10 +44,12 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
                                          environment)
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
-SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage")
+SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage", "explicit",
+            "cudagraphs")
 OURS_ONLY = ("cc", "nofuse")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
+            "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
             "fp32res": ("plain", "ddp", "fsdp", "ours")}
 MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
@@ -65,6 +71,12 @@ def parse_system(text: str, gpus: int) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: +whole compiles the whole model; drop +compile/+autotune")
     if "whole" in suffixes and "fusedce" in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +fusedce runs its chunks outside the compiled model; not with +whole")
+    if "cudagraphs" in suffixes and name == "plain" and "whole" not in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays the whole-model compile; add +whole")
+    if "cudagraphs" in suffixes and name == "ours" and not {"compile", "stage", "nofuse"} <= set(suffixes):
+        # The fused gradient op's Python body (the gradient slot's bookkeeping) would not run on a graph replay.
+        raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays whole stages without gradient-accumulation"
+                                         " fusion; add +compile+stage+nofuse")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
@@ -124,6 +136,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for s in args.parsed:
         if s["world"] > args.gpus:
             p.error(f"{s['label']} needs {s['world']} GPUs; the run has --gpus {args.gpus}")
+        if args.model == "gpt" and s["explicit"]:
+            p.error(f"{s['label']}: +explicit is T5's attention option (GPT has no relative position bias);"
+                    " use --model t5")
         if args.model == "t5" and (s["name"] == "fsdp" or s["fusedce"] or s["fp32res"]):
             p.error(f"{s['label']}: --model t5 runs plain, hf, ddp and ours, without +fusedce or +fp32res")
         if s["name"] == "ours" and args.schedule != "gpipe" and args.num_microbatches < s["pp"]:
@@ -194,18 +209,67 @@ def model_flops(args: argparse.Namespace) -> tuple[Any, float, str]:
 def table(rows: list[dict], header: str) -> str:
     anchor = next((r for r in rows if r.get("error") is None), None)
     lines = [header, "system | GPUs | tokens/s | TFLOP/s/GPU | MFU % | per-GPU vs first | step ms median [p10-p90]"
-             " {min-max} | peak mem GB | first loss"]
+             " {min-max} | peak mem GB | first loss | GC ms/step [gen 0/1/2 collections]"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"{r['label']} | {r['world']} | - | - | - | - | - | - | {r['error'].splitlines()[-1][:70]}")
+            lines.append(f"{r['label']} | {r['world']} | - | - | - | - | - | - | {r['error'].splitlines()[-1][:70]} | -")
             continue
         rel = (r["tokens_per_s"] / r["world"]) / (anchor["tokens_per_s"] / anchor["world"])
         mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "n/a"
         lines.append(f"{r['label']} | {r['world']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.1f} | {mfu} |"
                      f" {rel:.2f}x | {r['step_ms']['median']:.1f} [{r['step_ms']['p10']:.1f}-{r['step_ms']['p90']:.1f}]"
                      f" {{{r['step_ms']['min']:.1f}-{r['step_ms']['max']:.1f}}}"
-                     f" | {r['peak_mem_gb']:.1f} | {r['first_loss']:.4f}")
+                     f" | {r['peak_mem_gb']:.1f} | {r['first_loss']:.4f} | {_gc_text(r.get('gc'))}")
     return "\n".join(lines)
+
+
+def profile_digest(log: Path, rows: int = 6) -> list[str]:
+    """A few lines from a worker log's ``--profile`` tables (peer_workers.StepProfiler): the two steps' self CPU and
+    device totals (host-bound when CPU exceeds device), the top ``rows`` ops by device time and by CPU time. Printed
+    to stdout because a device call brings back its output before (and sometimes instead of) its files."""
+    if not log.exists():
+        return []
+    lines = log.read_text(errors="replace").splitlines()
+    out, totals = [], []
+    for title, key in (("by device time", "Self CUDA"), ("by CPU time", "Self CPU")):
+        start = next((i for i, line in enumerate(lines) if line.startswith("PROFILE") and title in line), None)
+        if start is None:
+            continue
+        header = next((i for i in range(start, len(lines)) if "Name" in lines[i]), None)
+        if header is None:
+            continue
+        columns = [c.strip() for c in re.split(r"\s{2,}", lines[header].strip())]
+        column = next((i for i, c in enumerate(columns) if c == key or (key == "Self CUDA" and c == "Self device")),
+                      None)
+        picked = []
+        for line in lines[header + 2:]:
+            if line.startswith("-"):
+                continue
+            if line.startswith("Self ") and "time total" in line:
+                if line not in totals:
+                    totals.append(line.strip())
+                continue
+            if not line.strip() or line.startswith("PROFILE"):
+                break
+            cells = [c.strip() for c in re.split(r"\s{2,}", line.strip())]
+            if column is not None and len(cells) == len(columns) and len(picked) < rows:
+                picked.append(f"{cells[0][:48]} {cells[column]} x{cells[-1]}")
+        if picked:
+            out.append(f"    top {title}: " + "; ".join(picked))
+    return ([f"    {'; '.join(totals)}"] if totals else []) + out
+
+
+def profiled_ms(digest: list[str], which: str) -> float | None:
+    """``which`` ("CPU" or "CUDA") self time total of a digest's first line, in ms, or None."""
+    match = re.search(rf"Self {which} time total: ([0-9.]+)(us|ms|s)\b", digest[0]) if digest else None
+    return None if match is None else float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[match.group(2)]
+
+
+def _gc_text(gc: dict | None) -> str:
+    """Python's garbage collections inside the timed steps (peer_workers.GCTime), or "-" for older results."""
+    if not gc:
+        return "-"
+    return f"{gc['ms_per_step']:.1f} [{'/'.join(str(n) for n in gc['collections'])}]"
 
 
 def driver(args: argparse.Namespace) -> None:
@@ -239,6 +303,17 @@ def driver(args: argparse.Namespace) -> None:
                   f"{row['tokens_per_s']:,.0f} tokens/s, MFU {100 * (row['mfu'] or 0):.1f}%"), flush=True)
             report["results"].append(row)
             args.out.write_text(json.dumps(report, indent=1))
+    if args.profile or args.trace:
+        print("\nPROFILE digests (rank 0, the two profiled steps; full tables in the logs)")
+        for index, row in enumerate(report["results"]):
+            digest = profile_digest(out_dir / f"{index:02d}.log")
+            busy = ""
+            if row.get("error") is None and (device_ms := profiled_ms(digest, "CUDA")) is not None:
+                # The kernels' summed time over the two profiled steps' wall time (about two median steps): well
+                # under 100 % means the device waits for the host.
+                busy = f" (device busy ~{100 * device_ms / (2 * row['step_ms']['median']):.0f} % of two median steps)"
+            print(f"  {row['label']}:" + ("" if row.get("error") is None else " (failed)") + busy)
+            print("\n".join(digest))
     print("\n" + table(report["results"], header) + f"\n\nJSON: {args.out}  logs: {out_dir}")
 
 

@@ -281,27 +281,38 @@ def test_peers_system_suffixes() -> None:
     assert (hf["name"], hf["world"], hf["compile"], hf["whole"]) == ("hf", 1, True, False)
     assert parse_system("plain+whole", gpus=1)["whole"] and parse_system("ours@1,1,1+fusedce", gpus=1)["fusedce"]
     assert parse_system("ours@1,1,1+compile+stage", gpus=1)["stage"]
+    assert parse_system("plain+whole+explicit", gpus=1)["explicit"]
+    assert not parse_system("plain+whole", gpus=1)["explicit"]
     for bad, message in (("ours@1,1,1+whole", r"\+whole is for plain only, not ours"),
                          ("hf+ckpt", r"\+ckpt is for plain and ddp and fsdp and ours, not hf"),
                          ("ddp+fusedce", r"\+fusedce is for plain and ours, not ddp"),
                          ("plain+whole+compile", r"\+whole compiles the whole model; drop"),
                          ("ours@1,1,1+stage", r"\+stage sets what one compiled graph covers; add \+compile"),
-                         ("plain+compile+stage", r"\+stage is for ours only, not plain")):
+                         ("plain+compile+stage", r"\+stage is for ours only, not plain"),
+                         ("hf+explicit", r"\+explicit is for plain and ours, not hf"),
+                         ("plain+compile+cudagraphs", r"\+cudagraphs replays the whole-model compile; add \+whole"),
+                         ("ours@1,1,1+compile+stage+cudagraphs", r"without gradient-accumulation fusion; add \+comp")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse_system(bad, gpus=1)
 
 
 def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
-    """benchmarks/single_gpu_speed.sh (issue 25's device call) on CPU with tiny presets, its T5 part: every system runs,
-    the peers start from the same weights and tokens (first losses agree to bf16), T5 counts inputs plus targets, and
-    the compiled systems report torch.compile's counts: no graph break and no recompilation in ours (per block or per
-    stage) or in transformers' whole-model compile; per stage, ours is one graph for the stage and one for the loss."""
-    env = {**os.environ, "SPEED_CPU": "1", "SPEED_BUDGET_S": "1500"}
-    # The t5 part only (the GPT parts' systems run in test_peers_train_the_same_model_on_the_same_tokens): each launch
-    # costs a process start and a compile, and the suite's time is shared.
-    subprocess.run(["bash", str(ROOT / "benchmarks/single_gpu_speed.sh"), str(tmp_path), "t5"], check=True,
-                   cwd=ROOT, capture_output=True, timeout=1500, env=env)
-    expected = {"t5": ["hf+compile", "ours@1,1,1+compile+stage", "ours@1,1,1+compile", "ours@1,1,1+compile+nofuse"]}
+    """benchmarks/single_gpu_speed.sh (issue 25's device call) on CPU with tiny presets, its T5 variants part (t5v):
+    every system runs, the peers start from the same weights and tokens (first losses agree to bf16), T5 counts inputs
+    plus targets, and the compiled systems report torch.compile's counts: no graph break and no recompilation in ours
+    (SDPA or explicit attention, fused or not) or in the whole-model compiles (transformers', our model's); per stage,
+    ours is one graph for the stage and one for the loss."""
+    # The t5v part only (the GPT parts' systems run in test_peers_train_the_same_model_on_the_same_tokens), and of its
+    # list the systems whose code paths contain the others' (ours+stage+nofuse and plain+whole are the cudagraphs rows
+    # without the CUDA-graph mode, which CPU ignores): each launch costs a process start and a compile, and the suite's
+    # time is shared.
+    expected = {"t5v": ["hf+compile", "ours@1,1,1+compile+stage", "ours@1,1,1+compile+stage+explicit",
+                        "plain+whole+cudagraphs", "ours@1,1,1+compile+stage+nofuse+cudagraphs"]}
+    env = {**os.environ, "SPEED_CPU": "1", "SPEED_BUDGET_S": "1500", "T5V_SYSTEMS": " ".join(expected["t5v"])}
+    run = subprocess.run(["bash", str(ROOT / "benchmarks/single_gpu_speed.sh"), str(tmp_path), "t5v"], check=True,
+                         cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env)
+    for label in expected["t5v"]:  # the profile digest reaches stdout (a device call returns its output first)
+        assert f"  {label}:\n    Self CPU time total: " in run.stdout, label
     for part, labels in expected.items():
         report = json.loads((tmp_path / f"speed_{part}.json").read_text())
         rows = {r["label"]: r for r in report["results"]}
@@ -310,9 +321,10 @@ def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
             assert row["error"] is None, row
             assert row["tokens_per_step"] == 2 * 2 * (32 + 8) and row["mfu"] is None  # no MFU on CPU
             assert set(row["step_ms"]) >= {"median", "p10", "p90", "min", "max", "mean"}
+            assert len(row["gc"]["collections"]) == 3 and row["gc"]["ms_per_step"] >= 0  # GC inside the timed steps
             assert row["compile"]["unique_graphs"] >= 1, label  # every system here is compiled
             assert row["compile"]["graph_breaks"] == 0 and row["compile"]["recompiles"] == 0, (label, row["compile"])
-            if label.endswith("+stage"):
+            if "+stage" in label:
                 assert row["compile"]["unique_graphs"] == 2, (label, row["compile"])
             first = rows[labels[0]]["first_loss"]
             assert abs(row["first_loss"] - first) <= 1e-3 * first, (label, row["first_loss"], first)

@@ -34,6 +34,18 @@ from lightning_3d.utils.tensors import local
 
 # Added to masked attention scores: finite in fp32 and bf16 alike (finfo(float32).min becomes -inf in bf16).
 MASK_VALUE = torch.finfo(torch.bfloat16).min
+# How attention is computed (the same function either way, see Attention): "explicit" (the default) or "sdpa".
+# "sdpa" is not yet the default: under CB at full rank (tests/scenarios/t5_layouts.py, dp = pp = 2) its different
+# rounding of the decoder bias table's rank-deficient gradient tips compression/lowrank.py's column-keeping threshold,
+# and that layout is then no longer exact (docs/speed.md).
+ATTENTION_IMPLEMENTATIONS = ("explicit", "sdpa")
+
+
+def check_attention(implementation: str) -> None:
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention={implementation!r} is not supported; choose one of"
+                         f" {list(ATTENTION_IMPLEMENTATIONS)} ('explicit': scores, fp32 softmax and the value mix as three"
+                         " steps; 'sdpa': one scaled_dot_product_attention call).")
 
 
 class RMSNorm(nn.Module):
@@ -55,8 +67,10 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Unscaled multi-head attention (T5 folds 1/sqrt(d) into the init); ``memory`` makes it cross-attention."""
 
-    def __init__(self, config: T5Config) -> None:
+    def __init__(self, config: T5Config, implementation: str = "explicit") -> None:
         super().__init__()
+        check_attention(implementation)
+        self.implementation = implementation
         h, inner = config.hidden_size, config.inner_size
         # Separate q/k/v so that column sharding hands every tensor-parallel rank whole heads.
         self.q = nn.Linear(h, inner, bias=False)
@@ -77,15 +91,32 @@ class Attention(nn.Module):
         q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k(source).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v(source).view(b, t, -1, self.head_dim).transpose(1, 2)
-        scores = q @ k.transpose(-1, -2)
-        if bias is not None:
-            scores = scores + bias
-        if key_bias is not None:
-            scores = scores + key_bias
-        # Explicit rather than SDPA: its fused CPU/GPU kernels are slow (or fall back) with a bias that needs a gradient.
-        probs = self.drop(scores.float().softmax(-1).to(v.dtype))
-        y = probs @ v
+        if self.implementation == "sdpa" and not (self.training and self.drop.p > 0):
+            y = self._fused(q, k, v, bias, key_bias)
+        else:
+            scores = q @ k.transpose(-1, -2)
+            if bias is not None:
+                scores = scores + bias
+            if key_bias is not None:
+                scores = scores + key_bias
+            probs = self.drop(scores.float().softmax(-1).to(v.dtype))
+            y = probs @ v
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+    @staticmethod
+    def _fused(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, key_bias: Tensor | None) -> Tensor:
+        """The same attention in one SDPA call: the bias and mask as its additive ``attn_mask`` (whose gradient the
+        memory-efficient CUDA kernel computes, so the relative-bias tables still train), no 1/sqrt(d) (``scale=1``).
+
+        Not with dropout on the probabilities: SDPA draws its mask from the default generator, while ``self.drop``
+        draws from the tensor-parallel stream (strategies/rng.py), so training with dropout keeps the explicit path.
+        The mask takes the inputs' dtype (what autocast does to SDPA's arguments): under bf16 the bias is rounded
+        once, where the explicit path rounds the scores ``q @ kᵀ`` instead, an error of the same order; SDPA then
+        adds it to scores accumulated in fp32 and normalises in fp32."""
+        mask = bias if key_bias is None else key_bias if bias is None else bias + key_bias
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
 
 
 class FeedForward(nn.Module):
@@ -110,10 +141,10 @@ class FeedForward(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    def __init__(self, config: T5Config) -> None:
+    def __init__(self, config: T5Config, attention: str = "explicit") -> None:
         super().__init__()
         self.self_attn_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, attention)
         self.ff_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
         self.ff = FeedForward(config)
         self.drop = ParallelDropout(config.dropout)  # residual: sharded under sequence parallelism (parallelize_t5)
@@ -124,12 +155,12 @@ class EncoderBlock(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, config: T5Config) -> None:
+    def __init__(self, config: T5Config, attention: str = "explicit") -> None:
         super().__init__()
         self.self_attn_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, attention)
         self.cross_attn_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
-        self.cross_attn = Attention(config)
+        self.cross_attn = Attention(config, attention)
         self.ff_norm = RMSNorm(config.hidden_size, config.layer_norm_eps)
         self.ff = FeedForward(config)
         self.drop = ParallelDropout(config.dropout)  # residual: sharded under sequence parallelism (parallelize_t5)
@@ -266,9 +297,13 @@ def _call(m: nn.Module, block: nn.Module, *args: Tensor | None) -> Tensor:
 
 
 class T5Model(nn.Module):
-    """The full model; ``prune`` sets the parts a pipeline rank does not own to None (or deletes blocks)."""
+    """The full model; ``prune`` sets the parts a pipeline rank does not own to None (or deletes blocks).
 
-    def __init__(self, config: T5Config, padded_vocab: int | None = None, activation_checkpointing: bool = False):
+    ``attention``: ``"explicit"`` (scores, fp32 softmax, value mix) or ``"sdpa"`` (one fused kernel per attention,
+    the bias as its additive mask); the same function, see :class:`Attention`."""
+
+    def __init__(self, config: T5Config, padded_vocab: int | None = None, activation_checkpointing: bool = False,
+                 attention: str = "explicit"):
         super().__init__()
         self.config = config
         self.padded_vocab = padded_vocab or config.padded_vocab_size(1)
@@ -277,9 +312,9 @@ class T5Model(nn.Module):
         self.shared: nn.Embedding | None = nn.Embedding(self.padded_vocab, h)
         self.encoder_relative_bias: nn.Embedding | None = nn.Embedding(buckets, heads)
         self.decoder_relative_bias: nn.Embedding | None = nn.Embedding(buckets, heads)
-        self.encoder = nn.ModuleDict({str(i): EncoderBlock(config) for i in range(config.num_layers)})
+        self.encoder = nn.ModuleDict({str(i): EncoderBlock(config, attention) for i in range(config.num_layers)})
         self.encoder_norm: RMSNorm | None = RMSNorm(h, config.layer_norm_eps)
-        self.decoder = nn.ModuleDict({str(i): DecoderBlock(config) for i in range(config.decoder_layers)})
+        self.decoder = nn.ModuleDict({str(i): DecoderBlock(config, attention) for i in range(config.decoder_layers)})
         self.decoder_norm: RMSNorm | None = RMSNorm(h, config.layer_norm_eps)
         self.lm_head: LMHead | None = LMHead(h, config.vocab_size, self.padded_vocab)
         if config.tie_embeddings:

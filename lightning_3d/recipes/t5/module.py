@@ -13,7 +13,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.t5.config import T5Config, preset
-from lightning_3d.recipes.t5.model import T5Model
+from lightning_3d.recipes.t5.model import T5Model, check_attention
 from lightning_3d.recipes.t5.parallelize import T5Stage, parallelize_t5
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
                                            count_target_tokens, summed_token_cross_entropy)
@@ -37,6 +37,9 @@ class T5(pl.LightningModule):
     makes them. The pipeline cuts the encoder blocks followed by the decoder blocks; the model is built on the
     meta device and initialised by parameter name, so every layout starts from the single-device weights.
     Validation and test log ``{val,test}_loss`` and ``{val,test}_ppl`` (torchmetrics, averaged over the epoch).
+    ``attention="explicit"`` (default) runs each attention as scores, fp32 softmax and value mix; ``"sdpa"`` as one
+    ``scaled_dot_product_attention`` call with the relative position bias as its additive mask (the same function;
+    with dropout > 0 training always takes the explicit path, whose dropout draws from the tensor-parallel stream).
     """
 
     # Tells ThroughputMFUMonitor that a batch's tokens are its inputs plus its targets (`labels`), see flops_per_token.
@@ -64,6 +67,7 @@ class T5(pl.LightningModule):
         activation_checkpointing: bool = False,
         compile: bool | str = False,
         compile_scope: str = "block",
+        attention: str = "explicit",
         learning_rate: float = 1e-3,
         min_learning_rate: float = 1e-4,
         weight_decay: float = 0.0,
@@ -87,6 +91,7 @@ class T5(pl.LightningModule):
             decoder_start_token_id=decoder_start_token_id,
         )
         check_speed_options(compile, optimizer_foreach, optimizer_fused, compile_scope)
+        check_attention(attention)
         self.model: T5Model | None = None
         # Created on first use, outside the module tree: materialising the model (to_empty) would wipe their states.
         self._metrics: dict[str, MeanMetric] = {}
@@ -101,7 +106,7 @@ class T5(pl.LightningModule):
             return
         padded = self.config.padded_vocab_size(self._tensor_parallel_size())
         with torch.device("meta"):
-            self.model = T5Model(self.config, padded, self.hparams.activation_checkpointing)
+            self.model = T5Model(self.config, padded, self.hparams.activation_checkpointing, self.hparams.attention)
         if self.hparams.compile_scope == "stage" and self._tensor_parallel_size() > 1:
             raise ValueError(f"compile_scope='stage' needs tensor_parallel_size 1 (got {self._tensor_parallel_size()}):"
                              " tensor-parallel stages are compiled per block (compile_scope='block').")
