@@ -375,6 +375,13 @@ def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     wall = round(time.monotonic() - start, 1)
+    if args.profile and logs:
+        # Rank 0 prints its profiler tables into its log; a device call brings back stdout, not a folder of logs.
+        text = logs[0].read_text(errors="replace")
+        at = text.find("PROFILE (2 steps")
+        while at >= 0:
+            print("\n".join(text[at:].splitlines()[:PROFILE_LINES]), flush=True)
+            at = text.find("PROFILE (2 steps", at + 1)
     if failure is None and any(p.returncode for p in procs):
         failure = (f"exit codes {[p.returncode for p in procs]}", next(r for r, p in enumerate(procs) if p.returncode))
     done = {v: json.loads(variant_result_path(result_path, v).read_text()) for v in args.compression
@@ -508,6 +515,9 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
         args.out.write_text(json.dumps(report, indent=1))  # after every layout, so a crash keeps what was measured
     print("\n" + table(report["results"], header) + f"\n\nJSON: {args.out}  worker logs: {log_dir}")
 
+
+#: lines of rank 0's profiler output (both tables) echoed to the driver's stdout per variant
+PROFILE_LINES = 60
 
 _SIGTERM: dict = {"deferred": False, "pending": None}
 

@@ -51,9 +51,13 @@ def test_train_throughput_of_t5_on_synthetic_pairs(tmp_path: Path) -> None:
            "--preset", "tiny", "--vocab-size", "512", "--seq-length", "32", "--target-length", "8",
            "--micro-batch-size", "2", "--num-microbatches", "2", "--layouts", "1,2,1", "--steps", "2", "--warmup", "1",
            "--precision", "32-true", "--timeout", "300", "--compression", "off", "off+throughput", "--compile", "default",
-           "--out", str(out)]
+           "--profile", "--out", str(out)]
     env = {**os.environ, "L3D_COMPILE_BACKEND": "aot_eager"}  # compiled blocks in both stages, no C++ build on CI
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600, env=env)
+    run = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    # --profile: rank 0's two profiler tables reach the driver's stdout, once per variant (a device call returns
+    # stdout, not the worker logs).
+    assert run.stdout.count("PROFILE (2 steps, rank 0) by device time") == 2, run.stdout[-2000:]
+    assert run.stdout.count("PROFILE by CPU time") == 2
     report = json.loads(out.read_text())
     assert report["config"]["compile"] == "default"
     flops_per_token = preset("tiny", vocab_size=512).flops_per_token(32, 8)
