@@ -380,8 +380,9 @@ def _launch_once(args: argparse.Namespace, layout: tuple[int, int, int], log_dir
         text = logs[0].read_text(errors="replace")
         at = text.find("PROFILE (2 steps")
         while at >= 0:
-            print("\n".join(text[at:].splitlines()[:PROFILE_LINES]), flush=True)
-            at = text.find("PROFILE (2 steps", at + 1)
+            after = text.find("PROFILE (2 steps", at + 1)  # each variant's tables once, up to the next variant's
+            print("\n".join(text[at : after if after >= 0 else len(text)].splitlines()[:PROFILE_LINES]), flush=True)
+            at = after
     if failure is None and any(p.returncode for p in procs):
         failure = (f"exit codes {[p.returncode for p in procs]}", next(r for r, p in enumerate(procs) if p.returncode))
     done = {v: json.loads(variant_result_path(result_path, v).read_text()) for v in args.compression
