@@ -17,8 +17,7 @@ on symmetric memory) needs GPUs and is left to them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,17 +37,16 @@ class TensorParallel:
     mesh: DeviceMesh
     sequence_parallel: bool = False
 
-    @cached_property  # looked up per layer and micro-batch: once
-    def group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group()
+    # Looked up per layer and micro-batch, so resolved once here. Not ``functools.cached_property``: before Python 3.12
+    # it takes an RLock, a context manager torch.compile cannot trace (a graph break per lookup in a compiled block).
+    group: dist.ProcessGroup = field(init=False, repr=False, compare=False)
+    size: int = field(init=False, repr=False, compare=False)
+    rank: int = field(init=False, repr=False, compare=False)
 
-    @cached_property  # looked up per layer and micro-batch: once
-    def size(self) -> int:
-        return self.mesh.size()
-
-    @cached_property  # looked up per layer and micro-batch: once
-    def rank(self) -> int:
-        return self.mesh.get_local_rank()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group", self.mesh.get_group())
+        object.__setattr__(self, "size", self.mesh.size())
+        object.__setattr__(self, "rank", self.mesh.get_local_rank())
 
     def enter(self, x: Tensor) -> Tensor:
         """The input of a column-parallel layer: the full activation on every rank (f, or the sequence all-gather).
