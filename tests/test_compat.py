@@ -107,3 +107,13 @@ def test_post_accumulate_grad_hooks_run_as_autograd_runs_them() -> None:
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
     compat.run_post_accumulate_grad_hooks(w)  # the private dict torch keeps them in is still there and callable
     assert len(seen) == 2
+
+
+def test_set_compiled_call_is_what_the_module_runs() -> None:
+    """Module.compile's attribute: a module runs the call put there (hooks and names stay the module's)."""
+    linear = torch.nn.Linear(2, 2)
+    x = torch.randn(3, 2)
+    calls = []
+    compat.set_compiled_call(linear, lambda *args: calls.append(args) or linear._call_impl(*args))
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias)) and len(calls) == 1
+    assert [n for n, _ in linear.named_parameters()] == ["weight", "bias"]

@@ -29,6 +29,15 @@ def test_operators_and_layers_match_their_definition(tmp_path: Path) -> None:
             assert gpt[f"sp{sp}_selected"], (rank, gpt)
         assert "'fast'" in gpt["bad_value_error"] and "L3D_TP_IMPLEMENTATION" in gpt["bad_value_error"], gpt
         assert all(result["autocast_and_optimizer"].values()), (rank, result["autocast_and_optimizer"])
+        compiled = result["compiled"]
+        for sp in (False, True):
+            assert compiled[f"sp{sp}_loss"] <= compiled["tolerance"], (rank, sp, compiled)
+            assert compiled[f"sp{sp}_grads"] <= compiled["tolerance"], (rank, sp, compiled)
+            # One graph for both blocks, unbroken (a graph break per parameter lookup would split it).
+            assert compiled[f"sp{sp}_graphs"] == 1 and compiled[f"sp{sp}_graph_breaks"] == 0, (rank, sp, compiled)
+            # Compiled blocks hand their gradients over through the local leaves as eager ones do: 2 micro-batches
+            # times the leaves the stage reads (a DTensor input to the graph would bypass them, fewer hand-overs).
+            assert compiled[f"sp{sp}_handed_compiled"] == compiled[f"sp{sp}_handed_eager"] > 0, (rank, sp, compiled)
 
 
 def test_host_time_benchmark_times_both_plans_on_the_same_model(tmp_path: Path) -> None:

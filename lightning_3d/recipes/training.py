@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_3d.tensor_parallel import compile_on_local_tensors
+
 IGNORE_INDEX = -100
 # What ``compile=True`` hands to torch.compile. Tests use "aot_eager" (same graph capture and autograd tracing, no
 # C++/Triton build): in-process by patching this name, in subprocesses through L3D_COMPILE_BACKEND.
@@ -80,7 +82,8 @@ def compile_blocks(blocks: Iterable[nn.Module], mode: bool | str = True) -> None
     elif mode not in COMPILE_MODES:
         raise ValueError(f"compile={mode!r}: use True or one of {COMPILE_MODES}.")
     for block in blocks:
-        block.compile(backend=COMPILE_BACKEND, mode=mode if COMPILE_BACKEND == "inductor" else None)
+        # Module.compile, except that a tensor-parallel block's graph computes on local tensors, not DTensors.
+        compile_on_local_tensors(block, backend=COMPILE_BACKEND, mode=mode if COMPILE_BACKEND == "inductor" else None)
 
 
 def check_speed_options(compile: bool | str, optimizer_foreach: bool | None, optimizer_fused: bool | None,

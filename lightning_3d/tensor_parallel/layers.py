@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from lightning_3d.tensor_parallel.mappings import TensorParallel, reduce_from_region
-from lightning_3d.utils.compat import run_post_accumulate_grad_hooks
+from lightning_3d.utils.compat import run_post_accumulate_grad_hooks, set_compiled_call
 
 _PARTIAL = (Partial(),)
 
@@ -35,7 +35,8 @@ def local_view(param: Tensor, partial_grad: bool = False) -> Tensor:
     into it as into any plain tensor, and the DTensor's ``.grad`` is only wrapped around the first micro-batch's
     gradient and added to in place after. Through ``to_local`` every parameter would cost a DTensor construction and
     a DTensor ``add`` per micro-batch on the host, and the GPU of a tensor-parallel step waits for the host
-    (benchmarks/RESULTS.md). Compiled code keeps ``to_local`` (its graph sees no Python-side caches)."""
+    (benchmarks/RESULTS.md). Inside compiled code this is ``to_local``, because a graph cannot run the leaf cache;
+    blocks compiled by :func:`compile_on_local_tensors` read the same leaves another way (see there)."""
     if not isinstance(param, DTensor):
         return param
     placements = _PARTIAL if partial_grad else None
@@ -93,6 +94,62 @@ class _LocalLeaf:
         run_post_accumulate_grad_hooks(param)
 
 
+class _LocalTensorLayer:
+    """What the layers below share: each reads its parameters through :meth:`_local`, which is :func:`local_view`
+    eagerly and, inside a block compiled by :func:`compile_on_local_tensors`, the plain tensors that the block's
+    wrapper put on the layer just before the call (:meth:`_stage_locals`)."""
+
+    tensor_parallel: TensorParallel
+
+    def _local_params(self) -> tuple[tuple[str, bool], ...]:
+        """(parameter name, whether its gradient is a partial sum) for each parameter the forward reads."""
+        return (("weight", False), ("bias", False))
+
+    def _local(self, name: str, partial_grad: bool = False) -> Tensor | None:
+        if torch.compiler.is_compiling():
+            staged = self.__dict__.get(_STAGED_PREFIX + name)
+            if staged is not None:
+                return staged
+        param = getattr(self, name)
+        return None if param is None else local_view(param, partial_grad)
+
+    def _stage_locals(self) -> None:
+        for name, partial in self._local_params():
+            param = getattr(self, name)
+            # A plain attribute, not a buffer: module traversals (``.to()``, state dicts, the strategy's buffer
+            # handling) must not see it. Dynamo lifts it into the graph as an input, like a parameter.
+            self.__dict__[_STAGED_PREFIX + name] = None if param is None else local_view(param, partial)
+
+
+# The attribute under which a compiled block finds a layer's local tensor of parameter ``name``.
+_STAGED_PREFIX = "_l3d_local_"
+
+
+def compile_on_local_tensors(module: nn.Module, **compile_kwargs) -> None:
+    """``module.compile(**compile_kwargs)`` for a block holding tensor-parallel layers, with the graph computing on
+    plain local tensors instead of the DTensor parameters.
+
+    Compiled as is, a block's graph takes its DTensor parameters as inputs: every call then unwraps each parameter
+    and wraps each of its gradients as a DTensor on the host, and autograd adds the DTensor gradients of successive
+    micro-batches, the per-parameter host time that :func:`local_view` keeps out of the eager step
+    (docs/tensor_parallel.md). Here an eager wrapper runs before each compiled call: it puts each layer's local
+    leaves (the eager path's, so gradients reach ``param.grad`` the same way) on the layer as plain tensors, which
+    the graph reads as inputs. The wrapper is plain Python: one dictionary update per parameter, no DTensor
+    operation once the leaves exist. A module without tensor-parallel layers is compiled as ``Module.compile`` would."""
+    compiled = torch.compile(module._call_impl, **compile_kwargs)
+    layers = [m for m in module.modules() if isinstance(m, _LocalTensorLayer)]
+    if not layers:
+        set_compiled_call(module, compiled)
+        return
+
+    def call(*args, **kwargs):
+        for layer in layers:
+            layer._stage_locals()
+        return compiled(*args, **kwargs)
+
+    set_compiled_call(module, call)
+
+
 def distribute_parameters(module: nn.Module, placements: dict[str, Placement], tp: TensorParallel,
                           memo: dict[int, nn.Parameter]) -> None:
     """Make ``module``'s own parameters DTensors with the given placement. ``memo`` (old id -> new parameter) keeps a
@@ -116,37 +173,36 @@ def _swap(module: nn.Module, base: type, cls: type, tp: TensorParallel) -> None:
     module.tensor_parallel = tp
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(_LocalTensorLayer, nn.Linear):
     """Output features sharded: the full input (f, or the sequence all-gather) times this rank's rows."""
 
-    tensor_parallel: TensorParallel
-
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(self.tensor_parallel.enter(x), local_view(self.weight), local_view(self.bias)
-                        if self.bias is not None else None)
+        return F.linear(self.tensor_parallel.enter(x), self._local("weight"), self._local("bias"))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_LocalTensorLayer, nn.Linear):
     """Input features sharded: this rank's partial product, reduced (g, or the sequence reduce-scatter), plus the bias
     once."""
 
-    tensor_parallel: TensorParallel
+    def _local_params(self) -> tuple[tuple[str, bool], ...]:
+        return (("weight", False), ("bias", self.tensor_parallel.sequence_parallel))
 
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tensor_parallel
-        y = tp.exit(F.linear(x, local_view(self.weight)))
+        y = tp.exit(F.linear(x, self._local("weight")))
         if self.bias is None:
             return y
-        return y + local_view(self.bias, partial_grad=tp.sequence_parallel)
+        return y + self._local("bias", partial_grad=tp.sequence_parallel)
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(_LocalTensorLayer, nn.Embedding):
     """Vocabulary rows sharded: each rank looks up the ids in its range (zeros elsewhere), then the sum (g)."""
 
-    tensor_parallel: TensorParallel
+    def _local_params(self) -> tuple[tuple[str, bool], ...]:
+        return (("weight", False),)
 
     def forward(self, ids: Tensor) -> Tensor:
-        weight = local_view(self.weight)
+        weight = self._local("weight")
         start = self.tensor_parallel.rank * weight.shape[0]
         shifted = ids - start
         outside = (shifted < 0) | (shifted >= weight.shape[0])
@@ -154,25 +210,27 @@ class VocabParallelEmbedding(nn.Embedding):
         return reduce_from_region(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tensor_parallel.group)
 
 
-class ReplicatedLayerNorm(nn.LayerNorm):
+class ReplicatedLayerNorm(_LocalTensorLayer, nn.LayerNorm):
     """A norm with replicated parameters on local activations (this rank's tokens under sequence parallelism)."""
 
-    tensor_parallel: TensorParallel
+    def _local_params(self) -> tuple[tuple[str, bool], ...]:
+        partial = self.tensor_parallel.sequence_parallel
+        return (("weight", partial), ("bias", partial))
 
     def forward(self, x: Tensor) -> Tensor:
         partial = self.tensor_parallel.sequence_parallel
-        weight = local_view(self.weight, partial) if self.weight is not None else None
-        bias = local_view(self.bias, partial) if self.bias is not None else None
-        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self._local("weight", partial), self._local("bias", partial),
+                            self.eps)
 
 
-class ReplicatedEmbedding(nn.Embedding):
+class ReplicatedEmbedding(_LocalTensorLayer, nn.Embedding):
     """An embedding table replicated on every rank, looked up by full (replicated) ids (positions)."""
 
-    tensor_parallel: TensorParallel
+    def _local_params(self) -> tuple[tuple[str, bool], ...]:
+        return (("weight", False),)
 
     def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, local_view(self.weight))
+        return F.embedding(ids, self._local("weight"))
 
 
 def column_parallel(linear: nn.Linear, tp: TensorParallel, memo: dict[int, nn.Parameter]) -> None:
@@ -209,8 +267,8 @@ def fused_column_parallel(x: Tensor, linears: Sequence[nn.Linear], tp: TensorPar
     The parameters stay separate (checkpoints and export see ``q``, ``k``, ``v``); the fused weight is their local
     shards side by side, so the result is ``(linear(x) for linear in linears)`` with this rank's columns. A layer
     without bias contributes zeros to the fused bias when another has one."""
-    weights = [local_view(l.weight) for l in linears]
-    biases = [local_view(l.bias) if l.bias is not None else None for l in linears]
+    weights = [l._local("weight") for l in linears]
+    biases = [l._local("bias") for l in linears]
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])

@@ -46,6 +46,16 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
         hook(param)
 
 
+def set_compiled_call(module: torch.nn.Module, call: Any) -> None:
+    """Make ``call`` what ``module(...)`` runs, as ``Module.compile`` does with its ``torch.compile`` of
+    ``module._call_impl`` (the attribute it sets); names, state dicts and hooks stay the module's. For a compiled
+    block that needs an eager step before each call (lightning_3d/tensor_parallel/layers.py)."""
+    if not hasattr(module, "_compiled_call_impl"):
+        raise RuntimeError("torch.nn.Module has no _compiled_call_impl any more (torch changed Module.compile): update"
+                           " lightning_3d/utils/compat.py:set_compiled_call.")
+    module._compiled_call_impl = call
+
+
 def clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions. They hold the device meshes they were computed on, and meshes
     compare equal by shape and names alone, so after the strategy destroys one run's groups and builds an equal mesh

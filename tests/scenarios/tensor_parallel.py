@@ -309,6 +309,69 @@ def check_gpt_plans(world: int) -> dict[str, float | bool | str]:
     return result
 
 
+def check_compiled_stage(world: int) -> dict[str, float | bool | int]:
+    """The GPT stage with its blocks compiled as the recipe compiles them (``compile_blocks``; backend aot_eager: the
+    same graph capture and autograd tracing as inductor without C++ kernels) equals the eager stage over two
+    accumulated micro-batches, with and without sequence parallelism; every block is one graph with no break, one
+    graph serves all blocks, and the graphs compute on the local leaves (each gradient is handed to its DTensor
+    parameter by the leaf, as eagerly, not accumulated as a DTensor)."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import lightning_3d.recipes.training as training
+    from lightning_3d.recipes.training import compile_blocks, summed_token_cross_entropy
+    from lightning_3d.tensor_parallel import layers as tp_layers
+    from tests.tolerance import gpt_tolerance
+
+    mesh = init_device_mesh("cpu", (world,))
+    generator = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 50, (2, 9), generator=generator) for _ in range(2)]
+    handed = [0]
+    hand_over = tp_layers._LocalLeaf._hand_over
+
+    def counting(self, tensor):
+        handed[0] += 1
+        return hand_over(self, tensor)
+
+    tp_layers._LocalLeaf._hand_over = counting
+    backend, training.COMPILE_BACKEND = training.COMPILE_BACKEND, "aot_eager"
+    # As check_gpt_plans: two summation orders of the forward and backward chains at most (aot_eager runs the same
+    # kernels, so the two agree to the bit in practice; the bound is what the test may rely on).
+    result: dict[str, float | bool | int] = {"tolerance": 2 * gpt_tolerance(2, 64)}
+    try:
+        for sp in (False, True):
+            runs = {}
+            for compiled in (False, True):
+                torch._dynamo.reset()
+                counters.clear()
+                handed[0] = 0
+                _, stage = gpt_stage("local", mesh, sp)
+                if compiled:
+                    compile_blocks(stage.layers.values(), True)
+                losses = []
+                for tokens in batches:
+                    microbatch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+                    with loss_parallel():
+                        loss = summed_token_cross_entropy(stage(microbatch=microbatch), microbatch["labels"])
+                        loss.backward()
+                    losses.append(loss.detach())
+                grads = {n: p.grad.redistribute(p.device_mesh, p.placements).full_tensor()
+                         for n, p in stage.named_parameters()}
+                runs[compiled] = (torch.stack(losses), grads, handed[0])
+                if compiled:
+                    result[f"sp{sp}_graphs"] = int(counters["stats"]["unique_graphs"])
+                    result[f"sp{sp}_graph_breaks"] = int(sum(counters["graph_break"].values()))
+            (loss_e, grads_e, handed_e), (loss_c, grads_c, handed_c) = runs[False], runs[True]
+            result[f"sp{sp}_loss"] = ((loss_c - loss_e).abs() / loss_e.abs()).max().item()
+            result[f"sp{sp}_grads"] = max(scaled_error(grads_c[n], grads_e[n]) for n in grads_e)
+            result[f"sp{sp}_handed_eager"], result[f"sp{sp}_handed_compiled"] = handed_e, handed_c
+    finally:
+        tp_layers._LocalLeaf._hand_over = hand_over
+        training.COMPILE_BACKEND = backend
+        torch._dynamo.reset()
+    return result
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -316,6 +379,7 @@ def main() -> None:
     report = {"mappings": check_mappings(rank, world),
               "layers": {str(sp): check_layers(rank, world, sp) for sp in (False, True)},
               "gpt": check_gpt_plans(world),
+              "compiled": check_compiled_stage(world),
               "autocast_and_optimizer": check_autocast_and_optimizer(rank, world)}
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
