@@ -6,23 +6,29 @@ model, so checkpoints, optimizer state and Hugging Face export line up across (d
 
 Packed rows (several documents concatenated into one sequence) carry ``document_ids`` and ``position_ids`` in the
 micro-batch: attention is then causal *within* each document only and positions restart at 0 per document, so a
-packed row computes exactly what its documents compute alone (see docs/multitask.md). Without ``document_ids`` the
-model runs SDPA's causal kernel as before, with no mask built.
+packed row computes exactly what its documents compute alone (see docs/multitask.md). ``packed_attention`` picks how:
+``"flex"`` builds a FlexAttention block mask (causal and same document), which skips the blocks across documents,
+``"sdpa"`` a dense (batch, 1, s, s) boolean mask for SDPA, which computes every block of the row; ``"auto"`` is flex on
+CUDA and the SDPA mask elsewhere (FlexAttention has no CPU backward) or with attention dropout (flex has none).
+Without ``document_ids`` the model runs SDPA's causal kernel as before, with no mask built.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.context import ring_attention, ulysses_attention
+import lightning_3d.recipes.training as training
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
@@ -56,20 +62,25 @@ class Attention(nn.Module):
             return self.q(x), self.k(x), self.v(x)
         return fused_column_parallel(x, (self.q, self.k, self.v), self.tensor_parallel)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``mask``: None (plain causal attention) or a boolean (batch, 1, queries, keys) mask, True where a query may
-        attend (block-diagonal causal for packed documents, see :func:`document_mask`)."""
-        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
+    def forward(self, x: Tensor, mask: Tensor | BlockMask | None = None) -> Tensor:
+        """``mask``: None (plain causal attention), a boolean (batch, 1, queries, keys) mask, True where a query may
+        attend (block-diagonal causal for packed documents, see :func:`document_mask`), or the same as a FlexAttention
+        ``BlockMask`` (:func:`document_block_mask`)."""
+        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them (a block mask is head-free).
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project_qkv(x))
         b, s = q.shape[0], q.shape[2]
         causal = mask is None  # a mask already holds causality; SDPA refuses both at once
         if self.context is not None:
             if mask is not None:
                 raise ValueError("Context-parallel attention is causal over whole sequences; packed documents (an"
-                                 " attention mask) need context_parallel_size=1.")
+                                 " attention mask, dense or FlexAttention's) need context_parallel_size=1.")
             group, layout, kind = self.context
             attend = ring_attention if kind == "ring" else ulysses_attention
             y = attend(q, k, v, group, causal=True, layout=layout)  # no dropout: refused with cp (enable_context_parallel)
+        elif isinstance(mask, BlockMask):
+            # No attention dropout here: packed_attention refuses "flex" with dropout > 0 and "auto" takes the SDPA mask
+            # then (check_packed_attention, resolve_packed_attention).
+            y = flex_document_attention(q, k, v, mask)
         elif self.training and self.dropout > 0 and is_seeded():
             # The probabilities of this rank's own heads: their masks come from its tensor-parallel stream.
             y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=causal,
@@ -163,11 +174,15 @@ class LMHead(nn.Linear):
 class GPTModel(nn.Module):
     """The full decoder. ``embed``/``norm``/``head`` become ``None`` on pipeline ranks that do not own them."""
 
-    def __init__(self, config: GPTConfig, padded_vocab: int | None = None, activation_checkpointing: bool = False):
+    def __init__(self, config: GPTConfig, padded_vocab: int | None = None, activation_checkpointing: bool = False,
+                 packed_attention: str = "auto"):
         super().__init__()
+        check_packed_attention(packed_attention, config.dropout)
         self.config = config
         self.padded_vocab = padded_vocab or config.padded_vocab_size(1)
         self.activation_checkpointing = activation_checkpointing
+        # How packed rows (document_ids) attend: "flex", "sdpa" or "auto" (see the module docstring).
+        self.packed_attention = packed_attention
         self.embed: Embedding | None = Embedding(config, self.padded_vocab)
         self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
         self.norm: nn.LayerNorm | None = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -177,7 +192,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
         """Logits; ``document_ids`` (batch, seq) marks packed documents (see the module docstring)."""
-        positions, mask = packing_inputs({"document_ids": document_ids, "position_ids": position_ids})
+        positions, mask = packing_inputs({"document_ids": document_ids, "position_ids": position_ids},
+                                         self.packed_attention, self.config.dropout)
         return run_layers(self, self.embed(input_ids, positions), self.layers.values(), mask)
 
     # ----- pipeline support -------------------------------------------------------------------------
@@ -225,9 +241,10 @@ class GPTModel(nn.Module):
             copy_full_into(param, values.to(param.dtype))
 
 
-def run_layers(model: GPTModel, x: Tensor, layers: Iterable[nn.Module], mask: Tensor | None = None) -> Tensor:
+def run_layers(model: GPTModel, x: Tensor, layers: Iterable[nn.Module], mask: Tensor | BlockMask | None = None) -> Tensor:
     """Apply blocks (with optional activation checkpointing) and, if owned, the final norm and head. ``mask``: the
-    packed documents' attention mask (:func:`document_mask`), built once per micro-batch and shared by all blocks."""
+    packed documents' attention mask (:func:`document_mask` or :func:`document_block_mask`), built once per
+    micro-batch and shared by all blocks; a recomputed block gets the same mask, so it runs the same kernel."""
     extra = {} if mask is None else {"mask": mask}
     for layer in layers:
         if model.activation_checkpointing and torch.is_grad_enabled():
@@ -251,6 +268,62 @@ def document_mask(document_ids: Tensor) -> Tensor:
     return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
 
 
+PACKED_ATTENTION = ("auto", "flex", "sdpa")
+
+
+def check_packed_attention(packed_attention: str, dropout: float) -> None:
+    """ValueError naming the value and the fix for a ``packed_attention`` the model cannot run (at construction, on
+    every rank, before any collective)."""
+    if packed_attention not in PACKED_ATTENTION:
+        raise ValueError(f"packed_attention={packed_attention!r}: use one of {PACKED_ATTENTION} ('auto': FlexAttention's"
+                         " block mask on CUDA, SDPA's dense mask elsewhere).")
+    if packed_attention == "flex" and dropout > 0:
+        raise ValueError(f"packed_attention='flex' with dropout={dropout}: FlexAttention has no attention dropout. Use"
+                         " dropout=0.0, or packed_attention='sdpa' (or 'auto', which takes the SDPA mask when"
+                         " dropout > 0).")
+
+
+def resolve_packed_attention(packed_attention: str, device: torch.device, dropout: float) -> str:
+    """"flex" or "sdpa" for packed rows on ``device``. "auto" takes FlexAttention where it runs as a fused kernel and
+    trains (CUDA; torch has no FlexAttention backward on CPU) and where nothing needs attention dropout."""
+    if packed_attention != "auto":
+        return packed_attention
+    return "flex" if device.type == "cuda" and dropout == 0 else "sdpa"
+
+
+@torch.compiler.disable
+def document_block_mask(document_ids: Tensor) -> BlockMask:
+    """The FlexAttention ``BlockMask`` of :func:`document_mask` (same document and key <= query) over (batch, heads
+    broadcast, seq, seq): blocks wholly across documents are skipped, blocks wholly inside one document's causal
+    part run without evaluating the mask. Built eagerly (``torch.compiler.disable``), also under a compiled stage:
+    building it inside the graph would trace the block sparsity computation into every stage graph."""
+    batch, seq = document_ids.shape
+
+    def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (document_ids[b, q] == document_ids[b, kv]) & (kv <= q)
+
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+
+
+@functools.cache
+def _compiled_flex_attention(backend: str) -> Callable[..., Tensor]:
+    # FlexAttention is fused only under torch.compile (eager runs a reference that materialises every score); one
+    # compiled callable per process, reused by every block and micro-batch.
+    return torch.compile(flex_attention, backend=backend, fullgraph=True)
+
+
+def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
+    """FlexAttention of (batch, heads, seq, head_dim) ``q``, ``k``, ``v`` under ``block_mask``: compiled on its own
+    in eager blocks, traced into the enclosing graph in compiled blocks (a nested torch.compile would be ignored)."""
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask)
+    try:
+        return _compiled_flex_attention(training.COMPILE_BACKEND)(q, k, v, block_mask=block_mask)
+    except NotImplementedError as err:  # torch's refusal, e.g. no FlexAttention backward on CPU
+        raise NotImplementedError(f"packed_attention='flex' on {q.device.type}: {err} Use packed_attention='auto'"
+                                  " (FlexAttention on CUDA, SDPA's dense mask elsewhere) or 'sdpa'.") from err
+
+
 def document_positions(document_ids: Tensor) -> Tensor:
     """Positions restarting at 0 where the document id changes (documents are contiguous runs of one id)."""
     seq = document_ids.shape[-1]
@@ -260,14 +333,20 @@ def document_positions(document_ids: Tensor) -> Tensor:
     return index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
 
 
-def packing_inputs(microbatch: Mapping[str, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
+def packing_inputs(microbatch: Mapping[str, Tensor | None], packed_attention: str = "sdpa",
+                   dropout: float = 0.0) -> tuple[Tensor | None, Tensor | BlockMask | None]:
     """(position ids, attention mask) of a micro-batch: both None without ``document_ids`` (plain rows); with them,
-    its ``position_ids`` (or positions derived from the documents) and the block-diagonal causal mask."""
+    its ``position_ids`` (or positions derived from the documents) and the block-diagonal causal mask: a FlexAttention
+    block mask or SDPA's dense mask, as ``packed_attention`` resolves on the documents' device
+    (:func:`resolve_packed_attention`)."""
     documents = microbatch.get("document_ids")
     if documents is None:
         return microbatch.get("position_ids"), None
     positions = microbatch.get("position_ids")
-    return (document_positions(documents) if positions is None else positions), document_mask(documents)
+    positions = document_positions(documents) if positions is None else positions
+    if resolve_packed_attention(packed_attention, documents.device, dropout) == "flex":
+        return positions, document_block_mask(documents)
+    return positions, document_mask(documents)
 
 
 def check_packed_batch(microbatch: Mapping[str, Tensor], max_positions: int) -> None:

@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.context import check_ulysses_heads
-from lightning_3d.recipes.gpt.model import Attention, GPTModel, check_packed_batch, copy_full_into
+from lightning_3d.recipes.gpt.model import (Attention, GPTModel, check_packed_attention, check_packed_batch,
+                                           copy_full_into)
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
 from lightning_3d.recipes.kernels import linear_cross_entropy
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
@@ -32,7 +33,10 @@ class GPT(pl.LightningModule):
     ``fused_head_loss``: the head and the loss computed chunk by chunk (``recipes.kernels.linear_cross_entropy``),
     never holding a micro-batch's full-vocabulary logits; tensor-parallel size 1 only. ``compile_scope="stage"``: with
     ``compile``, one graph per pipeline stage (or the whole model outside our strategy) instead of one per block;
-    tensor-parallel size 1 only.
+    tensor-parallel size 1 only. ``packed_attention``: how packed rows (micro-batches with ``document_ids``) attend:
+    ``"flex"`` (FlexAttention with a causal same-document block mask: skips the blocks across documents; CUDA for
+    training, no attention dropout), ``"sdpa"`` (SDPA with a dense block-diagonal causal mask: every block of the
+    row computed) or ``"auto"`` (flex on CUDA without dropout, sdpa otherwise). Plain rows ignore it.
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class GPT(pl.LightningModule):
         compile: bool | str = False,
         fused_head_loss: bool = False,
         compile_scope: str = "block",
+        packed_attention: str = "auto",
         learning_rate: float = 3e-4,
         min_learning_rate: float = 3e-5,
         weight_decay: float = 0.1,
@@ -75,6 +80,7 @@ class GPT(pl.LightningModule):
                 f"hidden_size={self.config.hidden_size} is not divisible by num_heads={self.config.num_heads}."
             )
         check_speed_options(compile, optimizer_foreach, optimizer_fused, compile_scope)
+        check_packed_attention(packed_attention, self.config.dropout)
         self.model: GPTModel | None = None
 
     # ----- building -----------------------------------------------------------------------------------------
@@ -87,7 +93,8 @@ class GPT(pl.LightningModule):
             return
         padded = self.config.padded_vocab_size(self._tensor_parallel_size())
         with torch.device("meta"):
-            self.model = GPTModel(self.config, padded, self.hparams.activation_checkpointing)
+            self.model = GPTModel(self.config, padded, self.hparams.activation_checkpointing,
+                                  self.hparams.packed_attention)
         if self.hparams.fused_head_loss:
             if self._tensor_parallel_size() > 1:
                 raise ValueError(f"fused_head_loss=True needs tensor_parallel_size 1 (got {self._tensor_parallel_size()}):"

@@ -52,13 +52,15 @@ class GPTStage(nn.Module):
         self.activation_checkpointing = (
             model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         )
+        self.packed_attention, self.dropout = model.packed_attention, model.config.dropout
 
     def forward(self, *received: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
         # A dynamic plan may switch recomputation per micro-batch (lightning_3d.dynamic.RECOMPUTE_KEY, docs/dynamic.md).
         return with_microbatch_checkpointing(self, microbatch, lambda: self._forward(received, microbatch))
 
     def _forward(self, received: tuple[Tensor, ...], microbatch: dict[str, Tensor]) -> Tensor:
-        positions, mask = packing_inputs(microbatch)  # None, None for plain rows; packed documents: see model.py
+        # None, None for plain rows; packed documents: see model.py
+        positions, mask = packing_inputs(microbatch, self.packed_attention, self.dropout)
         x = self.embed(microbatch["input_ids"], positions) if self.embed is not None else received[0]
         return run_layers(self, x, self.layers.values(), mask)  # type: ignore[arg-type]
 
