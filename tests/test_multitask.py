@@ -67,11 +67,18 @@ def logits_of(model, mb: dict) -> torch.Tensor:
     return run_stage(model, (), mb)[..., :VOCAB]
 
 
-@pytest.mark.parametrize("model_type", ["gpt", "t5"])
-def test_packing_with_document_masks_equals_the_unpacked_samples(model_type: str) -> None:
+@pytest.mark.parametrize("model_type", ["gpt", "gpt-flex", "t5"])
+def test_packing_with_document_masks_equals_the_unpacked_samples(model_type: str, monkeypatch) -> None:
     """Each sample's logits inside a packed row, the summed loss and the gradients equal those of the samples run
-    alone (padding micro-batches of one sample: nothing padded), within fp32 summation-order tolerance."""
-    model = gpt_model() if model_type == "gpt" else t5_model()
+    alone (padding micro-batches of one sample: nothing padded), within fp32 summation-order tolerance. "gpt-flex":
+    the packed rows under FlexAttention's block mask (tests/test_flex_packing.py runs flex's backward on CPU)."""
+    model = gpt_model() if model_type.startswith("gpt") else t5_model()
+    if model_type == "gpt-flex":
+        from tests.test_flex_packing import allow_flex_backward_on_cpu
+
+        allow_flex_backward_on_cpu(monkeypatch)
+        model.packed_attention = "flex"
+        model_type = "gpt"
     samples = random_samples(model_type, 9)
     packing = collator(model_type, "packing")
     packed = packing.microbatches(samples)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -28,7 +29,6 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.context import ring_attention, ulysses_attention
-import lightning_3d.recipes.training as training
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
@@ -305,11 +305,16 @@ def document_block_mask(document_ids: Tensor) -> BlockMask:
     return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
 
 
+# What flex_attention is compiled with (as recipes/training.py's COMPILE_BACKEND, read here from the same variable:
+# training.py imports this module). Tests use "aot_eager": the same graph capture, torch's reference math kernels.
+FLEX_COMPILE_BACKEND = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
+
+
 @functools.cache
 def _compiled_flex_attention(backend: str) -> Callable[..., Tensor]:
     # FlexAttention is fused only under torch.compile (eager runs a reference that materialises every score); one
     # compiled callable per process, reused by every block and micro-batch.
-    return torch.compile(flex_attention, backend=backend, fullgraph=True)
+    return torch.compile(flex_attention, backend=backend)
 
 
 def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
@@ -318,7 +323,7 @@ def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMa
     if torch.compiler.is_compiling():
         return flex_attention(q, k, v, block_mask=block_mask)
     try:
-        return _compiled_flex_attention(training.COMPILE_BACKEND)(q, k, v, block_mask=block_mask)
+        return _compiled_flex_attention(FLEX_COMPILE_BACKEND)(q, k, v, block_mask=block_mask)
     except NotImplementedError as err:  # torch's refusal, e.g. no FlexAttention backward on CPU
         raise NotImplementedError(f"packed_attention='flex' on {q.device.type}: {err} Use packed_attention='auto'"
                                   " (FlexAttention on CUDA, SDPA's dense mask elsewhere) or 'sdpa'.") from err

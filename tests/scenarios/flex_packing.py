@@ -1,0 +1,70 @@
+"""Packed rows under FlexAttention's block mask train like unpacked ones through tensor, sequence and pipeline
+parallelism (2 ranks, CPU).
+
+GPT with ``packed_attention="flex"`` at tp=2 with sequence parallelism and at pp=2 with activation checkpointing,
+against plain single-process training on the same global batches, padded (tests/scenarios/multitask.py's reference).
+CPU has no FlexAttention backward in torch; as in tests/test_flex_packing.py, the one check that refuses it is lifted
+and flex is compiled with "aot_eager" (torch's reference math kernels, the same capture as on the GPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import lightning_3d.recipes.gpt.model as gpt_model_module
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.recipes import GPT
+from tests.scenarios.common import LossRecorder, parse_args, trainer, write_report
+from tests.scenarios.multitask import OPTIM, SEQ, STEPS, compare, data, full_parameters, reference
+
+
+def allow_flex_backward_on_cpu() -> list[int]:
+    import torch.nn.attention.flex_attention as torch_flex
+
+    original = torch_flex._validate_device
+    torch_flex._validate_device = lambda q, k, v: None if q.device.type == "cpu" else original(q, k, v)
+    gpt_model_module.FLEX_COMPILE_BACKEND = "aot_eager"
+    calls = [0]
+    compiled = gpt_model_module._compiled_flex_attention
+
+    def counting(backend):
+        kernel = compiled(backend)
+
+        def run(*args, **kw):
+            calls[0] += 1
+            return kernel(*args, **kw)
+        return run
+
+    gpt_model_module._compiled_flex_attention = counting
+    return calls
+
+
+def fit(cache: Path, pp: int, tp: int, sequence_parallel: bool, activation_checkpointing: bool) -> tuple:
+    dm = data("gpt", "packing", cache)
+    module = GPT("tiny", vocab_size=dm.vocab_size, seq_length=SEQ, num_layers=2, hidden_size=32, num_heads=4,
+                 packed_attention="flex", activation_checkpointing=activation_checkpointing, **OPTIM)
+    strategy = Compressed3DStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2,
+                                    sequence_parallel=sequence_parallel, compression=False)
+    recorder = LossRecorder()
+    trainer(strategy, STEPS, [recorder]).fit(module, datamodule=dm)
+    return recorder.losses, full_parameters(module)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    calls = allow_flex_backward_on_cpu()
+    cache = args.report.with_suffix(".cache")
+    ref = reference(cache)
+    results: dict = {
+        "gpt_tp2_sp_flex": compare(fit(cache, 1, 2, True, False), ref),
+        "gpt_pp2_ac_flex": compare(fit(cache, 2, 1, False, True), ref),
+    }
+    results["calls"] = calls[0]
+    write_report(args.report, results)
+
+
+if __name__ == "__main__":
+    main()

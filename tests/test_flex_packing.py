@@ -1,0 +1,218 @@
+"""FlexAttention document masking for packed GPT rows (``GPT(packed_attention=...)``), single process, CPU.
+
+torch has no FlexAttention backward on CPU: its public ``flex_attention`` refuses inputs that require grad there. The
+fixture ``flex_on_cpu`` lifts that one check (``_validate_device``) and compiles flex with "aot_eager" (the same
+dynamo capture and autograd tracing as on the GPU, torch's reference math kernels for the forward and the backward),
+so the CPU suite checks everything but the fused Triton kernel: the block mask, its plumbing through the blocks,
+activation checkpointing, compiled blocks, and the gradients. The fused CPU kernel (inductor, forward only) is
+checked without grad. Tolerances: flex and the dense mask are both fp32 softmax attention over the same scores, so
+they differ by summation order only (tests/tolerance.py's chain bound, as for packed against unpacked rows).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as torch_flex
+from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+import lightning_3d.recipes.gpt.model as gpt_model_module
+from lightning_3d.recipes import GPT
+from lightning_3d.recipes.gpt.config import preset
+from lightning_3d.recipes.gpt.model import (GPTModel, document_block_mask, document_mask, packing_inputs,
+                                            resolve_packed_attention)
+from lightning_3d.recipes.training import IGNORE_INDEX, summed_token_cross_entropy
+from tests.test_multitask import VOCAB, collator, random_samples
+from tests.tolerance import gpt_tolerance, loss_tolerance, scaled_error
+
+
+def allow_flex_backward_on_cpu(monkeypatch) -> None:
+    """Let flex_attention train on CPU through torch's reference math path (see the module docstring)."""
+    original = torch_flex._validate_device
+
+    def validate(query, key, value):
+        if query.device.type != "cpu":
+            original(query, key, value)
+
+    monkeypatch.setattr(torch_flex, "_validate_device", validate)
+    monkeypatch.setattr(gpt_model_module, "FLEX_COMPILE_BACKEND", "aot_eager")
+
+
+@pytest.fixture
+def flex_on_cpu(monkeypatch):
+    allow_flex_backward_on_cpu(monkeypatch)
+
+
+def model(packed_attention: str = "flex", **kw) -> GPTModel:
+    m = GPTModel(preset("tiny", vocab_size=VOCAB, seq_length=32, num_layers=2, hidden_size=32, num_heads=4),
+                 packed_attention=packed_attention, **kw)
+    m.init_weights(7)
+    return m
+
+
+def packed_microbatch(seed: int = 0) -> dict:
+    mb = collator("gpt", "packing").microbatches(random_samples("gpt", 12, seed))[0]
+    assert int(mb["document_ids"].max()) >= 2  # rows really hold several documents (and a padding tail)
+    return mb
+
+
+def loss_and_grads(m: GPTModel, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    m.zero_grad()
+    logits = m(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
+    loss = summed_token_cross_entropy(logits, mb["labels"])
+    loss.backward()
+    return loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def count_flex_calls(monkeypatch) -> list[int]:
+    """How many times the compiled flex kernel runs (forward calls, including recomputation)."""
+    calls = [0]
+    compiled = gpt_model_module._compiled_flex_attention
+
+    def counting(backend):
+        kernel = compiled(backend)
+
+        def run(*args, **kw):
+            calls[0] += 1
+            return kernel(*args, **kw)
+        return run
+
+    monkeypatch.setattr(gpt_model_module, "_compiled_flex_attention", counting)
+    return calls
+
+
+def test_block_mask_is_the_dense_document_mask_and_skips_blocks_across_documents():
+    docs = packed_microbatch()["document_ids"]
+    block = document_block_mask(docs)
+    assert isinstance(block, BlockMask) and block.shape == (*docs.shape[:1], 1, docs.shape[1], docs.shape[1])
+    dense = create_mask(block.mask_mod, docs.shape[0], 1, docs.shape[1], docs.shape[1])
+    assert torch.equal(dense, document_mask(docs))
+    # Four documents of 128 tokens in a 512-token row, blocks of 128: only the 4 diagonal blocks run (causal alone
+    # would run 10 of the 16), all of them partial (causal inside); in a row of one document, 10 run, 4 of them partial.
+    four = torch.arange(4).repeat_interleave(128)[None]
+    mask = document_block_mask(four)
+    assert mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum() == 4 and mask.full_kv_num_blocks.sum() == 0
+    one = document_block_mask(torch.zeros(1, 512, dtype=torch.long))
+    assert (one.kv_num_blocks.sum(), one.full_kv_num_blocks.sum()) == (4, 6)
+
+
+def test_auto_resolves_to_flex_on_cuda_only_and_packing_inputs_builds_that_mask():
+    assert resolve_packed_attention("auto", torch.device("cuda"), 0.0) == "flex"
+    assert resolve_packed_attention("auto", torch.device("cpu"), 0.0) == "sdpa"
+    assert resolve_packed_attention("auto", torch.device("cuda"), 0.1) == "sdpa"  # flex has no attention dropout
+    assert resolve_packed_attention("flex", torch.device("cpu"), 0.0) == "flex"
+    assert resolve_packed_attention("sdpa", torch.device("cuda"), 0.0) == "sdpa"
+    mb = packed_microbatch()
+    assert isinstance(packing_inputs(mb, "flex")[1], BlockMask)
+    assert torch.equal(packing_inputs(mb, "auto")[1], document_mask(mb["document_ids"]))  # CPU: the dense mask
+    assert packing_inputs({"input_ids": mb["input_ids"]}, "flex") == (None, None)  # plain rows: no mask at all
+
+
+def test_flex_equals_the_dense_mask_in_loss_and_every_gradient(flex_on_cpu):
+    mb = packed_microbatch()
+    flex, dense = model("flex"), model("sdpa")
+    loss_f, logits_f, grads_f = loss_and_grads(flex, mb)
+    loss_d, logits_d, grads_d = loss_and_grads(dense, mb)
+    tol = gpt_tolerance(2, 64)
+    n_tokens = int((mb["labels"] != IGNORE_INDEX).sum())
+    assert scaled_error(logits_f, logits_d) <= tol
+    assert abs(loss_f.item() - loss_d.item()) <= n_tokens * loss_tolerance(tol, logits_d)
+    assert grads_f.keys() == grads_d.keys()
+    for name, grad in grads_d.items():
+        assert scaled_error(grads_f[name], grad) <= n_tokens * tol, name
+    # Not vacuous: the documents matter (plain causal attention over the row gives other logits).
+    assert scaled_error(flex(mb["input_ids"], mb["position_ids"])[..., :VOCAB], logits_d) > 100 * tol
+
+
+def test_recomputation_runs_flex_again_and_changes_nothing(flex_on_cpu, monkeypatch):
+    calls = count_flex_calls(monkeypatch)
+    mb = packed_microbatch()
+    loss, _, grads = loss_and_grads(model("flex"), mb)
+    assert calls[0] == 2  # one per block
+    loss_ac, _, grads_ac = loss_and_grads(model("flex", activation_checkpointing=True), mb)
+    assert calls[0] == 2 + 4  # the forward and the recomputation of both blocks
+    assert torch.equal(loss_ac, loss)
+    for name, grad in grads.items():
+        assert torch.equal(grads_ac[name], grad), name
+
+
+def test_compiled_blocks_trace_flex_into_their_graph_without_recompiling_per_microbatch(flex_on_cpu, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    calls = count_flex_calls(monkeypatch)
+    eager = model("flex")
+    compiled = model("flex")
+    for block in compiled.layers.values():
+        block.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    mb, other = packed_microbatch(0), packed_microbatch(1)
+    assert not torch.equal(mb["document_ids"], other["document_ids"])
+    loss, _, grads = loss_and_grads(eager, mb)
+    eager_calls = calls[0]
+    loss_c, _, grads_c = loss_and_grads(compiled, mb)
+    assert calls[0] == eager_calls  # inside the compiled blocks flex is part of their graph, not a nested compile
+    tol = gpt_tolerance(2, 64)
+    assert abs(loss_c.item() - loss.item()) <= tol * abs(loss.item())
+    for name, grad in grads.items():
+        assert scaled_error(grads_c[name], grad) <= tol, name
+    graphs = counters["stats"]["unique_graphs"]
+    loss_and_grads(compiled, other)  # same shape, other documents: the block mask is an input, not a guard
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_fused_cpu_kernel_forward_equals_the_dense_mask(monkeypatch):
+    """Inductor's compiled flex (the fused kernel; CPU runs it without grad) against the dense mask."""
+    monkeypatch.setattr(gpt_model_module, "FLEX_COMPILE_BACKEND", "inductor")
+    mb = packed_microbatch()
+    with torch.no_grad():
+        fused = model("flex")(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
+        dense = model("sdpa")(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
+    assert scaled_error(fused, dense) <= gpt_tolerance(2, 64)
+
+
+def test_bad_values_and_what_flex_cannot_do_give_clear_errors():
+    with pytest.raises(ValueError, match=r"packed_attention='dense': use one of \('auto', 'flex', 'sdpa'\)"):
+        GPT("tiny", packed_attention="dense")
+    with pytest.raises(ValueError, match=r"packed_attention='flex' with dropout=0.1: FlexAttention has no attention"
+                                         r" dropout. Use dropout=0.0, or packed_attention='sdpa'"):
+        GPT("tiny", dropout=0.1, packed_attention="flex")
+    with pytest.raises(ValueError, match="packed_attention='Flex'"):
+        model("Flex")
+    GPT("tiny", dropout=0.1, packed_attention="auto")  # auto takes the SDPA mask with dropout
+    # Training with flex on CPU: torch's refusal, with the option that avoids it.
+    mb = packed_microbatch()
+    with pytest.raises(NotImplementedError, match=r"packed_attention='flex' on cpu: FlexAttention does not support"
+                                                  r" backward on CPU.* Use packed_attention='auto'"):
+        model("flex")(mb["input_ids"], mb["position_ids"], mb["document_ids"])
+    # Context parallelism attends over whole sequences: a block mask is refused like the dense mask.
+    attn = model("flex").layers["0"].attn
+    attn.context = (None, "contiguous", "ring")
+    with pytest.raises(ValueError, match="packed documents .* need context_parallel_size=1"):
+        attn(torch.zeros(1, 32, 32), mask=document_block_mask(torch.zeros(1, 32, dtype=torch.long)))
+
+
+def test_cli_reaches_packed_attention(tmp_path: Path, monkeypatch):
+    from lightning_3d.cli import build_cli
+    from tests.test_multitask import FLAN
+
+    monkeypatch.setattr("sys.argv", ["lightning-3d"])
+    cli = build_cli(["--config", "gpt_multitask_tiny", "--model.packed_attention=flex", f"--data.data_files={FLAN}",
+                     "--data.tokenizer=bytes", f"--trainer.default_root_dir={tmp_path}",
+                     f"--data.cache_dir={tmp_path / 'cache'}"], run=False)
+    cli.model.configure_model()
+    assert cli.model.hparams.packed_attention == "flex" and cli.model.model.packed_attention == "flex"
+
+
+def test_tensor_sequence_and_pipeline_parallel_flex_train_like_one_process(tmp_path: Path):
+    """GPT with packed_attention='flex' at tp=2 with sequence parallelism (heads sharded: the block mask is head-free)
+    and at pp=2 with activation checkpointing equals plain single-process training on the same global batches, padded,
+    within the 1e-5 relative fp32 tolerance of tests/test_multitask.py's packed scenario."""
+    from tests.launch import run_scenario
+
+    report = run_scenario(2, "flex_packing", [], tmp_path / "report.json", timeout=600)
+    assert report.pop("calls") > 0  # flex really ran in the fits
+    assert set(report) == {"gpt_tp2_sp_flex", "gpt_pp2_ac_flex"}
+    for name, result in report.items():
+        assert result["loss_err"] <= 1e-5 and result["param_err"] <= 1e-5, (name, result)
