@@ -22,8 +22,9 @@ repeat, under the ``torch`` and ``flash_first`` orders; per order one JSON line 
 slowest first call a profile of a fresh shape of the same kind: the top host operators by self time and the top device
 kernels (what the time went to, whatever it is).
 
-``--parts packed``: packing's attention (two rows of documents under the document mask) against causal attention
-over the same rows, so the packing baseline's attention cost is known (see :func:`packed_part`).
+``--parts packed``: packing's attention (two rows of documents) under the dense document mask, under FlexAttention's
+block mask (the GPT recipe's ``packed_attention="flex"``, CUDA), and causal attention over the same rows, so the
+packing baselines' attention costs are known (see :func:`packed_part`).
 
     python benchmarks/dynamic_shapes.py --preset 1.3b --tokens 4096 --shapes 24
     python benchmarks/dynamic_shapes.py --device cpu --preset tiny --tokens 256 --shapes 4 --orders torch math
@@ -189,9 +190,11 @@ def model_part(args, model, order: str, shape_list: list[tuple[int, int]], offse
 
 def packed_part(args, heads: int, head_dim: int, dtype) -> dict:
     """What packing's attention costs: rows of ``--max-len`` tokens holding documents of the multi-task mix's
-    typical lengths, attended with the model's document mask (a dense (rows, 1, s, s) boolean mask, torch's backend
-    order) against plain causal flash attention over the same rows (what varlen flash or FlexAttention would cost at
-    most: they also skip the blocks across documents). Steady state (each measured after one call)."""
+    typical lengths, attended with the model's dense document mask (a (rows, 1, s, s) boolean mask, torch's backend
+    order), with its FlexAttention block mask (``flex``: the recipe's compiled flex call; CUDA only, CPU has no flex
+    backward) and plain causal flash attention over the same rows (which also computes the blocks across documents
+    below the diagonal). Steady state (each measured after one call; flex's first call compiles it). ``flex`` also
+    reports the largest difference of its output from the dense mask's and the time to build its block mask."""
     device, s = args.device, args.max_len
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(args.seed)
@@ -215,8 +218,29 @@ def packed_part(args, heads: int, head_dim: int, dtype) -> dict:
     def causal():
         attention_call(q, k, v, "flash_first")
 
+    variants = [("masked", masked), ("causal_flash_first", causal)]
     out = {"part": "packed", "rows": 2, "length": s, "documents": [int(r.max()) + 1 for r in rows]}
-    for name, fn in (("masked", masked), ("causal_flash_first", causal)):
+    if device == "cuda":
+        block = gpt_model.document_block_mask(documents)
+
+        def flex():
+            y = gpt_model.flex_document_attention(q, k, v, block)
+            y.backward(torch.ones_like(y))
+
+        with torch.no_grad():
+            dense_y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            flex_y = gpt_model.flex_document_attention(q, k, v, block)
+            out["flex_max_abs_diff"] = float((flex_y.float() - dense_y.float()).abs().max())
+        sync()
+        start = time.perf_counter()
+        for _ in range(10):
+            gpt_model.document_block_mask(documents)
+        sync()
+        out["flex_block_mask_build_ms"] = round(100 * (time.perf_counter() - start), 3)
+        variants.insert(1, ("flex", flex))
+    else:
+        out["flex"] = "CUDA only (torch has no FlexAttention backward on CPU)"
+    for name, fn in variants:
         fn()
         times = []
         for _ in range(5):

@@ -5,13 +5,16 @@
 #      200 training steps fed by planning DataLoader workers (steps waiting for a plan, plan lead, fetch time)
 #   2. dynamic_planning: planning time per 65,536-token batch on one CPU core, with that profile
 #   3./4. multitask_microbatching: useful tokens/s of GPT-1.3B and T5-770M on the multi-task mix: padding, packing at
-#      several rows per micro-batch (best-tuned), token budget, dynamic
+#      several rows per micro-batch (best-tuned; GPT's packing@N runs FlexAttention's block mask on CUDA, packing@N:sdpa
+#      the dense SDPA mask of the earlier runs), token budget, dynamic
 # The multi-task data cache (tokenizer + samples, ~11 MB, $L3D_CACHE) is built on the CPU in the background during
 # part 1, so it costs no extra device time.
 #   SMOKE=1 runs every part with tiny sizes on CPU (about 10 minutes on 2 busy cores).
 #   PARTS="multitask_t5" (any of dynamic_gpu planning multitask_gpt multitask_t5) runs those parts only, and
 #   L1..L4 override their time limits (seconds), e.g. PARTS=multitask_t5 L4=500 for T5-770M in a call of its own
-#   (its profile and compiles do not fit the 120 s it gets beside the other parts).
+#   (its profile and compiles do not fit the 120 s it gets beside the other parts). multitask_gpt without
+#   dynamic_gpu measures its own profile (same grid), e.g. PARTS=multitask_gpt L3=330 (packing under FlexAttention
+#   and under the dense mask, and dynamic, in a call of its own).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
@@ -38,7 +41,11 @@ part() {  # name, time limit (s), command...: run it, then print its rc, wall ti
   timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   echo "== $name rc=$rc $(($(date +%s) - start))s (limit ${limit}s)"
-  grep '^{' "$OUT/$name.log" | cut -c1-700
+  if grep -q '^|' "$OUT/$name.log"; then  # a table (multitask_microbatching): it and the summary; the rows' JSON is in the log
+    grep -E '^\||^\{"summary' "$OUT/$name.log" | cut -c1-700
+  else
+    grep '^{' "$OUT/$name.log" | cut -c1-700
+  fi
   [ "$rc" = 0 ] || tail -n 5 "$OUT/$name.log"
 }
 
@@ -60,11 +67,16 @@ fi
 
 wait "$PREPARE"; echo "== prepare rc=$? $(tail -n 1 "$OUT/prepare.log" | cut -c1-200)"
 GPROF="$OUT/profile_$GPT.json"
-[ -f "$GPROF" ] || GPROF=none  # part 1 did not get to write it: dynamic plans with the analytic model
+if [ ! -f "$GPROF" ] && ! want dynamic_gpu; then
+  GPROF=measure  # multitask_gpt on its own: it measures the profile itself (written to $OUT/profile_gpt_$GPT.json)
+elif [ ! -f "$GPROF" ]; then
+  GPROF=none  # part 1 did not get to write it: dynamic plans with the analytic model
+fi
 
 want multitask_gpt && part multitask_gpt "$L3" python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset "$GPT" $MT \
-  --global-batch "$GB" --steps "$STEPS" --warmup "$WARM" --profile "$GPROF" \
-  --variants padding@4 packing@1 packing@2 packing@4 token_budget@$TB dynamic --out "$OUT/multitask_gpt.json"
+  --global-batch "$GB" --steps "$STEPS" --warmup "$WARM" --profile "$GPROF" --profile-sizes "$PSIZES" \
+  --profile-lens "$PLENS" --variants padding@4 packing@1 packing@2 packing@4 packing@2:sdpa packing@4:sdpa \
+  token_budget@$TB dynamic --out "$OUT/multitask_gpt.json"
 
 want multitask_t5 && part multitask_t5 "$L4" python benchmarks/multitask_microbatching.py --engine direct --model t5 --preset "$T5" \
   --seq-length "$TSEQ" --target-length "$TTGT" --num-samples "$NS" --vocab-size "$VOCAB" --cache-dir "$CACHE" \

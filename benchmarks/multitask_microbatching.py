@@ -5,6 +5,11 @@ batches (same seed), so the ratio of their useful tokens/s is the speed-up. Vari
 micro-batch), ``packing@N`` (N packed rows of ``--seq-length`` tokens per micro-batch, document-masked),
 ``token_budget@N`` (at most N padded tokens per micro-batch) and ``dynamic`` (DynaPipe planner with the memory
 budget at ``--memory-fraction`` of the card; ``--profile`` a measured profile, else the analytic cost model).
+GPT's packed rows attend as ``GPT(packed_attention=...)`` says: ``packing@N`` takes the recipe's default ("auto":
+FlexAttention's block mask on CUDA, which skips the blocks across documents, the dense SDPA mask elsewhere),
+``packing@N:sdpa`` the dense mask (every block of the row computed) and ``packing@N:flex`` FlexAttention; the table's
+"attention" column says what each variant ran (padding, token budget and dynamic rows are right-padded and run SDPA's
+plain causal kernel: causality already hides the padding behind each sample, so no mask is built).
 
 ``--engine direct`` (one GPU, pp = 1): one model, built once; every variant's micro-batches are collated by the data
 module's own collators before the timed steps, then trained (fp32 weights, bf16 autocast, AdamW) with the recipe's
@@ -17,7 +22,7 @@ processes per variant (start it with torchrun for several GPUs; rank 0 prints), 
 synchronised per-step clock after ``--warmup`` steps.
 
     python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset 1.3b \
-        --variants padding@4 packing@1 packing@2 token_budget@16384 dynamic --out $OUT/multitask_gpt.json
+        --variants padding@4 packing@1 packing@2 packing@2:sdpa token_budget@16384 dynamic --out $OUT/multitask_gpt.json
     torchrun --nproc_per_node 4 benchmarks/multitask_microbatching.py --engine lightning --devices 4 --pp 2 ...
 """
 
@@ -43,12 +48,15 @@ from lightning_3d.recipes import GPT, T5  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
 from lightning_3d.recipes.data.multitask_batching import (  # noqa: E402
     StepCollator, sample_input_length, sample_lengths, sample_target_length)
+from lightning_3d.recipes.gpt.model import PACKED_ATTENTION, resolve_packed_attention  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, int | None]:
     """``padding@N`` -> ("padding", N); ``dynamic`` -> ("dynamic", None) (plans with ``--profile``);
-    ``dynamic@analytic`` -> ("dynamic", None) planned with the analytic cost model whatever ``--profile`` says."""
-    name, _, size = text.partition("@")
+    ``dynamic@analytic`` -> ("dynamic", None) planned with the analytic cost model whatever ``--profile`` says;
+    ``packing@N:sdpa`` / ``packing@N:flex`` -> ("packing", N) with that packed attention (:func:`packed_attention_of`)."""
+    packed_attention_of(text)
+    name, _, size = text.partition(":")[0].partition("@")
     if name not in ("padding", "packing", "token_budget", "dynamic"):
         raise SystemExit(f"unknown variant {text!r}: use padding@N, packing@N, token_budget@N, dynamic or"
                          " dynamic@analytic")
@@ -59,6 +67,27 @@ def parse_variant(text: str) -> tuple[str, int | None]:
     if not size.isdigit() or int(size) < 1:
         raise SystemExit(f"variant {text!r} needs a positive size after @, e.g. {name}@4")
     return name, int(size)
+
+
+def packed_attention_of(text: str) -> str:
+    """The GPT packed attention a variant names after ``:`` ("auto" without one); only packing variants take one."""
+    base, _, attention = text.partition(":")
+    if not attention:
+        return "auto"
+    if not base.startswith("packing@") or attention not in PACKED_ATTENTION:
+        raise SystemExit(f"unknown variant {text!r}: only packing takes an attention, one of {PACKED_ATTENTION}"
+                         " (e.g. packing@2:sdpa for the dense SDPA mask, packing@2:flex for FlexAttention)")
+    return attention
+
+
+def attention_label(model_type: str, name: str, attention: str, device: str, dropout: float) -> str:
+    """What a variant's attention runs, for the table: GPT packing's resolved packed attention, else the mask kind."""
+    if model_type == "t5":
+        return "sdpa+doc mask" if name == "packing" else "sdpa+pad mask"  # T5 masks encoder padding, packing: pairs
+    if name != "packing":
+        return "sdpa causal"
+    return "flex block mask" if resolve_packed_attention(attention, torch.device(device), dropout) == "flex" \
+        else "sdpa dense mask"
 
 
 def shape_counts(steps: list[list[dict]], seen: set) -> tuple[float, float]:
@@ -74,12 +103,13 @@ def shape_counts(steps: list[list[dict]], seen: set) -> tuple[float, float]:
     return round(float(np.mean(distinct)), 1), round(float(np.mean(new)), 1)
 
 
-TABLE = [("variant", "variant", "{}"), ("sdpa", "sdpa", "{}"), ("tok/s", "useful_tokens_per_s", "{:,}"),
+TABLE = [("variant", "variant", "{}"), ("sdpa", "sdpa", "{}"), ("attention", "attention", "{}"),
+         ("tok/s", "useful_tokens_per_s", "{:,}"),
          ("repeat tok/s", "useful_tokens_per_s_repeat", "{:,}"), ("step s", "step_s_mean", "{:.3f}"),
          ("predicted s", "predicted_step_s_mean", "{:.3f}"), ("mb/step", "microbatches_per_step", "{}"),
          ("shapes", "shapes_per_step", "{}"), ("new shapes", "new_shapes_per_step", "{}"),
          ("padding", "padding_fraction", "{:.1%}"), ("dev allocs", "device_allocs_per_step", "{}"),
-         ("peak GB", "peak_memory_gb", "{}")]
+         ("peak GB", "peak_memory_gb", "{}"), ("timed compiles", "compiles_timed", "{}")]
 
 
 def table(rows: list[dict]) -> str:
@@ -87,7 +117,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(h for h, _, _ in TABLE) + " |", "|" + "---|" * len(TABLE)]
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['variant']} | {r.get('sdpa', '')} | error: {r['error'][:120]} |")
+            lines.append(f"| {r['variant']} | {r.get('sdpa', '')} | {r.get('attention', '')} | error: {r['error'][:120]} |")
             continue
         cells = [fmt.format(r[key]) if r.get(key) is not None else "" for _, key, fmt in TABLE]
         lines.append("| " + " | ".join(cells) + " |")
@@ -128,9 +158,9 @@ def data_module(args, microbatching: str = "padding", size: int | None = None, *
         val_fraction=0.0, seed=args.seed, cache_dir=args.cache_dir, **extra)
 
 
-def build_model(args, data: MultiTaskDataModule):
+def build_model(args, data: MultiTaskDataModule, packed_attention: str = "auto"):
     if args.model == "gpt":
-        return GPT(args.preset, vocab_size=data.vocab_size, seq_length=args.seq_length)
+        return GPT(args.preset, vocab_size=data.vocab_size, seq_length=args.seq_length, packed_attention=packed_attention)
     return T5(args.preset, vocab_size=data.vocab_size, pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id)
 
 
@@ -163,6 +193,14 @@ def cost_model_for(args, module, shape):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, allow_nan=False))
     return ProfiledCostModel(out)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (FlexAttention's kernels are compiled on first use and
+    for a new shape): a compile inside the timed steps shows in the table."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 # ----- direct engine: one model, every variant on the same batches ----------------------------------------------
@@ -219,10 +257,14 @@ def direct(args) -> list[dict]:
     cuda_stats = (lambda: torch.cuda.memory_stats()) if cuda else (lambda: {})
     for sdpa, text in [(o, v) for o in args.sdpa for v in args.variants]:
         name, size = parse_variant(text)
-        row = {"variant": text, "sdpa": sdpa, "error": None}
+        attention = packed_attention_of(text)
+        row = {"variant": text, "sdpa": sdpa, "error": None,
+               "attention": attention_label(args.model, name, attention, device, module.config.dropout)}
         backend_order = contextlib.ExitStack()
         try:
             backend_order.enter_context(sdpa_context(sdpa))
+            if args.model == "gpt":
+                model.packed_attention = attention
             collator: StepCollator = data_module(args, name if name != "dynamic" else "padding", size).collator(1, 0)
             plan_s = 0.0
             if name == "dynamic":
@@ -247,7 +289,9 @@ def direct(args) -> list[dict]:
 
             def timed_pass() -> list[float]:
                 times = []
-                for mbs in steps:
+                for k, mbs in enumerate(steps):
+                    if k == args.warmup:
+                        graphs[0] = compiled_graphs()
                     if cuda:
                         torch.cuda.synchronize()
                     start = time.perf_counter()
@@ -257,10 +301,13 @@ def direct(args) -> list[dict]:
                     times.append(time.perf_counter() - start)
                 return times
 
+            graphs = [compiled_graphs()]
+
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             stats = cuda_stats()
             times = timed_pass()
+            compiles_timed = compiled_graphs() - graphs[0]  # e.g. FlexAttention recompiled for a new shape
             after = cuda_stats()
             timed = slice(args.warmup, None)
             seconds = sum(times[timed])
@@ -270,7 +317,7 @@ def direct(args) -> list[dict]:
                 "microbatches_per_step": round(float(np.mean([len(s) for s in steps])), 1),
                 "shapes_per_step": distinct, "new_shapes_per_step": new,
                 "padding_fraction": round(1 - sum(useful) / sum(computed), 3),
-                "collate_ms_per_step": round(1000 * plan_s / len(steps), 1),
+                "collate_ms_per_step": round(1000 * plan_s / len(steps), 1), "compiles_timed": compiles_timed,
                 "peak_memory_gb": round((torch.cuda.max_memory_allocated() - baseline) / 2**30, 2) if cuda else None})
             if cuda:  # allocator churn: segments allocated from the device, and retries after freeing the cache
                 row["device_allocs_per_step"] = round(
@@ -372,7 +419,7 @@ def lightning(args) -> list[dict]:
         name, size = parse_variant(text)
         row = {"variant": text, "pp": args.pp, "dp": world // args.pp, "error": None}
         try:
-            model = build_model(args, probe)
+            model = build_model(args, probe, packed_attention_of(text))
             extra = {"memory_budget_gb": budget_gb} if name == "dynamic" else {}
             data = data_module(args, name, size, num_workers=args.num_workers, **extra)
             if name == "dynamic" and args.profile not in ("none", "measure"):
@@ -476,11 +523,16 @@ def main() -> None:
         rows = [r for r in results if r.get("sdpa", "torch") == order and not r["error"]]
         base = next((r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("padding")), None)
         packed = [r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("packing")]
+        # The dense-mask packing alone: the baseline of the runs before FlexAttention packing existed.
+        dense = [r["useful_tokens_per_s"] for r in rows
+                 if r["variant"].startswith("packing") and r.get("attention") == "sdpa dense mask"]
         for r in (r for r in rows if r["variant"].startswith("dynamic")):
             key = r["variant"].replace("@", "_") + ("" if len(args.sdpa) == 1 else f"_{order}")
             dyn = r["useful_tokens_per_s"]
             summary[f"{key}_vs_padding"] = round(dyn / base, 2) if dyn and base else None
             summary[f"{key}_vs_best_packing"] = round(dyn / max(packed), 2) if dyn and packed else None
+            if dense and len(dense) < len(packed):
+                summary[f"{key}_vs_best_dense_packing"] = round(dyn / max(dense), 2) if dyn else None
     if int(os.environ.get("RANK", "0")) == 0:
         if args.engine == "direct":
             print(table(results), flush=True)

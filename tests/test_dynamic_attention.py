@@ -65,12 +65,30 @@ def test_multitask_benchmark_counts_shapes_and_runs_under_the_named_order():
             torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), reference,
                                        rtol=0, atol=0)
         assert flags() == before
-    rows = [{"variant": "dynamic", "sdpa": "flash_first", "error": None, "useful_tokens_per_s": 12345, "step_s_mean": 0.5,
-             "padding_fraction": 0.095},
-            {"variant": "padding@4", "sdpa": "torch", "error": "out of memory: x"}]
+    rows = [{"variant": "dynamic", "sdpa": "flash_first", "attention": "sdpa causal", "error": None,
+             "useful_tokens_per_s": 12345, "step_s_mean": 0.5, "padding_fraction": 0.095, "compiles_timed": 0},
+            {"variant": "padding@4", "sdpa": "torch", "attention": "sdpa causal", "error": "out of memory: x"}]
     lines = table(rows).splitlines()
-    assert len(lines) == 4 and "| dynamic | flash_first | 12,345 |" in lines[2] and "9.5%" in lines[2]
-    assert lines[3].startswith("| padding@4 | torch | error: out of memory")
+    assert len(lines) == 4 and "| dynamic | flash_first | sdpa causal | 12,345 |" in lines[2] and "9.5%" in lines[2]
+    assert lines[2].endswith("| 0 |")  # no compile in the timed steps
+    assert lines[3].startswith("| padding@4 | torch | sdpa causal | error: out of memory")
+
+
+def test_multitask_benchmark_names_each_variants_packed_attention():
+    """packing@N runs the recipe's default (FlexAttention on CUDA), packing@N:sdpa the dense mask, packing@N:flex
+    FlexAttention; only packing variants take an attention, and the table says what each variant ran."""
+    from benchmarks.multitask_microbatching import attention_label, packed_attention_of, parse_variant
+
+    assert parse_variant("packing@2:sdpa") == ("packing", 2) and packed_attention_of("packing@2:sdpa") == "sdpa"
+    assert packed_attention_of("packing@4") == "auto" and packed_attention_of("packing@1:flex") == "flex"
+    for bad in ("packing@2:dense", "padding@4:flex", "dynamic:sdpa"):
+        with pytest.raises(SystemExit, match="only packing takes an attention, one of"):
+            parse_variant(bad)
+    assert attention_label("gpt", "packing", "auto", "cuda", 0.0) == "flex block mask"
+    assert attention_label("gpt", "packing", "auto", "cpu", 0.0) == "sdpa dense mask"
+    assert attention_label("gpt", "packing", "sdpa", "cuda", 0.0) == "sdpa dense mask"
+    assert attention_label("gpt", "dynamic", "auto", "cuda", 0.0) == "sdpa causal"
+    assert attention_label("t5", "packing", "auto", "cuda", 0.0) == "sdpa+doc mask"
 
 
 def test_dynamic_shapes_gives_distinct_shapes_of_about_the_token_count():
