@@ -194,7 +194,8 @@ def packed_part(args, heads: int, head_dim: int, dtype) -> dict:
     order), with its FlexAttention block mask (``flex``: the recipe's compiled flex call; CUDA only, CPU has no flex
     backward) and plain causal flash attention over the same rows (which also computes the blocks across documents
     below the diagonal). Steady state (each measured after one call; flex's first call compiles it). ``flex`` also
-    reports the largest difference of its output from the dense mask's and the time to build its block mask."""
+    reports the largest differences of its output and gradients from the dense mask's and the time to build its
+    block mask."""
     device, s = args.device, args.max_len
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(args.seed)
@@ -227,10 +228,16 @@ def packed_part(args, heads: int, head_dim: int, dtype) -> dict:
             y = gpt_model.flex_document_attention(q, k, v, block)
             y.backward(torch.ones_like(y))
 
-        with torch.no_grad():
-            dense_y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            flex_y = gpt_model.flex_document_attention(q, k, v, block)
-            out["flex_max_abs_diff"] = float((flex_y.float() - dense_y.float()).abs().max())
+        upstream = torch.randn(q.shape, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(1))
+        grads = {}
+        for name, attend in (("dense", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+                             ("flex", lambda: gpt_model.flex_document_attention(q, k, v, block))):
+            y = attend()
+            grads[name] = (y.detach().float(), *(g.float() for g in torch.autograd.grad(y, (q, k, v), upstream)))
+        # Both in bf16 on the GPU: differences of the order of bf16's rounding (2^-8 relative) are expected.
+        out["flex_vs_dense_rel_diff"] = {  # output, dq, dk, dv: largest difference relative to the dense one's scale
+            key: round(float((f - d).abs().max() / d.abs().max()), 5)
+            for key, f, d in zip(("out", "dq", "dk", "dv"), grads["flex"], grads["dense"], strict=True)}
         sync()
         start = time.perf_counter()
         for _ in range(10):
