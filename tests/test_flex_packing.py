@@ -216,3 +216,19 @@ def test_tensor_sequence_and_pipeline_parallel_flex_train_like_one_process(tmp_p
     assert set(report) == {"gpt_tp2_sp_flex", "gpt_pp2_ac_flex"}
     for name, result in report.items():
         assert result["loss_err"] <= 1e-5 and result["param_err"] <= 1e-5, (name, result)
+
+
+def test_a_compiled_stage_builds_the_block_mask_eagerly_and_equals_the_eager_model(flex_on_cpu):
+    """compile_scope="stage": the whole stage is one compiled region; the block mask is built outside the graph
+    (document_block_mask is compiler-disabled) and flex is traced into it."""
+    from lightning_3d.recipes.gpt.parallelize import GPTStage
+
+    mb = packed_microbatch()
+    eager = model("flex")
+    stage = GPTStage(model("flex"), range(2), first=True, last=True)
+    stage.compile(backend="aot_eager")
+    logits = stage(microbatch=mb)[..., :VOCAB]
+    reference = eager(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
+    assert scaled_error(logits, reference) <= gpt_tolerance(2, 64)
+    logits.sum().backward()
+    assert all(p.grad is not None for p in stage.parameters())
