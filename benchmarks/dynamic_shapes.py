@@ -221,7 +221,7 @@ def packed_part(args, heads: int, head_dim: int, dtype) -> dict:
 
     variants = [("masked", masked), ("causal_flash_first", causal)]
     out = {"part": "packed", "rows": 2, "length": s, "documents": [int(r.max()) + 1 for r in rows]}
-    if device == "cuda":
+    if device == "cuda" and args.packed_flex:
         block = gpt_model.document_block_mask(documents)
 
         def flex():
@@ -246,7 +246,7 @@ def packed_part(args, heads: int, head_dim: int, dtype) -> dict:
         out["flex_block_mask_build_ms"] = round(100 * (time.perf_counter() - start), 3)
         variants.insert(1, ("flex", flex))
     else:
-        out["flex"] = "CUDA only (torch has no FlexAttention backward on CPU)"
+        out["flex"] = "off (--no-packed-flex)" if device == "cuda" else "CUDA only (no FlexAttention backward on CPU)"
     for name, fn in variants:
         fn()
         times = []
@@ -273,6 +273,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", nargs="+", choices=["attention", "model", "packed"],
                         default=["attention", "model", "packed"])
+    parser.add_argument("--no-packed-flex", dest="packed_flex", action="store_false",
+                        help="--parts packed without FlexAttention (its compile takes tens of seconds)")
     parser.add_argument("--model-shapes", default=MODEL_SHAPES, help="BxS,...: micro-batch shapes for --parts model")
     args = parser.parse_args()
     config = preset(args.preset)

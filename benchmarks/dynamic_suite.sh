@@ -10,8 +10,11 @@
 # The multi-task data cache (tokenizer + samples, ~11 MB, $L3D_CACHE) is built on the CPU in the background during
 # part 1, so it costs no extra device time.
 #   SMOKE=1 runs every part with tiny sizes on CPU (about 10 minutes on 2 busy cores).
-#   PARTS="multitask_t5" (any of dynamic_gpu planning multitask_gpt multitask_t5) runs those parts only, and
-#   L1..L4 override their time limits (seconds), e.g. PARTS=multitask_t5 L4=500 for T5-770M in a call of its own
+#   packed_attention (not in the default PARTS): GPT-1.3B's attention over two packed rows of 2,048 tokens under the
+#      dense SDPA mask, FlexAttention's block mask (its output and gradients against the dense mask's, its block-mask
+#      build time) and causal flash (dynamic_shapes.py --parts packed); limit L5
+#   PARTS="multitask_t5" (any of dynamic_gpu planning packed_attention multitask_gpt multitask_t5) runs those parts
+#   only, and L1..L5 override their time limits (seconds), e.g. PARTS=multitask_t5 L4=500 for T5-770M in a call of its own
 #   (its profile and compiles do not fit the 120 s it gets beside the other parts). multitask_gpt without
 #   dynamic_gpu measures its own profile (same grid), e.g. PARTS=multitask_gpt L3=330 (packing under FlexAttention
 #   and under the dense mask, and dynamic, in a call of its own).
@@ -25,11 +28,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu"; GPT="tiny"; T5="tiny"; GSEQ=128; GTGT=64; TSEQ=128; TTGT=64; TOK=1024; BATCHES=3; WSTEPS=12
   WTOK=512; PTOK=2048; PSIZES=1,2,4,8,16,32,64,128; PLENS=16,32,64,128; GB=16; NS=1500; VOCAB=1000; STEPS=3; WARM=1
-  TB=512; L1=300; L2=120; L3=300; L4=400
+  TB=512; L1=300; L2=120; L3=300; L4=400; L5=120
 else
   DEV=""; GPT="1.3b"; T5="770m"; GSEQ=2048; GTGT=512; TSEQ=1024; TTGT=256; TOK=32768; BATCHES=20; WSTEPS=200
   WTOK=8192; PTOK=65536; PSIZES=1,2,4,8,16,32,64,128; PLENS=16,32,64,128,256,512,1024,1536,2048; GB=256; NS=20000
-  VOCAB=32000; STEPS=6; WARM=2; TB=16384; L1=${L1:-215}; L2=${L2:-40}; L3=${L3:-125}; L4=${L4:-120}
+  VOCAB=32000; STEPS=6; WARM=2; TB=16384; L1=${L1:-215}; L2=${L2:-40}; L3=${L3:-125}; L4=${L4:-120}; L5=${L5:-75}
 fi
 PARTS=${PARTS:-"dynamic_gpu planning multitask_gpt multitask_t5"}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -64,6 +67,10 @@ elif want planning; then part planning "$L2" env OMP_NUM_THREADS=1 taskset -c 0 
   --profile "$OUT/profile_$GPT.json" --max-seq-len "$GSEQ" --tokens "$PTOK" --repeats 5 --memory-budget 50e9 \
   --layouts 1,1 1,4 2,2 1,2,interleaved --compact
 fi
+
+# Before waiting for the data cache: it is built meanwhile.
+want packed_attention && part packed_attention "$L5" python benchmarks/dynamic_shapes.py $DEV --preset "$GPT" \
+  --max-len "$GSEQ" --parts packed
 
 wait "$PREPARE"; echo "== prepare rc=$? $(tail -n 1 "$OUT/prepare.log" | cut -c1-200)"
 GPROF="$OUT/profile_$GPT.json"
