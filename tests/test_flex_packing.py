@@ -150,6 +150,9 @@ def test_compiled_blocks_trace_flex_into_their_graph_without_recompiling_per_mic
     mb, other = packed_microbatch(0), packed_microbatch(1)
     assert not torch.equal(mb["document_ids"], other["document_ids"])
     loss, _, grads = loss_and_grads(eager, mb)
+    graphs = counters["stats"]["unique_graphs"]
+    loss_and_grads(eager, other)  # eager blocks, flex compiled on its own: other documents, no recompile either
+    assert counters["stats"]["unique_graphs"] == graphs
     eager_calls = calls[0]
     loss_c, _, grads_c = loss_and_grads(compiled, mb)
     assert calls[0] == eager_calls  # inside the compiled blocks flex is part of their graph, not a nested compile
