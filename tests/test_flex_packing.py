@@ -23,7 +23,8 @@ from lightning_3d.recipes import GPT
 from lightning_3d.recipes.gpt.config import preset
 from lightning_3d.recipes.gpt.model import (GPTModel, document_block_mask, document_mask, packing_inputs,
                                             resolve_packed_attention)
-from lightning_3d.recipes.training import IGNORE_INDEX, summed_token_cross_entropy
+import lightning_3d.recipes.training as training
+from lightning_3d.recipes.training import IGNORE_INDEX, compile_blocks, summed_token_cross_entropy
 from tests.test_multitask import VOCAB, collator, random_samples
 from tests.tolerance import gpt_tolerance, loss_tolerance, scaled_error
 
@@ -144,8 +145,8 @@ def test_compiled_blocks_trace_flex_into_their_graph_without_recompiling_per_mic
     calls = count_flex_calls(monkeypatch)
     eager = model("flex")
     compiled = model("flex")
-    for block in compiled.layers.values():
-        block.compile(backend="aot_eager")
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
+    compile_blocks(compiled.layers.values())  # the recipe's compile=True
     torch._dynamo.reset()
     mb, other = packed_microbatch(0), packed_microbatch(1)
     assert not torch.equal(mb["document_ids"], other["document_ids"])
@@ -209,27 +210,28 @@ def test_cli_reaches_packed_attention(tmp_path: Path, monkeypatch):
 
 
 def test_tensor_sequence_and_pipeline_parallel_flex_train_like_one_process(tmp_path: Path):
-    """GPT with packed_attention='flex' at tp=2 with sequence parallelism (heads sharded: the block mask is head-free)
-    and at pp=2 with activation checkpointing equals plain single-process training on the same global batches, padded,
+    """GPT with packed_attention='flex' at tp=2 with sequence parallelism (heads sharded: the block mask is head-free;
+    eager and compiled blocks) and at pp=2 with activation checkpointing equals plain single-process training on the same global batches, padded,
     within the 1e-5 relative fp32 tolerance of tests/test_multitask.py's packed scenario."""
     from tests.launch import run_scenario
 
     report = run_scenario(2, "flex_packing", [], tmp_path / "report.json", timeout=600)
     assert report.pop("calls") > 0  # flex really ran in the fits
-    assert set(report) == {"gpt_tp2_sp_flex", "gpt_pp2_ac_flex"}
+    assert set(report) == {"gpt_tp2_sp_flex", "gpt_tp2_sp_compiled_flex", "gpt_pp2_ac_flex"}
     for name, result in report.items():
         assert result["loss_err"] <= 1e-5 and result["param_err"] <= 1e-5, (name, result)
 
 
-def test_a_compiled_stage_builds_the_block_mask_eagerly_and_equals_the_eager_model(flex_on_cpu):
+def test_a_compiled_stage_builds_the_block_mask_eagerly_and_equals_the_eager_model(flex_on_cpu, monkeypatch):
     """compile_scope="stage": the whole stage is one compiled region; the block mask is built outside the graph
     (document_block_mask is compiler-disabled) and flex is traced into it."""
     from lightning_3d.recipes.gpt.parallelize import GPTStage
 
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
     mb = packed_microbatch()
     eager = model("flex")
     stage = GPTStage(model("flex"), range(2), first=True, last=True)
-    stage.compile(backend="aot_eager")
+    compile_blocks([stage])  # compile_scope="stage"
     logits = stage(microbatch=mb)[..., :VOCAB]
     reference = eager(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
     assert scaled_error(logits, reference) <= gpt_tolerance(2, 64)

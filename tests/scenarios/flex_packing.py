@@ -1,10 +1,12 @@
 """Packed rows under FlexAttention's block mask train like unpacked ones through tensor, sequence and pipeline
 parallelism (2 ranks, CPU).
 
-GPT with ``packed_attention="flex"`` at tp=2 with sequence parallelism and at pp=2 with activation checkpointing,
+GPT with ``packed_attention="flex"`` at tp=2 with sequence parallelism (eager and compiled blocks) and at pp=2 with
+activation checkpointing,
 against plain single-process training on the same global batches, padded (tests/scenarios/multitask.py's reference).
 CPU has no FlexAttention backward in torch; as in tests/test_flex_packing.py, the one check that refuses it is lifted
-and flex is compiled with "aot_eager" (torch's reference math kernels, the same capture as on the GPU).
+and flex (and the compiled blocks) are compiled with "aot_eager" (torch's reference math kernels, the same capture
+as on the GPU).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 import lightning_3d.recipes.gpt.model as gpt_model_module
+import lightning_3d.recipes.training as training
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import GPT
 from tests.scenarios.common import LossRecorder, parse_args, trainer, write_report
@@ -26,6 +29,7 @@ def allow_flex_backward_on_cpu() -> list[int]:
     original = torch_flex._validate_device
     torch_flex._validate_device = lambda q, k, v: None if q.device.type == "cpu" else original(q, k, v)
     gpt_model_module.FLEX_COMPILE_BACKEND = "aot_eager"
+    training.COMPILE_BACKEND = "aot_eager"
     calls = [0]
     compiled = gpt_model_module._compiled_flex_attention
 
@@ -41,10 +45,11 @@ def allow_flex_backward_on_cpu() -> list[int]:
     return calls
 
 
-def fit(cache: Path, pp: int, tp: int, sequence_parallel: bool, activation_checkpointing: bool) -> tuple:
+def fit(cache: Path, pp: int, tp: int, sequence_parallel: bool, activation_checkpointing: bool,
+        compile: bool = False) -> tuple:
     dm = data("gpt", "packing", cache)
     module = GPT("tiny", vocab_size=dm.vocab_size, seq_length=SEQ, num_layers=2, hidden_size=32, num_heads=4,
-                 packed_attention="flex", activation_checkpointing=activation_checkpointing, **OPTIM)
+                 packed_attention="flex", activation_checkpointing=activation_checkpointing, compile=compile, **OPTIM)
     strategy = Compressed3DStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2,
                                     sequence_parallel=sequence_parallel, compression=False)
     recorder = LossRecorder()
@@ -60,6 +65,7 @@ def main() -> None:
     ref = reference(cache)
     results: dict = {
         "gpt_tp2_sp_flex": compare(fit(cache, 1, 2, True, False), ref),
+        "gpt_tp2_sp_compiled_flex": compare(fit(cache, 1, 2, True, False, compile=True), ref),
         "gpt_pp2_ac_flex": compare(fit(cache, 2, 1, False, True), ref),
     }
     results["calls"] = calls[0]
