@@ -117,3 +117,12 @@ def test_set_compiled_call_is_what_the_module_runs() -> None:
     compat.set_compiled_call(linear, lambda *args: calls.append(args) or linear._call_impl(*args))
     assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias)) and len(calls) == 1
     assert [n for n, _ in linear.named_parameters()] == ["weight", "bias"]
+
+
+def test_functional_collectives_keep_their_signatures() -> None:
+    """torch's functional collectives as compiled tensor-parallel blocks call them (tensor, op/dim..., group)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    assert _params(funcol.all_reduce)[:3] == ["self", "reduceOp", "group"]
+    assert _params(funcol.all_gather_tensor)[:3] == ["self", "gather_dim", "group"]
+    assert _params(funcol.reduce_scatter_tensor)[:4] == ["self", "reduceOp", "scatter_dim", "group"]

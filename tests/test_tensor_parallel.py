@@ -32,6 +32,8 @@ def test_operators_and_layers_match_their_definition(tmp_path: Path) -> None:
         compiled = result["compiled"]
         for sp in (False, True):
             assert compiled[f"sp{sp}_loss"] <= compiled["tolerance"], (rank, sp, compiled)
+            # Under torch 2.11 the in-place sequence all-gather / reduce-scatter of a compiled backward lost its
+            # result (zero gradients for sp=True, scaled error 1.0): hence the functional collectives in graphs.
             assert compiled[f"sp{sp}_grads"] <= compiled["tolerance"], (rank, sp, compiled)
             # One graph for both blocks, unbroken (a graph break per parameter lookup would split it).
             assert compiled[f"sp{sp}_graphs"] == 1 and compiled[f"sp{sp}_graph_breaks"] == 0, (rank, sp, compiled)

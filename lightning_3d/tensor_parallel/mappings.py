@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_3d.utils.compat import functional_all_gather, functional_all_reduce, functional_reduce_scatter
+
 # The single-tensor collectives under their newer names where torch has them (the old ones warn as deprecated).
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -67,6 +69,8 @@ class TensorParallel:
 
 
 def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    if torch.compiler.is_compiling():  # out of place in a graph (see functional_all_reduce)
+        return functional_all_reduce(x.contiguous(), group)
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
@@ -75,8 +79,11 @@ def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 def _all_gather_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """(b, s/tp, ...) chunks -> (b, s, ...), rank order along the sequence."""
     world = dist.get_world_size(group)
-    out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # the collective concatenates along dim 0
-    _all_gather_single(out, x.contiguous(), group=group)
+    if torch.compiler.is_compiling():  # out of place in a graph (see functional_all_gather)
+        out = functional_all_gather(x.contiguous(), group)
+    else:
+        out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # the collective concatenates along dim 0
+        _all_gather_single(out, x.contiguous(), group=group)
     # (tp, b, s/tp, ...) -> (b, tp, s/tp, ...) -> (b, s, ...): one copy.
     return out.unflatten(0, (world, x.shape[0])).transpose(0, 1).reshape(x.shape[0], world * x.shape[1], *x.shape[2:])
 
@@ -89,6 +96,8 @@ def _reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
         raise ValueError(f"Sequence parallelism needs the sequence length {s} divisible by tensor_parallel_size={world}.")
     # (b, s, ...) -> (tp, b, s/tp, ...) flattened to (tp * b, s/tp, ...): rank r's chunk is the r-th block of dim 0.
     chunks = x.reshape(b, world, s // world, *x.shape[2:]).transpose(0, 1).reshape(world * b, s // world, *x.shape[2:])
+    if torch.compiler.is_compiling():  # out of place in a graph (see functional_reduce_scatter)
+        return functional_reduce_scatter(chunks, group)
     out = x.new_empty(chunks.shape[0] // world, *chunks.shape[1:])
     _reduce_scatter_single(out, chunks, group=group)
     return out
@@ -117,6 +126,8 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        if torch.compiler.is_compiling():
+            return _all_reduce(x, group)  # out of place: a graph has no in-place collective to declare
         if x.is_leaf or not x.is_contiguous():
             return _all_reduce(x.clone(memory_format=torch.contiguous_format), group)
         # In place on the GEMM's fresh output (no op saved it), declared so that autograd knows.

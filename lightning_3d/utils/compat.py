@@ -19,6 +19,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+import torch.distributed._functional_collectives as _funcol
 from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
@@ -44,6 +45,22 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     for hook in (hooks or {}).values():
         hook(param)
+
+
+# torch's functional collectives (out of place, traced by torch.compile as graph ops with explicit waits). Compiled
+# tensor-parallel blocks use them instead of the in-place c10d calls: torch 2.11's compile of an in-place
+# all-gather / reduce-scatter in a custom backward lost its result (zero gradients under sequence parallelism,
+# lightning_3d/tensor_parallel/mappings.py). Dimension 0, the sum, as the c10d calls they replace.
+def functional_all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _funcol.all_reduce(x, "sum", group)
+
+
+def functional_all_gather(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _funcol.all_gather_tensor(x, 0, group)
+
+
+def functional_reduce_scatter(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _funcol.reduce_scatter_tensor(x, "sum", 0, group)
 
 
 def set_compiled_call(module: torch.nn.Module, call: Any) -> None:
