@@ -10,6 +10,7 @@ per-step wall and process CPU time over ``--steps`` timed steps, for the whole s
 Process CPU time is the steadier measure on a shared machine: waiting for the other rank costs wall time only.
 
     python benchmarks/tp_host_time.py --presets tiny 125m --steps 20 --out tp_host_time.json
+    python benchmarks/tp_host_time.py --presets tiny --implementations local --compile off leaves module
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--compile", nargs="+", default=["off"], choices=("off", "leaves", "module"),
+                   help="blocks eager (off), compiled as the recipes compile them (leaves: graphs on the local"
+                        " leaves, compile_on_local_tensors), or with Module.compile (module: graphs on the DTensor"
+                        " parameters, the recipes' compile before the local leaves); compiled with the aot_eager"
+                        " backend (graph capture and AOTAutograd as inductor, no C++ kernels), local layers only")
     p.add_argument("--out", type=Path, default=Path("tp_host_time.json"))
     return p.parse_args(argv)
 
@@ -69,13 +75,25 @@ def build(preset: str, implementation: str, sequence_parallel: bool, args: argpa
     return config, stage
 
 
-def run_one(preset: str, implementation: str, sequence_parallel: bool, args: argparse.Namespace, mesh) -> dict:
+def run_one(preset: str, implementation: str, sequence_parallel: bool, args: argparse.Namespace, mesh,
+            compiled: str = "off") -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from lightning_3d.recipes.training import summed_token_cross_entropy
     from lightning_3d.strategies.grad_sync import align_grad_placement
 
     config, stage = build(preset, implementation, sequence_parallel, args, mesh)
+    if compiled != "off":
+        from torch._dynamo import reset as reset_dynamo
+
+        from lightning_3d.tensor_parallel import compile_on_local_tensors
+
+        reset_dynamo()
+        for block in stage.layers.values():
+            if compiled == "leaves":
+                compile_on_local_tensors(block, backend="aot_eager")
+            else:
+                block.compile(backend="aot_eager")
     params = [p for p in stage.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     g = torch.Generator().manual_seed(0)
@@ -101,9 +119,15 @@ def run_one(preset: str, implementation: str, sequence_parallel: bool, args: arg
             cpu.append(c1 - c0)
             model_wall.append(tm - t0)
             model_cpu.append(cm - c0)
-    return {"preset": preset, "implementation": implementation, "sequence_parallel": sequence_parallel,
+    return {"preset": preset, "implementation": implementation, "sequence_parallel": sequence_parallel, "compile": compiled,
             "wall_s": summary(wall), "cpu_s": summary(cpu), "forward_backward_wall_s": summary(model_wall),
             "forward_backward_cpu_s": summary(model_cpu), "loss_last": loss.item()}
+
+
+def runs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(implementation, compile) pairs: every implementation eager, then the compiled variants (local layers)."""
+    out = [(impl, "off") for impl in args.implementations] if "off" in args.compile else []
+    return out + [("local", c) for c in args.compile if c != "off"]
 
 
 def summary(values: list[float]) -> dict:
@@ -122,11 +146,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     results = []
     for preset in args.presets:
         for sp in args.sequence_parallel:
-            for implementation in args.implementations:
-                results.append(run_one(preset, implementation, sp == "on", args, mesh))
+            for implementation, compiled in runs(args):
+                results.append(run_one(preset, implementation, sp == "on", args, mesh, compiled))
                 if rank == 0:
                     r = results[-1]
-                    print(f"{preset:>6} sp={sp:<3} {implementation:>7}: wall {r['wall_s']['median'] * 1e3:8.1f} ms"
+                    print(f"{preset:>6} sp={sp:<3} {implementation:>7} compile={compiled:<6}: wall {r['wall_s']['median'] * 1e3:8.1f} ms"
                           f" [{r['wall_s']['q1'] * 1e3:.1f}, {r['wall_s']['q3'] * 1e3:.1f}]  cpu"
                           f" {r['cpu_s']['median'] * 1e3:8.1f} ms [{r['cpu_s']['q1'] * 1e3:.1f},"
                           f" {r['cpu_s']['q3'] * 1e3:.1f}] (forward+backward cpu"
