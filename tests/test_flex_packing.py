@@ -100,15 +100,36 @@ def test_block_mask_is_the_dense_document_mask_and_skips_blocks_across_documents
 
 
 def test_auto_resolves_to_flex_on_cuda_only_and_packing_inputs_builds_that_mask():
-    assert resolve_packed_attention("auto", torch.device("cuda"), 0.0) == "flex"
-    assert resolve_packed_attention("auto", torch.device("cpu"), 0.0) == "sdpa"
-    assert resolve_packed_attention("auto", torch.device("cuda"), 0.1) == "sdpa"  # flex has no attention dropout
-    assert resolve_packed_attention("flex", torch.device("cpu"), 0.0) == "flex"
-    assert resolve_packed_attention("sdpa", torch.device("cuda"), 0.0) == "sdpa"
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_packed_attention("auto", cuda, 0.0, 64) == "flex"
+    assert resolve_packed_attention("auto", cuda, 0.0, 16) == "flex"  # the narrowest head inductor's kernel takes
+    assert resolve_packed_attention("auto", cpu, 0.0, 64) == "sdpa"
+    assert resolve_packed_attention("auto", cuda, 0.1, 64) == "sdpa"  # flex has no attention dropout
+    assert resolve_packed_attention("auto", cuda, 0.0, 8) == "sdpa"  # inductor's CUDA flex kernel refuses head_dim < 16
+    assert resolve_packed_attention("flex", cpu, 0.0, 8) == "flex"  # CPU's kernel takes them (forward)
+    assert resolve_packed_attention("sdpa", cuda, 0.0, 64) == "sdpa"
+    with pytest.raises(ValueError, match=r"packed_attention='flex' with head_dim=8 on cuda: torch's fused FlexAttention"
+                                         r" kernel needs head_dim >= 16. Use packed_attention='auto' or 'sdpa'"):
+        resolve_packed_attention("flex", cuda, 0.0, 8)
     mb = packed_microbatch()
     assert isinstance(packing_inputs(mb, "flex")[1], BlockMask)
     assert torch.equal(packing_inputs(mb, "auto")[1], document_mask(mb["document_ids"]))  # CPU: the dense mask
     assert packing_inputs({"input_ids": mb["input_ids"]}, "flex") == (None, None)  # plain rows: no mask at all
+
+
+def test_the_model_and_its_stages_resolve_with_their_own_dropout_and_head_dim(monkeypatch):
+    """GPTModel and GPTStage hand their config's dropout and head width to the resolution ("auto" must not pick
+    flex for heads inductor's CUDA kernel refuses)."""
+    from lightning_3d.recipes.gpt.parallelize import GPTStage
+
+    seen = []
+    monkeypatch.setattr(gpt_model_module, "resolve_packed_attention",
+                        lambda attention, device, dropout, head_dim: seen.append((attention, dropout, head_dim)) or "sdpa")
+    mb = packed_microbatch()
+    m = model("auto")
+    m(mb["input_ids"], mb["position_ids"], mb["document_ids"])
+    GPTStage(m, range(2), first=True, last=True)(microbatch=mb)
+    assert seen == [("auto", 0.0, 8)] * 2  # hidden_size 32 over 4 heads
 
 
 def test_flex_equals_the_dense_mask_in_loss_and_every_gradient(flex_on_cpu):
