@@ -3,9 +3,10 @@
 torch has no FlexAttention backward on CPU: its public ``flex_attention`` refuses inputs that require grad there. The
 fixture ``flex_on_cpu`` lifts that one check (``_validate_device``) and compiles flex with "aot_eager" (the same
 dynamo capture and autograd tracing as on the GPU, torch's reference math kernels for the forward and the backward),
-so the CPU suite checks everything but the fused Triton kernel: the block mask, its plumbing through the blocks,
-activation checkpointing, compiled blocks, and the gradients. The fused CPU kernel (inductor, forward only) is
-checked without grad. Tolerances: flex and the dense mask are both fp32 softmax attention over the same scores, so
+so the CPU suite checks everything but the fused Triton kernel: the mask (mask_mod), its plumbing through the
+blocks, activation checkpointing, compiled blocks, and the gradients. The reference math path evaluates mask_mod on
+every score and never reads the block tables (which blocks are skipped, which run without mask_mod): those are
+checked by counts and by the fused CPU kernel (inductor, forward only, without grad) over several blocks. Tolerances: flex and the dense mask are both fp32 softmax attention over the same scores, so
 they differ by summation order only (tests/tolerance.py's chain bound, as for packed against unpacked rows).
 """
 
@@ -195,6 +196,31 @@ def test_fused_cpu_kernel_forward_equals_the_dense_mask(monkeypatch):
         fused = model("flex")(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
         dense = model("sdpa")(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
     assert scaled_error(fused, dense) <= gpt_tolerance(2, 64)
+
+
+def test_fused_cpu_kernel_uses_the_block_tables_like_the_dense_mask_over_several_blocks(monkeypatch):
+    """The reference math path (aot_eager, every training test here) evaluates mask_mod on every score and never
+    reads the block tables; the fused kernel reads only them to skip blocks and runs full blocks without mask_mod.
+    Rows of 320 tokens (three blocks of 128, the last one partial) with a long document (full blocks below the
+    diagonal), short ones (blocks skipped) and a padding tail, through inductor's CPU kernel (forward), against SDPA's
+    dense mask. Tolerance: one attention (scores over head_dim, softmax sum and value mix over at most 320 keys) in two
+    fp32 summation orders, tests/tolerance.py's chain bound."""
+    from tests.tolerance import chain_tolerance
+
+    monkeypatch.setattr(gpt_model_module, "FLEX_COMPILE_BACKEND", "inductor")
+    seq, rows = 320, [[300, 15], [100, 20, 130, 40]]
+    docs = torch.stack([torch.cat([torch.arange(len(r)).repeat_interleave(torch.tensor(r)),
+                                   torch.full((seq - sum(r),), len(r))]) for r in rows])
+    block = document_block_mask(docs)
+    # Not vacuous: row 0's second query block (tokens 128-255, document 0) sees key block 0 in full; row 1's third
+    # query block (tokens 256-319: document 3 and padding) skips key block 0 (documents 0 to 2).
+    assert block.full_kv_num_blocks[0, 0].tolist() == [0, 1, 0] and block.kv_num_blocks[1, 0].tolist()[2] == 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, seq, 16, generator=g) for _ in range(3))
+    with torch.no_grad():
+        fused = gpt_model_module.flex_document_attention(q, k, v, block)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs))
+    assert scaled_error(fused, dense) <= chain_tolerance(3, seq)
 
 
 def test_bad_values_and_what_flex_cannot_do_give_clear_errors():
