@@ -284,3 +284,25 @@ def test_a_compiled_stage_builds_the_block_mask_eagerly_and_equals_the_eager_mod
     assert scaled_error(logits, reference) <= gpt_tolerance(2, 64)
     logits.sum().backward()
     assert all(p.grad is not None for p in stage.parameters())
+
+
+def test_flex_packing_check_script_runs_every_variant_on_cpu():
+    """benchmarks/flex_packing_check.py (the GPU check of every flex path against the dense mask) on CPU: every
+    variant runs, is within its fp32 bound, and a second pass over other documents compiles nothing."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "benchmarks/flex_packing_check.py"), "--device", "cpu", "--seq-length", "128",
+           "--hidden-size", "32", "--num-layers", "1", "--samples", "48"]
+    out = subprocess.run(cmd, check=True, cwd=root, capture_output=True, text=True, timeout=600).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    variants = {r["variant"]: r for r in rows if "variant" in r}
+    assert list(variants) == ["sdpa", "flex", "flex+ac", "flex+compiled_blocks", "flex+ac+compiled_blocks",
+                              "flex+compiled_stage", "head_dim_8"]
+    assert rows[-1] == {"summary": "ok", "failed": []}
+    for name, r in variants.items():
+        if name.startswith("flex"):
+            assert r["ok"] and r["recompiles"] == 0 and r["logits"] > 0, (name, r)  # > 0: flex really ran
+    assert variants["head_dim_8"]["auto_resolves_to"] == "sdpa"
