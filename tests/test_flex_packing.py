@@ -100,6 +100,28 @@ def test_block_mask_is_the_dense_document_mask_and_skips_blocks_across_documents
     assert (one.kv_num_blocks.sum(), one.full_kv_num_blocks.sum()) == (4, 6)
 
 
+def test_the_compiled_block_mask_builder_gives_the_eager_tables_and_reuses_its_graph_for_new_documents():
+    """On CUDA document_block_mask builds with create_block_mask compiled (eagerly it materialises int64 (batch, seq,
+    seq) intermediates): inductor's build (here its CPU kernel) gives exactly the eager block tables over several
+    blocks, and other documents of the same shape compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    def tables(block: BlockMask) -> list[torch.Tensor]:
+        return [block.kv_num_blocks, block.kv_indices, block.full_kv_num_blocks, block.full_kv_indices]
+
+    seq = 320
+    build = gpt_model_module._compiled_create_block_mask("inductor")
+    for k, rows in enumerate(([[300, 15], [100, 20, 130, 40]], [[40, 200, 60], [310]])):
+        docs = torch.stack([torch.cat([torch.arange(len(r)).repeat_interleave(torch.tensor(r)),
+                                       torch.full((seq - sum(r),), len(r))]) for r in rows])
+        eager = document_block_mask(docs)  # CPU: the eager build
+        compiled = build(eager.mask_mod, 2, None, seq, seq, device=docs.device)
+        assert all(torch.equal(c, e) for c, e in zip(tables(compiled), tables(eager), strict=True))
+        if k == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_auto_resolves_to_flex_on_cuda_only_and_packing_inputs_builds_that_mask():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_packed_attention("auto", cuda, 0.0, 64) == "flex"

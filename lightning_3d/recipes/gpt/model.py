@@ -307,19 +307,32 @@ def resolve_packed_attention(packed_attention: str, device: torch.device, dropou
 def document_block_mask(document_ids: Tensor) -> BlockMask:
     """The FlexAttention ``BlockMask`` of :func:`document_mask` (same document and key <= query) over (batch, heads
     broadcast, seq, seq): blocks wholly across documents are skipped, blocks wholly inside one document's causal
-    part run without evaluating the mask. Built eagerly (``torch.compiler.disable``), also under a compiled stage:
-    building it inside the graph would trace the block sparsity computation into every stage graph."""
+    part run without evaluating the mask. Built outside any enclosing graph (``torch.compiler.disable``), also under
+    a compiled stage: building it inside the graph would trace the block sparsity computation into every stage graph;
+    on CUDA by a compiled ``create_block_mask`` of its own (see below)."""
     batch, seq = document_ids.shape
 
     def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return (document_ids[b, q] == document_ids[b, kv]) & (kv <= q)
 
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+    # Eagerly, create_block_mask evaluates the mask on every (query, key) pair through int64 (batch, seq, seq)
+    # intermediates: 8 bytes a pair, per micro-batch and stage, more than SDPA's dense boolean mask. Compiled, the
+    # same evaluation fuses into one pass that keeps only the block tables. CUDA only: that is where flex trains,
+    # while on CPU (inference, tests) a compile per shape would cost more than the eager build.
+    build = _compiled_create_block_mask(FLEX_COMPILE_BACKEND) if document_ids.is_cuda else create_block_mask
+    return build(same_document_causal, batch, None, seq, seq, device=document_ids.device)
 
 
 # What flex_attention is compiled with (as recipes/training.py's COMPILE_BACKEND, read here from the same variable:
 # training.py imports this module). Tests use "aot_eager": the same graph capture, torch's reference math kernels.
 FLEX_COMPILE_BACKEND = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
+
+
+@functools.cache
+def _compiled_create_block_mask(backend: str) -> Callable[..., BlockMask]:
+    # One compiled builder per process: the document ids are an input of its graph (as of flex's), so new documents
+    # of the same shape reuse it.
+    return torch.compile(create_block_mask, backend=backend)
 
 
 @functools.cache
