@@ -10,7 +10,7 @@ summation-order bound of tests/tolerance.py (2 · reductions · longest · 2^-24
 tests/test_multitask.py), and ``ok`` says whether the fp32 variants are within it. Under bf16 autocast the
 differences are reported, not judged (both sides round to bf16, 2^-8 relative, in different places).
 ``recompiles``: graphs torch.compile built in a second pass over other documents of the same shapes (expected 0: the
-document ids are an input of the flex graph, not a guard). Also the ``"auto"`` resolution for heads narrower than
+document ids are an input of flex's graph and of the CUDA block-mask builder's, not a guard). Also the ``"auto"`` resolution for heads narrower than
 inductor's CUDA kernel takes, and the refusal of ``"flex"`` there.
 
     python benchmarks/flex_packing_check.py                     # CUDA: tiny-ish GPT, rows of 1,024 tokens
