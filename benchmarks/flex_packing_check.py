@@ -14,6 +14,7 @@ document ids are an input of flex's graph and of the CUDA block-mask builder's, 
 inductor's CUDA kernel takes, and the refusal of ``"flex"`` there.
 
     python benchmarks/flex_packing_check.py                     # CUDA: tiny-ish GPT, rows of 1,024 tokens
+    python benchmarks/flex_packing_check.py --variants flex+compiled_stage --no-bf16   # a part of it
     python benchmarks/flex_packing_check.py --device cpu        # smoke: aot_eager, CPU's refusal of flex's backward lifted
 """
 
@@ -40,6 +41,11 @@ from lightning_3d.recipes.training import IGNORE_INDEX, compile_blocks, summed_t
 U = 2.0**-24  # fp32 unit roundoff (tests/tolerance.py)
 
 
+VARIANTS = [("sdpa", "sdpa"), ("flex", "flex"), ("flex+ac", "flex", True), ("flex+compiled_blocks", "flex", False, "block"),
+            ("flex+ac+compiled_blocks", "flex", True, "block"), ("flex+compiled_stage", "flex", False, "stage")]
+VARIANT_NAMES = [v[0] for v in VARIANTS]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -48,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--samples", type=int, default=None, help="samples packed (default 96 on cuda, 64 on cpu)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANT_NAMES,
+                   help="run only these (fp32, and bf16 where it applies); the sdpa reference always runs")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 only (CUDA runs bf16 autocast too)")
     return p.parse_args(argv)
 
 
@@ -151,9 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     references = {}
     failures = []
-    variants = [("sdpa", "sdpa"), ("flex", "flex"), ("flex+ac", "flex", True), ("flex+compiled_blocks", "flex", False, "block"),
-                ("flex+ac+compiled_blocks", "flex", True, "block"), ("flex+compiled_stage", "flex", False, "stage")]
-    for autocast in ([False, True] if cuda else [False]):
+    variants = [v for v in VARIANTS if v[0] == "sdpa" or args.variants is None or v[0] in args.variants]
+    for autocast in ([False, True] if cuda and args.bf16 else [False]):
         for spec in variants:
             if autocast and spec[0] not in ("sdpa", "flex", "flex+compiled_blocks"):
                 continue
