@@ -80,13 +80,13 @@ def packed_attention_of(text: str) -> str:
     return attention
 
 
-def attention_label(model_type: str, name: str, attention: str, device: str, dropout: float) -> str:
+def attention_label(model_type: str, name: str, attention: str, device: str, dropout: float, head_dim: int) -> str:
     """What a variant's attention runs, for the table: GPT packing's resolved packed attention, else the mask kind."""
     if model_type == "t5":
         return "sdpa+doc mask" if name == "packing" else "sdpa+pad mask"  # T5 masks encoder padding, packing: pairs
     if name != "packing":
         return "sdpa causal"
-    return "flex block mask" if resolve_packed_attention(attention, torch.device(device), dropout) == "flex" \
+    return "flex block mask" if resolve_packed_attention(attention, torch.device(device), dropout, head_dim) == "flex" \
         else "sdpa dense mask"
 
 
@@ -259,7 +259,8 @@ def direct(args) -> list[dict]:
         name, size = parse_variant(text)
         attention = packed_attention_of(text)
         row = {"variant": text, "sdpa": sdpa, "error": None,
-               "attention": attention_label(args.model, name, attention, device, module.config.dropout)}
+               "attention": attention_label(args.model, name, attention, device, module.config.dropout,
+                                            module.config.head_dim)}
         backend_order = contextlib.ExitStack()
         try:
             backend_order.enter_context(sdpa_context(sdpa))

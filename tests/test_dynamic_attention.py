@@ -84,11 +84,12 @@ def test_multitask_benchmark_names_each_variants_packed_attention():
     for bad in ("packing@2:dense", "padding@4:flex", "dynamic:sdpa"):
         with pytest.raises(SystemExit, match="only packing takes an attention, one of"):
             parse_variant(bad)
-    assert attention_label("gpt", "packing", "auto", "cuda", 0.0) == "flex block mask"
-    assert attention_label("gpt", "packing", "auto", "cpu", 0.0) == "sdpa dense mask"
-    assert attention_label("gpt", "packing", "sdpa", "cuda", 0.0) == "sdpa dense mask"
-    assert attention_label("gpt", "dynamic", "auto", "cuda", 0.0) == "sdpa causal"
-    assert attention_label("t5", "packing", "auto", "cuda", 0.0) == "sdpa+doc mask"
+    assert attention_label("gpt", "packing", "auto", "cuda", 0.0, 64) == "flex block mask"
+    assert attention_label("gpt", "packing", "auto", "cpu", 0.0, 64) == "sdpa dense mask"
+    assert attention_label("gpt", "packing", "auto", "cuda", 0.0, 8) == "sdpa dense mask"  # heads too narrow for flex
+    assert attention_label("gpt", "packing", "sdpa", "cuda", 0.0, 64) == "sdpa dense mask"
+    assert attention_label("gpt", "dynamic", "auto", "cuda", 0.0, 64) == "sdpa causal"
+    assert attention_label("t5", "packing", "auto", "cuda", 0.0, 64) == "sdpa+doc mask"
 
 
 def test_dynamic_shapes_gives_distinct_shapes_of_about_the_token_count():

@@ -3,9 +3,10 @@
 torch has no FlexAttention backward on CPU: its public ``flex_attention`` refuses inputs that require grad there. The
 fixture ``flex_on_cpu`` lifts that one check (``_validate_device``) and compiles flex with "aot_eager" (the same
 dynamo capture and autograd tracing as on the GPU, torch's reference math kernels for the forward and the backward),
-so the CPU suite checks everything but the fused Triton kernel: the block mask, its plumbing through the blocks,
-activation checkpointing, compiled blocks, and the gradients. The fused CPU kernel (inductor, forward only) is
-checked without grad. Tolerances: flex and the dense mask are both fp32 softmax attention over the same scores, so
+so the CPU suite checks everything but the fused Triton kernel: the mask (mask_mod), its plumbing through the
+blocks, activation checkpointing, compiled blocks, and the gradients. The reference math path evaluates mask_mod on
+every score and never reads the block tables (which blocks are skipped, which run without mask_mod): those are
+checked by counts and by the fused CPU kernel (inductor, forward only, without grad) over several blocks. Tolerances: flex and the dense mask are both fp32 softmax attention over the same scores, so
 they differ by summation order only (tests/tolerance.py's chain bound, as for packed against unpacked rows).
 """
 
@@ -27,6 +28,11 @@ import lightning_3d.recipes.training as training
 from lightning_3d.recipes.training import IGNORE_INDEX, compile_blocks, summed_token_cross_entropy
 from tests.test_multitask import VOCAB, collator, random_samples
 from tests.tolerance import gpt_tolerance, loss_tolerance, scaled_error
+
+
+# The model below: 2 blocks; its longest reduction is the MLP's output projection over 4 x 32 = 128 inputs (rows of 32
+# tokens, hidden size 32).
+TOL = gpt_tolerance(2, 128)
 
 
 def allow_flex_backward_on_cpu(monkeypatch) -> None:
@@ -99,16 +105,59 @@ def test_block_mask_is_the_dense_document_mask_and_skips_blocks_across_documents
     assert (one.kv_num_blocks.sum(), one.full_kv_num_blocks.sum()) == (4, 6)
 
 
+def test_the_compiled_block_mask_builder_gives_the_eager_tables_and_reuses_its_graph_for_new_documents():
+    """On CUDA document_block_mask builds with create_block_mask compiled (eagerly it materialises int64 (batch, seq,
+    seq) intermediates): inductor's build (here its CPU kernel) gives exactly the eager block tables over several
+    blocks, and other documents of the same shape compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    def tables(block: BlockMask) -> list[torch.Tensor]:
+        return [block.kv_num_blocks, block.kv_indices, block.full_kv_num_blocks, block.full_kv_indices]
+
+    seq = 320
+    build = gpt_model_module._compiled_create_block_mask("inductor")
+    for k, rows in enumerate(([[300, 15], [100, 20, 130, 40]], [[40, 200, 60], [310]])):
+        docs = torch.stack([torch.cat([torch.arange(len(r)).repeat_interleave(torch.tensor(r)),
+                                       torch.full((seq - sum(r),), len(r))]) for r in rows])
+        eager = document_block_mask(docs)  # CPU: the eager build
+        compiled = build(eager.mask_mod, 2, None, seq, seq, device=docs.device)
+        assert all(torch.equal(c, e) for c, e in zip(tables(compiled), tables(eager), strict=True))
+        if k == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_auto_resolves_to_flex_on_cuda_only_and_packing_inputs_builds_that_mask():
-    assert resolve_packed_attention("auto", torch.device("cuda"), 0.0) == "flex"
-    assert resolve_packed_attention("auto", torch.device("cpu"), 0.0) == "sdpa"
-    assert resolve_packed_attention("auto", torch.device("cuda"), 0.1) == "sdpa"  # flex has no attention dropout
-    assert resolve_packed_attention("flex", torch.device("cpu"), 0.0) == "flex"
-    assert resolve_packed_attention("sdpa", torch.device("cuda"), 0.0) == "sdpa"
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_packed_attention("auto", cuda, 0.0, 64) == "flex"
+    assert resolve_packed_attention("auto", cuda, 0.0, 16) == "flex"  # the narrowest head inductor's kernel takes
+    assert resolve_packed_attention("auto", cpu, 0.0, 64) == "sdpa"
+    assert resolve_packed_attention("auto", cuda, 0.1, 64) == "sdpa"  # flex has no attention dropout
+    assert resolve_packed_attention("auto", cuda, 0.0, 8) == "sdpa"  # inductor's CUDA flex kernel refuses head_dim < 16
+    assert resolve_packed_attention("flex", cpu, 0.0, 8) == "flex"  # CPU's kernel takes them (forward)
+    assert resolve_packed_attention("sdpa", cuda, 0.0, 64) == "sdpa"
+    with pytest.raises(ValueError, match=r"packed_attention='flex' with head_dim=8 on cuda: torch's fused FlexAttention"
+                                         r" kernel needs head_dim >= 16. Use packed_attention='auto' or 'sdpa'"):
+        resolve_packed_attention("flex", cuda, 0.0, 8)
     mb = packed_microbatch()
     assert isinstance(packing_inputs(mb, "flex")[1], BlockMask)
     assert torch.equal(packing_inputs(mb, "auto")[1], document_mask(mb["document_ids"]))  # CPU: the dense mask
     assert packing_inputs({"input_ids": mb["input_ids"]}, "flex") == (None, None)  # plain rows: no mask at all
+
+
+def test_the_model_and_its_stages_resolve_with_their_own_dropout_and_head_dim(monkeypatch):
+    """GPTModel and GPTStage hand their config's dropout and head width to the resolution ("auto" must not pick
+    flex for heads inductor's CUDA kernel refuses)."""
+    from lightning_3d.recipes.gpt.parallelize import GPTStage
+
+    seen = []
+    monkeypatch.setattr(gpt_model_module, "resolve_packed_attention",
+                        lambda attention, device, dropout, head_dim: seen.append((attention, dropout, head_dim)) or "sdpa")
+    mb = packed_microbatch()
+    m = model("auto")
+    m(mb["input_ids"], mb["position_ids"], mb["document_ids"])
+    GPTStage(m, range(2), first=True, last=True)(microbatch=mb)
+    assert seen == [("auto", 0.0, 8)] * 2  # hidden_size 32 over 4 heads
 
 
 def test_flex_equals_the_dense_mask_in_loss_and_every_gradient(flex_on_cpu):
@@ -116,7 +165,7 @@ def test_flex_equals_the_dense_mask_in_loss_and_every_gradient(flex_on_cpu):
     flex, dense = model("flex"), model("sdpa")
     loss_f, logits_f, grads_f = loss_and_grads(flex, mb)
     loss_d, logits_d, grads_d = loss_and_grads(dense, mb)
-    tol = gpt_tolerance(2, 64)
+    tol = TOL
     n_tokens = int((mb["labels"] != IGNORE_INDEX).sum())
     assert scaled_error(logits_f, logits_d) <= tol
     assert abs(loss_f.item() - loss_d.item()) <= n_tokens * loss_tolerance(tol, logits_d)
@@ -157,7 +206,7 @@ def test_compiled_blocks_trace_flex_into_their_graph_without_recompiling_per_mic
     eager_calls = calls[0]
     loss_c, _, grads_c = loss_and_grads(compiled, mb)
     assert calls[0] == eager_calls  # inside the compiled blocks flex is part of their graph, not a nested compile
-    tol = gpt_tolerance(2, 64)
+    tol = TOL
     assert abs(loss_c.item() - loss.item()) <= tol * abs(loss.item())
     for name, grad in grads.items():
         assert scaled_error(grads_c[name], grad) <= tol, name
@@ -173,7 +222,32 @@ def test_fused_cpu_kernel_forward_equals_the_dense_mask(monkeypatch):
     with torch.no_grad():
         fused = model("flex")(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
         dense = model("sdpa")(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
-    assert scaled_error(fused, dense) <= gpt_tolerance(2, 64)
+    assert scaled_error(fused, dense) <= TOL
+
+
+def test_fused_cpu_kernel_uses_the_block_tables_like_the_dense_mask_over_several_blocks(monkeypatch):
+    """The reference math path (aot_eager, every training test here) evaluates mask_mod on every score and never
+    reads the block tables; the fused kernel reads only them to skip blocks and runs full blocks without mask_mod.
+    Rows of 320 tokens (three blocks of 128, the last one partial) with a long document (full blocks below the
+    diagonal), short ones (blocks skipped) and a padding tail, through inductor's CPU kernel (forward), against SDPA's
+    dense mask. Tolerance: one attention (scores over head_dim, softmax sum and value mix over at most 320 keys) in two
+    fp32 summation orders, tests/tolerance.py's chain bound."""
+    from tests.tolerance import chain_tolerance
+
+    monkeypatch.setattr(gpt_model_module, "FLEX_COMPILE_BACKEND", "inductor")
+    seq, rows = 320, [[300, 15], [100, 20, 130, 40]]
+    docs = torch.stack([torch.cat([torch.arange(len(r)).repeat_interleave(torch.tensor(r)),
+                                   torch.full((seq - sum(r),), len(r))]) for r in rows])
+    block = document_block_mask(docs)
+    # Not vacuous: row 0's second query block (tokens 128-255, document 0) sees key block 0 in full; row 1's third
+    # query block (tokens 256-319: document 3 and padding) skips key block 0 (documents 0 to 2).
+    assert block.full_kv_num_blocks[0, 0].tolist() == [0, 1, 0] and block.kv_num_blocks[1, 0].tolist()[2] == 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, seq, 16, generator=g) for _ in range(3))
+    with torch.no_grad():
+        fused = gpt_model_module.flex_document_attention(q, k, v, block)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs))
+    assert scaled_error(fused, dense) <= chain_tolerance(3, seq)
 
 
 def test_bad_values_and_what_flex_cannot_do_give_clear_errors():
@@ -234,6 +308,28 @@ def test_a_compiled_stage_builds_the_block_mask_eagerly_and_equals_the_eager_mod
     compile_blocks([stage])  # compile_scope="stage"
     logits = stage(microbatch=mb)[..., :VOCAB]
     reference = eager(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
-    assert scaled_error(logits, reference) <= gpt_tolerance(2, 64)
+    assert scaled_error(logits, reference) <= TOL
     logits.sum().backward()
     assert all(p.grad is not None for p in stage.parameters())
+
+
+def test_flex_packing_check_script_runs_every_variant_on_cpu():
+    """benchmarks/flex_packing_check.py (the GPU check of every flex path against the dense mask) on CPU: every
+    variant runs, is within its fp32 bound, and a second pass over other documents compiles nothing."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "benchmarks/flex_packing_check.py"), "--device", "cpu", "--seq-length", "128",
+           "--hidden-size", "32", "--num-layers", "1", "--samples", "48"]
+    out = subprocess.run(cmd, check=True, cwd=root, capture_output=True, text=True, timeout=600).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    variants = {r["variant"]: r for r in rows if "variant" in r}
+    assert list(variants) == ["sdpa", "flex", "flex+ac", "flex+compiled_blocks", "flex+ac+compiled_blocks",
+                              "flex+compiled_stage", "head_dim_8"]
+    assert rows[-1] == {"summary": "ok", "failed": []}
+    for name, r in variants.items():
+        if name.startswith("flex"):
+            assert r["ok"] and r["recompiles"] == 0 and r["logits"] > 0, (name, r)  # > 0: flex really ran
+    assert variants["head_dim_8"]["auto_resolves_to"] == "sdpa"

@@ -9,7 +9,8 @@ micro-batch: attention is then causal *within* each document only and positions 
 packed row computes exactly what its documents compute alone (see docs/multitask.md). ``packed_attention`` picks how:
 ``"flex"`` builds a FlexAttention block mask (causal and same document), which skips the blocks across documents,
 ``"sdpa"`` a dense (batch, 1, s, s) boolean mask for SDPA, which computes every block of the row; ``"auto"`` is flex on
-CUDA and the SDPA mask elsewhere (FlexAttention has no CPU backward) or with attention dropout (flex has none).
+CUDA and the SDPA mask elsewhere (FlexAttention has no CPU backward), with attention dropout (flex has none) or with
+heads narrower than inductor's flex kernel takes (:data:`FLEX_MIN_HEAD_DIM`).
 Without ``document_ids`` the model runs SDPA's causal kernel as before, with no mask built.
 """
 
@@ -193,7 +194,7 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
         """Logits; ``document_ids`` (batch, seq) marks packed documents (see the module docstring)."""
         positions, mask = packing_inputs({"document_ids": document_ids, "position_ids": position_ids},
-                                         self.packed_attention, self.config.dropout)
+                                         self.packed_attention, self.config.dropout, self.config.head_dim)
         return run_layers(self, self.embed(input_ids, positions), self.layers.values(), mask)
 
     # ----- pipeline support -------------------------------------------------------------------------
@@ -283,31 +284,55 @@ def check_packed_attention(packed_attention: str, dropout: float) -> None:
                          " dropout > 0).")
 
 
-def resolve_packed_attention(packed_attention: str, device: torch.device, dropout: float) -> str:
+# Inductor's CUDA FlexAttention kernel refuses narrower heads (tl.dot's smallest tile is 16 wide): it raises while
+# compiling, deep inside the first forward, so "auto" keeps the SDPA mask for them and "flex" is refused up front.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def resolve_packed_attention(packed_attention: str, device: torch.device, dropout: float, head_dim: int) -> str:
     """"flex" or "sdpa" for packed rows on ``device``. "auto" takes FlexAttention where it runs as a fused kernel and
-    trains (CUDA; torch has no FlexAttention backward on CPU) and where nothing needs attention dropout."""
-    if packed_attention != "auto":
-        return packed_attention
-    return "flex" if device.type == "cuda" and dropout == 0 else "sdpa"
+    trains (CUDA with heads of at least :data:`FLEX_MIN_HEAD_DIM`; torch has no FlexAttention backward on CPU) and
+    where nothing needs attention dropout. "flex" on CUDA with narrower heads: ValueError naming the fix."""
+    if packed_attention == "auto":
+        cuda_kernel = device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
+        return "flex" if cuda_kernel and dropout == 0 else "sdpa"
+    if packed_attention == "flex" and device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(f"packed_attention='flex' with head_dim={head_dim} on cuda: torch's fused FlexAttention kernel"
+                         f" needs head_dim >= {FLEX_MIN_HEAD_DIM}. Use packed_attention='auto' or 'sdpa' (SDPA's"
+                         " dense mask), or fewer, wider heads (hidden_size / num_heads >= 16).")
+    return packed_attention
 
 
 @torch.compiler.disable
 def document_block_mask(document_ids: Tensor) -> BlockMask:
     """The FlexAttention ``BlockMask`` of :func:`document_mask` (same document and key <= query) over (batch, heads
     broadcast, seq, seq): blocks wholly across documents are skipped, blocks wholly inside one document's causal
-    part run without evaluating the mask. Built eagerly (``torch.compiler.disable``), also under a compiled stage:
-    building it inside the graph would trace the block sparsity computation into every stage graph."""
+    part run without evaluating the mask. Built outside any enclosing graph (``torch.compiler.disable``), also under
+    a compiled stage: building it inside the graph would trace the block sparsity computation into every stage graph;
+    on CUDA by a compiled ``create_block_mask`` of its own (see below)."""
     batch, seq = document_ids.shape
 
     def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return (document_ids[b, q] == document_ids[b, kv]) & (kv <= q)
 
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+    # Eagerly, create_block_mask evaluates the mask on every (query, key) pair through int64 (batch, seq, seq)
+    # intermediates: 8 bytes a pair, per micro-batch and stage, more than SDPA's dense boolean mask. Compiled, the
+    # same evaluation fuses into one pass that keeps only the block tables. CUDA only: that is where flex trains,
+    # while on CPU (inference, tests) a compile per shape would cost more than the eager build.
+    build = _compiled_create_block_mask(FLEX_COMPILE_BACKEND) if document_ids.is_cuda else create_block_mask
+    return build(same_document_causal, batch, None, seq, seq, device=document_ids.device)
 
 
 # What flex_attention is compiled with (as recipes/training.py's COMPILE_BACKEND, read here from the same variable:
 # training.py imports this module). Tests use "aot_eager": the same graph capture, torch's reference math kernels.
 FLEX_COMPILE_BACKEND = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
+
+
+@functools.cache
+def _compiled_create_block_mask(backend: str) -> Callable[..., BlockMask]:
+    # One compiled builder per process: the document ids are an input of its graph (as of flex's), so new documents
+    # of the same shape reuse it.
+    return torch.compile(create_block_mask, backend=backend)
 
 
 @functools.cache
@@ -338,18 +363,18 @@ def document_positions(document_ids: Tensor) -> Tensor:
     return index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
 
 
-def packing_inputs(microbatch: Mapping[str, Tensor | None], packed_attention: str = "sdpa",
-                   dropout: float = 0.0) -> tuple[Tensor | None, Tensor | BlockMask | None]:
+def packing_inputs(microbatch: Mapping[str, Tensor | None], packed_attention: str = "sdpa", dropout: float = 0.0,
+                   head_dim: int = FLEX_MIN_HEAD_DIM) -> tuple[Tensor | None, Tensor | BlockMask | None]:
     """(position ids, attention mask) of a micro-batch: both None without ``document_ids`` (plain rows); with them,
     its ``position_ids`` (or positions derived from the documents) and the block-diagonal causal mask: a FlexAttention
-    block mask or SDPA's dense mask, as ``packed_attention`` resolves on the documents' device
-    (:func:`resolve_packed_attention`)."""
+    block mask or SDPA's dense mask, as ``packed_attention`` resolves on the documents' device for the model's
+    ``dropout`` and ``head_dim`` (:func:`resolve_packed_attention`; the models pass their own)."""
     documents = microbatch.get("document_ids")
     if documents is None:
         return microbatch.get("position_ids"), None
     positions = microbatch.get("position_ids")
     positions = document_positions(documents) if positions is None else positions
-    if resolve_packed_attention(packed_attention, documents.device, dropout) == "flex":
+    if resolve_packed_attention(packed_attention, documents.device, dropout, head_dim) == "flex":
         return positions, document_block_mask(documents)
     return positions, document_mask(documents)
 

@@ -36,7 +36,8 @@ class GPT(pl.LightningModule):
     tensor-parallel size 1 only. ``packed_attention``: how packed rows (micro-batches with ``document_ids``) attend:
     ``"flex"`` (FlexAttention with a causal same-document block mask: skips the blocks across documents; CUDA for
     training, no attention dropout), ``"sdpa"`` (SDPA with a dense block-diagonal causal mask: every block of the
-    row computed) or ``"auto"`` (flex on CUDA without dropout, sdpa otherwise). Plain rows ignore it.
+    row computed) or ``"auto"`` (flex on CUDA without dropout and with heads of at least 16, sdpa otherwise). Plain rows
+    ignore it.
     """
 
     def __init__(

@@ -52,7 +52,8 @@ class GPTStage(nn.Module):
         self.activation_checkpointing = (
             model.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         )
-        self.packed_attention, self.dropout = model.packed_attention, model.config.dropout
+        self.packed_attention, self.dropout, self.head_dim = (model.packed_attention, model.config.dropout,
+                                                               model.config.head_dim)
 
     def forward(self, *received: Tensor, microbatch: dict[str, Tensor]) -> Tensor:
         # A dynamic plan may switch recomputation per micro-batch (lightning_3d.dynamic.RECOMPUTE_KEY, docs/dynamic.md).
@@ -60,7 +61,7 @@ class GPTStage(nn.Module):
 
     def _forward(self, received: tuple[Tensor, ...], microbatch: dict[str, Tensor]) -> Tensor:
         # None, None for plain rows; packed documents: see model.py
-        positions, mask = packing_inputs(microbatch, self.packed_attention, self.dropout)
+        positions, mask = packing_inputs(microbatch, self.packed_attention, self.dropout, self.head_dim)
         x = self.embed(microbatch["input_ids"], positions) if self.embed is not None else received[0]
         return run_layers(self, x, self.layers.values(), mask)  # type: ignore[arg-type]
 
