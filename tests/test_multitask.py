@@ -95,7 +95,8 @@ def test_packing_with_document_masks_equals_the_unpacked_samples(model_type: str
 
     loss_p, outs_p, grads_p = run(packed)
     loss_u, outs_u, grads_u = run(alone)
-    tol = gpt_tolerance(2, 64) if model_type == "gpt" else t5_tolerance(2, 2, 64)
+    # longest reduction: the GPT MLP's 4 x 32 = 128 inputs; T5's FFN 64
+    tol = gpt_tolerance(2, 128) if model_type == "gpt" else t5_tolerance(2, 2, 64)
     side = "document_ids" if model_type == "gpt" else "decoder_document_ids"
     for r, row in enumerate(rows):
         mb, i = packed[r // 3], r % 3
