@@ -223,6 +223,20 @@ class ReplicatedLayerNorm(_LocalTensorLayer, nn.LayerNorm):
                             self.eps)
 
 
+class ReplicatedNorm(_LocalTensorLayer):
+    """A recipe's own norm class (one that is not ``nn.LayerNorm``, as T5's RMS norm) as a replicated layer on local
+    activations: the recipe subclasses this and its norm class, and its ``forward`` reads the parameters through
+    :meth:`local_parameter`, which a compiled block serves like any layer's. Under sequence parallelism each rank's
+    gradient is a partial sum (the norm saw this rank's tokens only), as :class:`ReplicatedLayerNorm`'s."""
+
+    def _local_params(self) -> tuple[tuple[str, bool], ...]:
+        partial = self.tensor_parallel.sequence_parallel
+        return tuple((name, partial) for name, _ in self.named_parameters(recurse=False))
+
+    def local_parameter(self, name: str) -> Tensor | None:
+        return self._local(name, self.tensor_parallel.sequence_parallel)
+
+
 class ReplicatedEmbedding(_LocalTensorLayer, nn.Embedding):
     """An embedding table replicated on every rank, looked up by full (replicated) ids (positions)."""
 
