@@ -135,14 +135,18 @@ def compile_on_local_tensors(module: nn.Module, **compile_kwargs) -> None:
     (docs/tensor_parallel.md). Here an eager wrapper runs before each compiled call: it puts each layer's local
     leaves (the eager path's, so gradients reach ``param.grad`` the same way) on the layer as plain tensors, which
     the graph reads as inputs. The wrapper is plain Python: one dictionary update per parameter, no DTensor
-    operation once the leaves exist. A module without tensor-parallel layers is compiled as ``Module.compile`` would."""
+    operation once the leaves exist. A module without tensor-parallel layers is compiled as ``Module.compile`` would
+    (the wrapper then stages nothing); the layers are looked up at the first call, so the block may be compiled
+    before the plan swaps them in."""
     compiled = torch.compile(module._call_impl, **compile_kwargs)
-    layers = [m for m in module.modules() if isinstance(m, _LocalTensorLayer)]
-    if not layers:
-        set_compiled_call(module, compiled)
-        return
+    # Found at the first call, not here: the recipes compile their blocks before the strategy applies the
+    # tensor-parallel plan (build_pipeline_stages, then parallelize_stage), so no layer is tensor-parallel yet.
+    layers: list[_LocalTensorLayer] | None = None
 
     def call(*args, **kwargs):
+        nonlocal layers
+        if layers is None:
+            layers = [m for m in module.modules() if isinstance(m, _LocalTensorLayer)]
         for layer in layers:
             layer._stage_locals()
         return compiled(*args, **kwargs)

@@ -30,18 +30,23 @@ def t5_config(v11: bool, **overrides):
     return T5Config(**{**shape, **(V11 if v11 else {}), **overrides})
 
 
-def t5_stages(implementation: str | None, mesh, sequence_parallel: bool, v11: bool, split: bool = False, **overrides):
+def t5_stages(implementation: str | None, mesh, sequence_parallel: bool, v11: bool, split: bool = False,
+              compile: bool = False, **overrides):
     """The tiny T5 as one stage (or an encoder stage and a decoder stage), parallelized, materialised and initialised
-    as the strategy does (stage_builder); the same weights on every rank and under every plan (seeded by name)."""
+    as the strategy does (stage_builder); the same weights on every rank and under every plan (seeded by name).
+    ``compile``: its blocks compiled as the recipe compiles them, before the plan is applied (build_pipeline_stages
+    runs before the strategy's parallelize_stage)."""
     from lightning_3d.recipes.gpt.model import copy_full_into
     from lightning_3d.recipes.t5.model import T5Model
     from lightning_3d.recipes.t5.parallelize import T5Stage, parallelize_t5
+    from lightning_3d.recipes.training import compile_blocks
     from lightning_3d.strategies.stage_builder import replicate_plain_parameters
     from lightning_3d.utils.tensors import materialize_
 
     config = t5_config(v11, **overrides)
     with torch.device("meta"):
         model = T5Model(config, config.padded_vocab_size(mesh.size()))
+    compile_blocks([*model.encoder.values(), *model.decoder.values()], compile)
     ranges = [range(BLOCKS), range(BLOCKS, 2 * BLOCKS)] if split else [range(2 * BLOCKS)]
     stages = [T5Stage(model, r, first=i == 0, last=i == len(ranges) - 1) for i, r in enumerate(ranges)]
     for stage in stages:
@@ -173,13 +178,14 @@ def check_t5_plans(world: int) -> dict[str, float | bool | str]:
 
 
 def check_t5_compiled(world: int) -> dict[str, float | bool | int]:
-    """T5 blocks compiled as the recipe compiles them (``compile_blocks``, backend aot_eager) equal the eager stage
-    over two accumulated micro-batches, SP off and on: one graph per block kind (encoder, decoder), no graph break,
-    and every gradient handed to its DTensor parameter by the local leaves, as eagerly."""
+    """T5 blocks compiled as the recipe compiles them (``compile_blocks``, backend aot_eager, before the plan swaps
+    the tensor-parallel layers in) equal the eager stage over two accumulated micro-batches, SP off and on: one graph
+    per block kind (encoder, decoder), no graph break, and every gradient handed to its DTensor parameter by the
+    local leaves, as eagerly (a graph reading the DTensor parameters instead would hand over only the 12 outside
+    the blocks)."""
     from torch._dynamo.utils import counters
 
     import lightning_3d.recipes.training as training
-    from lightning_3d.recipes.training import compile_blocks
     from lightning_3d.tensor_parallel import layers as tp_layers
 
     mesh = init_device_mesh("cpu", (world,))
@@ -203,9 +209,7 @@ def check_t5_compiled(world: int) -> dict[str, float | bool | int]:
                 torch._dynamo.reset()
                 counters.clear()
                 handed[0] = 0
-                model, stages = t5_stages("local", mesh, sp, v11=True)
-                if compiled:
-                    compile_blocks([*model.encoder.values(), *model.decoder.values()], True)
+                model, stages = t5_stages("local", mesh, sp, v11=True, compile=compiled)
                 losses = torch.stack([run(stages, mb) for mb in batches])
                 grads = full_grads(model)
                 runs[compiled] = (losses, grads, handed[0])
