@@ -1,7 +1,7 @@
 """T5 tensor parallelism on local tensors (world 2, gloo), run inside tests/scenarios/tensor_parallel.py's process
 group: the T5 stage under the local layers equals it under torch's DTensor plan (loss and every gradient, with and
 without sequence parallelism, v1.0 tied + ReLU and v1.1 untied + gated-GELU, padded inputs and targets) and the model in one process, also split
-into an encoder stage and a decoder stage whose boundary carries the encoder output and the decoder's bias-table
+into an encoder stage and a decoder stage (recomputing their blocks) whose boundary carries the encoder output and the decoder's bias-table
 slice; the parameters keep their names and placements; ``L3D_TP_IMPLEMENTATION`` selects the plan and a bad value is
 refused by name; compiled blocks (aot_eager) equal eager ones, one unbroken graph per block kind, with their
 gradients handed over through the local leaves.
@@ -34,7 +34,7 @@ def t5_stages(implementation: str | None, mesh, sequence_parallel: bool, v11: bo
               compile: bool = False, **overrides):
     """The tiny T5 as one stage (or an encoder stage and a decoder stage), parallelized, materialised and initialised
     as the strategy does (stage_builder); the same weights on every rank and under every plan (seeded by name).
-    ``compile``: its blocks compiled as the recipe compiles them, before the plan is applied (build_pipeline_stages
+    ``split`` also checkpoints the blocks' activations. ``compile``: its blocks compiled as the recipe compiles them, before the plan is applied (build_pipeline_stages
     runs before the strategy's parallelize_stage)."""
     from lightning_3d.recipes.gpt.model import copy_full_into
     from lightning_3d.recipes.t5.model import T5Model
@@ -48,7 +48,10 @@ def t5_stages(implementation: str | None, mesh, sequence_parallel: bool, v11: bo
         model = T5Model(config, config.padded_vocab_size(mesh.size()))
     compile_blocks([*model.encoder.values(), *model.decoder.values()], compile)
     ranges = [range(BLOCKS), range(BLOCKS, 2 * BLOCKS)] if split else [range(2 * BLOCKS)]
-    stages = [T5Stage(model, r, first=i == 0, last=i == len(ranges) - 1) for i, r in enumerate(ranges)]
+    # Split stages also recompute their blocks (activation checkpointing): the collectives and the local leaves run
+    # again in the backward.
+    stages = [T5Stage(model, r, first=i == 0, last=i == len(ranges) - 1, activation_checkpointing=split)
+              for i, r in enumerate(ranges)]
     for stage in stages:
         parallelize_t5(stage, mesh, sequence_parallel, implementation=implementation)
         replicate_plain_parameters(stage, mesh)
