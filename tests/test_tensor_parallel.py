@@ -1,5 +1,5 @@
-"""Tensor parallelism on local tensors: the f/g operators and the layers against their definition, and the GPT stage
-against torch's DTensor plan (world 2)."""
+"""Tensor parallelism on local tensors: the f/g operators and the layers against their definition, and the GPT and T5
+stages against torch's DTensor plan (world 2)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,35 @@ def test_operators_and_layers_match_their_definition(tmp_path: Path) -> None:
             # Compiled blocks hand their gradients over through the local leaves as eager ones do: 2 micro-batches
             # times the leaves the stage reads (a DTensor input to the graph would bypass them, fewer hand-overs).
             assert compiled[f"sp{sp}_handed_compiled"] == compiled[f"sp{sp}_handed_eager"] > 0, (rank, sp, compiled)
+        _check_t5(rank, result["t5"], result["t5_compiled"])
+
+
+def _check_t5(rank: int, t5: dict, compiled: dict) -> None:
+    """tests/scenarios/t5_tensor_parallel.py: the T5 stage on local tensors against torch's DTensor plan and a single
+    process, and its compiled blocks against eager ones."""
+    runs = [f"v11{v11}_sp{sp}_split{split}" for v11 in (False, True) for sp in (False, True)
+            for split in ((False, True) if v11 else (False,))]
+    for run in runs:
+        assert t5[f"{run}_loss"] <= t5["tolerance"] and t5[f"{run}_grads"] <= t5["tolerance"], (rank, run, t5)
+        assert t5[f"{run}_reference_loss"] <= t5["tolerance"], (rank, run, t5)
+        assert t5[f"{run}_reference_grads"] <= t5["tolerance"], (rank, run, t5)
+        for key in ("selected", "same_placements", "same_state_dict_keys"):
+            assert t5[f"{run}_{key}"], (rank, run, key, t5)
+        # The pipeline boundary carries this rank's sequence chunk under SP, and this rank's heads of the bias table.
+        if run.endswith("splitTrue"):
+            assert t5[f"{run}_boundary_ok"], (rank, run, t5)
+    assert all(t5[f"v11{v11}_sp{sp}_dtensor_selected"] for v11 in (False, True) for sp in (False, True)), t5
+    assert "'fast'" in t5["bad_value_error"] and "L3D_TP_IMPLEMENTATION" in t5["bad_value_error"], t5
+    assert "num_heads=3" in t5["bad_heads_error"] and "tensor_parallel_size=2" in t5["bad_heads_error"], t5
+    for sp in (False, True):
+        assert compiled[f"sp{sp}_loss"] <= compiled["tolerance"], (rank, sp, compiled)
+        assert compiled[f"sp{sp}_grads"] <= compiled["tolerance"], (rank, sp, compiled)
+        # One graph per block kind (encoder, decoder), unbroken.
+        assert compiled[f"sp{sp}_graphs"] == 2 and compiled[f"sp{sp}_graph_breaks"] == 0, (rank, sp, compiled)
+        # Compiled blocks hand their gradients over through the local leaves, as eager ones: 2 micro-batches times
+        # the 52 leaves of the tiny v1.1 stage (46 in its blocks; embedding, 2 bias tables, 2 final norms, head).
+        assert compiled[f"sp{sp}_handed_compiled"] == compiled[f"sp{sp}_handed_eager"] == 104, (rank, sp, compiled)
+        assert compiled[f"sp{sp}_dtensor_grads"], (rank, sp, compiled)
 
 
 def test_host_time_benchmark_times_both_plans_on_the_same_model(tmp_path: Path) -> None:

@@ -135,14 +135,18 @@ def compile_on_local_tensors(module: nn.Module, **compile_kwargs) -> None:
     (docs/tensor_parallel.md). Here an eager wrapper runs before each compiled call: it puts each layer's local
     leaves (the eager path's, so gradients reach ``param.grad`` the same way) on the layer as plain tensors, which
     the graph reads as inputs. The wrapper is plain Python: one dictionary update per parameter, no DTensor
-    operation once the leaves exist. A module without tensor-parallel layers is compiled as ``Module.compile`` would."""
+    operation once the leaves exist. A module without tensor-parallel layers is compiled as ``Module.compile`` would
+    (the wrapper then stages nothing); the layers are looked up at the first call, so the block may be compiled
+    before the plan swaps them in."""
     compiled = torch.compile(module._call_impl, **compile_kwargs)
-    layers = [m for m in module.modules() if isinstance(m, _LocalTensorLayer)]
-    if not layers:
-        set_compiled_call(module, compiled)
-        return
+    # Found at the first call, not here: the recipes compile their blocks before the strategy applies the
+    # tensor-parallel plan (build_pipeline_stages, then parallelize_stage), so no layer is tensor-parallel yet.
+    layers: list[_LocalTensorLayer] | None = None
 
     def call(*args, **kwargs):
+        nonlocal layers
+        if layers is None:
+            layers = [m for m in module.modules() if isinstance(m, _LocalTensorLayer)]
         for layer in layers:
             layer._stage_locals()
         return compiled(*args, **kwargs)
@@ -221,6 +225,20 @@ class ReplicatedLayerNorm(_LocalTensorLayer, nn.LayerNorm):
         partial = self.tensor_parallel.sequence_parallel
         return F.layer_norm(x, self.normalized_shape, self._local("weight", partial), self._local("bias", partial),
                             self.eps)
+
+
+class ReplicatedNorm(_LocalTensorLayer):
+    """A recipe's own norm class (one that is not ``nn.LayerNorm``, as T5's RMS norm) as a replicated layer on local
+    activations: the recipe subclasses this and its norm class, and its ``forward`` reads the parameters through
+    :meth:`local_parameter`, which a compiled block serves like any layer's. Under sequence parallelism each rank's
+    gradient is a partial sum (the norm saw this rank's tokens only), as :class:`ReplicatedLayerNorm`'s."""
+
+    def _local_params(self) -> tuple[tuple[str, bool], ...]:
+        partial = self.tensor_parallel.sequence_parallel
+        return tuple((name, partial) for name, _ in self.named_parameters(recurse=False))
+
+    def local_parameter(self, name: str) -> Tensor | None:
+        return self._local(name, self.tensor_parallel.sequence_parallel)
 
 
 class ReplicatedEmbedding(_LocalTensorLayer, nn.Embedding):

@@ -25,6 +25,7 @@ from lightning_3d.tensor_parallel import (
     reduce_scatter_sequence, replicated, row_parallel, split_sequence,
 )
 from lightning_3d.utils.compat import clear_dtensor_caches
+from tests.scenarios import t5_tensor_parallel
 from tests.scenarios.common import parse_args, write_report
 from tests.tolerance import chain_tolerance, scaled_error
 
@@ -380,6 +381,8 @@ def main() -> None:
               "layers": {str(sp): check_layers(rank, world, sp) for sp in (False, True)},
               "gpt": check_gpt_plans(world),
               "compiled": check_compiled_stage(world),
+              "t5": t5_tensor_parallel.check_t5_plans(world),
+              "t5_compiled": t5_tensor_parallel.check_t5_compiled(world),
               "autocast_and_optimizer": check_autocast_and_optimizer(rank, world)}
     gathered = [None] * world
     dist.all_gather_object(gathered, report)

@@ -30,7 +30,7 @@ from lightning_3d.recipes.gpt.model import LMHead, copy_full_into, seed_for
 from lightning_3d.recipes.t5.config import T5Config
 from lightning_3d.recipes.training import IGNORE_INDEX
 from lightning_3d.strategies.rng import ParallelDropout
-from lightning_3d.utils.tensors import local
+from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel, local_view
 
 # Added to masked attention scores: finite in fp32 and bf16 alike (finfo(float32).min becomes -inf in bf16).
 MASK_VALUE = torch.finfo(torch.bfloat16).min
@@ -57,11 +57,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return self.weight * x
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """:class:`RMSNorm`'s computation on a given weight (the tensor-parallel norm passes its local one)."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        x = x.to(weight.dtype)
+    return weight * x
 
 
 class Attention(nn.Module):
@@ -80,17 +85,29 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         # On the probabilities of this rank's own heads: its tensor-parallel stream.
         self.drop = ParallelDropout(config.dropout, sharded=True)
+        # Set by parallelize_t5 (local tensors): the projections of one input then run as one column-parallel GEMM.
+        self.tensor_parallel: TensorParallel | None = None
+
+    def project(self, x: Tensor, memory: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q of ``x``, k and v of ``memory`` (or of ``x``): this rank's heads' columns under tensor parallelism, all
+        tokens (the inputs hold 1/tp of them under sequence parallelism). Self-attention's three projections read
+        one input and cross-attention's k and v another: each input enters the tensor-parallel region once."""
+        tp = self.tensor_parallel
+        if tp is None:
+            source = x if memory is None else memory
+            return self.q(x), self.k(source), self.v(source)
+        if memory is None:
+            return fused_column_parallel(x, (self.q, self.k, self.v), tp)
+        return (self.q(x), *fused_column_parallel(memory, (self.k, self.v), tp))
 
     def forward(self, x: Tensor, bias: Tensor | None, memory: Tensor | None = None,
                 key_bias: Tensor | None = None) -> Tensor:
         """``bias``: position bias plus mask, (1 or batch, heads or 1, queries, keys), or None; ``key_bias``: the padding
         mask (batch, 1, 1, keys) added on top, kept apart so that ``bias`` and its gradient stay batch-free."""
-        source = x if memory is None else memory
-        b, s, t = x.shape[0], x.shape[1], source.shape[1]
-        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them (and of the bias).
-        q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k(source).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v(source).view(b, t, -1, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them (and of the bias). The lengths are
+        # the projections': under sequence parallelism x and memory hold this rank's tokens, q, k and v all of them.
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project(x, memory))
+        b, s = q.shape[0], q.shape[2]
         if self.implementation == "sdpa" and not (self.training and self.drop.p > 0):
             y = self._fused(q, k, v, bias, key_bias)
         else:
@@ -134,9 +151,18 @@ class FeedForward(nn.Module):
         self.wo = nn.Linear(f, h, bias=False)
         # On the hidden layer, whose columns are sharded over tp: each rank's own masks.
         self.drop = ParallelDropout(config.dropout, sharded=True)
+        # Set by parallelize_t5 (local tensors): the gated pair then runs as one column-parallel GEMM.
+        self.tensor_parallel: TensorParallel | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden = F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x) if self.gated else F.relu(self.wi(x))
+        if not self.gated:
+            hidden = F.relu(self.wi(x))
+        else:
+            # One input, two projections: entering the tensor-parallel region once (one all-gather under sequence
+            # parallelism, one all-reduce of the input gradient) instead of once per projection.
+            tp = self.tensor_parallel
+            gate, up = (self.wi_0(x), self.wi_1(x)) if tp is None else fused_column_parallel(x, (self.wi_0, self.wi_1), tp)
+            hidden = F.gelu(gate, approximate="tanh") * up
         return self.wo(self.drop(hidden))
 
 
@@ -254,7 +280,8 @@ def run_stage(m: nn.Module, received: tuple[Tensor, ...], mb: Mapping[str, Tenso
                          f" {mb['input_ids'].shape[1]} and {dec_ids.shape[1]}. Pad the batches to a multiple of {sp}.")
     x = memory = None
     if not received:
-        enc_table, dec_table = local(m.encoder_relative_bias.weight), local(m.decoder_relative_bias.weight)
+        # This rank's heads' columns under tensor parallelism, computed on locally (no collective).
+        enc_table, dec_table = local_view(m.encoder_relative_bias.weight), local_view(m.decoder_relative_bias.weight)
         x, y = m.drop(m.shared(mb["input_ids"])), m.drop(m.shared(dec_ids))
     elif len(received) == 4:
         x, y, enc_table, dec_table = received

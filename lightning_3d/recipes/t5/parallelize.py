@@ -1,12 +1,21 @@
-"""Pipeline stages and the tensor-parallel plan for the T5 recipe."""
+"""Pipeline stages and the tensor-parallel plan for the T5 recipe.
+
+Tensor parallelism runs Megatron-style on local tensors with explicit collectives (lightning_3d.tensor_parallel,
+docs/tensor_parallel.md), as the GPT recipe's; the parameters stay DTensors with the placements of torch's plan. The
+DTensor-module plan (torch's ``parallelize_module``) is kept as ``parallelize_t5(..., implementation="dtensor")``
+for comparison (``L3D_TP_IMPLEMENTATION``, as for GPT).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -16,7 +25,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_3d.dynamic import with_microbatch_checkpointing
-from lightning_3d.recipes.t5.model import T5Model, run_stage
+from lightning_3d.recipes.gpt.model import LMHead
+from lightning_3d.recipes.t5.model import RMSNorm, T5Model, rms_norm, run_stage
+from lightning_3d.tensor_parallel import (
+    ReplicatedNorm, TensorParallel, VocabParallelEmbedding, column_parallel, distribute_parameters, local_view,
+    row_parallel, vocab_parallel_embedding,
+)
+
+IMPLEMENTATIONS = ("local", "dtensor")
 
 
 class T5Stage(nn.Module):
@@ -54,15 +70,137 @@ class T5Stage(nn.Module):
         return with_microbatch_checkpointing(self, microbatch, lambda: run_stage(self, received, microbatch))
 
 
-def parallelize_t5(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
-    """Megatron sharding of attention (by head) and feed-forward, vocab-parallel embedding and head.
+class _SharedEmbedding(VocabParallelEmbedding):
+    """The shared embedding: each rank looks up the ids in its vocabulary rows (zeros elsewhere), then the sum over
+    the ranks (g), or under sequence parallelism the sum scattered over the sequence in one reduce-scatter (the
+    residual streams start sharded), as torch's plan's ``RowwiseParallel(output_layouts=Shard(1))``."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        weight = local_view(self.weight)
+        shifted = ids - self.tensor_parallel.rank * weight.shape[0]
+        outside = (shifted < 0) | (shifted >= weight.shape[0])
+        out = F.embedding(torch.where(outside, 0, shifted), weight)
+        return self.tensor_parallel.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class _ReplicatedRMSNorm(ReplicatedNorm, RMSNorm):
+    """T5's RMS norm with a replicated weight, on local activations (this rank's tokens under sequence parallelism)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.local_parameter("weight"), self.eps)
+
+
+class _VocabParallelHead(LMHead):
+    """This rank's vocabulary columns of the logits, handed on as a ``Shard(-1)`` DTensor for ``loss_parallel``."""
+
+    tensor_parallel: TensorParallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        tp = self.tensor_parallel
+        logits = F.linear(tp.enter(x), local_view(self.weight))
+        if self.padding_mask is not None:
+            logits = logits + self.padding_mask.to_local().to(logits.dtype)
+        return DTensor.from_local(logits, tp.mesh, [Shard(-1)], run_check=False)
+
+
+def _replicated_rms_norm(norm: nn.Module, tp: TensorParallel, memo: dict[int, nn.Parameter]) -> None:
+    if type(norm) is not RMSNorm:
+        raise TypeError(f"{type(norm).__name__} cannot become a replicated tensor-parallel norm: only T5's RMSNorm can.")
+    distribute_parameters(norm, {"weight": Replicate()}, tp, memo)
+    norm.__class__ = _ReplicatedRMSNorm
+    norm.tensor_parallel = tp
+
+
+def _check_divisible(module: nn.Module, size: int) -> None:
+    """Heads (q/k/v columns and the bias tables) and the feed-forward width must split evenly: an uneven shard would
+    cut a head in two, and the bias tables' columns would no longer match the heads of the q/k/v columns."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return
+    for name, value in (("num_heads", config.num_heads), ("ffn_hidden_size", config.ffn_size)):
+        if value % size:
+            raise ValueError(f"T5 tensor parallelism needs {name}={value} divisible by tensor_parallel_size={size}:"
+                             f" choose a tensor_parallel_size that divides it.")
+
+
+def parallelize_t5(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                   implementation: str | None = None) -> None:
+    """Megatron sharding of attention (by head) and feed-forward, vocab-parallel embedding and head, on local tensors
+    with explicit collectives: self-attention's q, k and v run as one GEMM, cross-attention's q on the decoder stream
+    and its k and v (one GEMM) on the encoder output, the gated feed-forward's two input projections as one GEMM.
+    ``implementation="dtensor"``: torch's DTensor modules instead (same sharding and results; slower on the host);
+    None: the environment variable ``L3D_TP_IMPLEMENTATION`` if set, else "local".
 
     The relative-attention-bias tables are sharded by head (column ``Shard(1)`` of buckets x heads), so each rank
-    computes the bias of exactly the heads its q/k/v columns hold; a table crosses pipeline boundaries as that
-    local slice. The LM head keeps its logits a vocabulary-sharded DTensor for ``loss_parallel``. With
-    ``sequence_parallel`` the residual streams (encoder, decoder and the encoder output that every decoder stage
-    reads) are sharded over the sequence between blocks and across pipeline boundaries.
+    computes the bias of exactly the heads its q/k/v columns hold, with no collective; a table crosses pipeline
+    boundaries as that local slice. The LM head hands its logits on as a vocabulary-sharded DTensor for
+    ``loss_parallel``. With ``sequence_parallel`` the residual streams (encoder, decoder and the encoder output that
+    every decoder stage reads) are sharded over the sequence between blocks and across pipeline boundaries.
     """
+    if implementation is None:
+        implementation = os.environ.get("L3D_TP_IMPLEMENTATION", "local")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"Tensor-parallel implementation {implementation!r} (argument or L3D_TP_IMPLEMENTATION) is"
+                         f" not one of {IMPLEMENTATIONS}: use 'local' (the default) or 'dtensor'.")
+    _check_divisible(module, tp_mesh.size())
+    if implementation == "dtensor":
+        _parallelize_t5_dtensor(module, tp_mesh, sequence_parallel)
+    else:
+        _parallelize_t5_local(module, tp_mesh, sequence_parallel)
+    # Residual dropout (blocks, embeddings, final norms) sees this rank's tokens only under sequence parallelism.
+    for stack in ("encoder", "decoder"):
+        for block in getattr(module, stack).values():
+            block.drop.sharded = sequence_parallel
+    if getattr(module, "drop", None) is not None:
+        module.drop.sharded = sequence_parallel
+    if hasattr(module, "sequence_parallel_size"):
+        module.sequence_parallel_size = tp_mesh.size() if sequence_parallel else 1
+
+
+def _parallelize_t5_local(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    tp = TensorParallel(tp_mesh, sequence_parallel)
+    memo: dict[int, nn.Parameter] = {}  # keeps a tied embedding and head one parameter
+    shared = getattr(module, "shared", None)
+    if shared is not None:
+        vocab_parallel_embedding(shared, tp, memo)
+        shared.__class__ = _SharedEmbedding
+        for table in (module.encoder_relative_bias, module.decoder_relative_bias):
+            distribute_parameters(table, {"weight": Shard(1)}, tp, memo)  # read by run_stage, never called
+    for stack in ("encoder", "decoder"):
+        for block in getattr(module, stack).values():
+            for attn in [block.self_attn] + ([block.cross_attn] if stack == "decoder" else []):
+                for proj in (attn.q, attn.k, attn.v):
+                    column_parallel(proj, tp, memo)
+                row_parallel(attn.o, tp, memo)
+                attn.tensor_parallel = tp
+            ff = block.ff
+            for proj in (ff.wi_0, ff.wi_1) if ff.gated else (ff.wi,):
+                column_parallel(proj, tp, memo)
+            row_parallel(ff.wo, tp, memo)
+            ff.tensor_parallel = tp
+            for name in ("self_attn_norm", "cross_attn_norm", "ff_norm"):
+                if hasattr(block, name):
+                    _replicated_rms_norm(getattr(block, name), tp, memo)
+    for name in ("encoder_norm", "decoder_norm"):
+        if getattr(module, name, None) is not None:
+            _replicated_rms_norm(getattr(module, name), tp, memo)
+    head = getattr(module, "lm_head", None)
+    if head is not None:
+        if type(head) is not LMHead:
+            raise TypeError(f"{type(head).__name__} cannot be made vocabulary-parallel: only LMHead can.")
+        weight = memo.get(id(head.weight))
+        if weight is None:
+            weight = nn.Parameter(distribute_tensor(head.weight.data, tp_mesh, [Shard(0)]),
+                                  requires_grad=head.weight.requires_grad)
+        head.weight = weight
+        if head.padding_mask is not None:  # sharded like the logits, so the mask add stays local
+            head.padding_mask = distribute_tensor(head.padding_mask, tp_mesh, [Shard(0)])
+        head.__class__ = _VocabParallelHead
+        head.tensor_parallel = tp
+
+
+def _parallelize_t5_dtensor(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """torch's DTensor modules (``parallelize_module``) with the sharding of :func:`parallelize_t5`."""
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict = {}
     if getattr(module, "shared", None) is not None:
@@ -95,12 +233,6 @@ def parallelize_t5(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
         plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if sequence_parallel:
         plan.update({n: SequenceParallel(use_local_output=True) for n in norms})
-    # Residual dropout (blocks, embeddings, final norms) sees this rank's tokens only under sequence parallelism.
-    for stack in ("encoder", "decoder"):
-        for block in getattr(module, stack).values():
-            block.drop.sharded = sequence_parallel
-    if getattr(module, "drop", None) is not None:
-        module.drop.sharded = sequence_parallel
     shared = getattr(module, "shared", None)
     tied = shared is not None and head is not None and head.weight is shared.weight
     parallelize_module(module, tp_mesh, plan)
@@ -109,5 +241,3 @@ def parallelize_t5(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
         head.padding_mask = head.padding_mask.redistribute(tp_mesh, [Shard(0)])
     if tied:
         head.weight = shared.weight  # parallelize_module gave each module its own DTensor parameter; tie again
-    if hasattr(module, "sequence_parallel_size"):
-        module.sequence_parallel_size = tp_mesh.size() if sequence_parallel else 1
