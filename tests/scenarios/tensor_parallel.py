@@ -243,7 +243,10 @@ def check_autocast_and_optimizer(rank: int, world: int) -> dict[str, bool]:
     return result
 
 
-def gpt_stage(implementation: str | None, mesh, sequence_parallel: bool):
+def gpt_stage(implementation: str | None, mesh, sequence_parallel: bool, compile_first: bool = False):
+    """A tiny GPT stage (embedding, 2 blocks, head) under the tensor-parallel plan. ``compile_first``: its blocks
+    compiled by the recipes' ``compile_blocks`` before the plan, the order of the recipes (build_pipeline_stages
+    compiles, the strategy's parallelize_stage swaps the layers in afterwards)."""
     from lightning_3d.recipes.gpt.config import preset
     from lightning_3d.recipes.gpt.model import GPTModel, copy_full_into
     from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
@@ -255,6 +258,10 @@ def gpt_stage(implementation: str | None, mesh, sequence_parallel: bool):
     with torch.device("meta"):
         model = GPTModel(config, config.padded_vocab_size(mesh.size()))
     stage = GPTStage(model, range(2), first=True, last=True)
+    if compile_first:
+        from lightning_3d.recipes.training import compile_blocks
+
+        compile_blocks(stage.layers.values(), True)
     parallelize_gpt(stage, mesh, sequence_parallel, implementation=implementation)
     replicate_plain_parameters(stage, mesh)
     materialize_(model, torch.device("cpu"))
@@ -320,7 +327,7 @@ def check_compiled_stage(world: int) -> dict[str, float | bool | int]:
     from torch.distributed.tensor.parallel import loss_parallel
 
     import lightning_3d.recipes.training as training
-    from lightning_3d.recipes.training import compile_blocks, summed_token_cross_entropy
+    from lightning_3d.recipes.training import summed_token_cross_entropy
     from lightning_3d.tensor_parallel import layers as tp_layers
     from tests.tolerance import gpt_tolerance
 
@@ -346,9 +353,7 @@ def check_compiled_stage(world: int) -> dict[str, float | bool | int]:
                 torch._dynamo.reset()
                 counters.clear()
                 handed[0] = 0
-                _, stage = gpt_stage("local", mesh, sp)
-                if compiled:
-                    compile_blocks(stage.layers.values(), True)
+                _, stage = gpt_stage("local", mesh, sp, compile_first=compiled)  # compiled in the recipes' order
                 losses = []
                 for tokens in batches:
                     microbatch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
