@@ -126,3 +126,10 @@ def test_functional_collectives_keep_their_signatures() -> None:
     assert _params(funcol.all_reduce)[:3] == ["self", "reduceOp", "group"]
     assert _params(funcol.all_gather_tensor)[:3] == ["self", "gather_dim", "group"]
     assert _params(funcol.reduce_scatter_tensor)[:4] == ["self", "reduceOp", "scatter_dim", "group"]
+
+
+def test_flex_attention_device_check_answers_as_torch_would() -> None:
+    """torch's private FlexAttention device check: CPU has no backward (the reason is torch's text), and the probe is
+    what the check reads (a tensor that needs gradients)."""
+    reason = compat.flex_attention_trains_on(torch.device("cpu"))
+    assert reason is not None and "backward on CPU" in reason

@@ -250,7 +250,7 @@ def test_fused_cpu_kernel_uses_the_block_tables_like_the_dense_mask_over_several
     assert scaled_error(fused, dense) <= chain_tolerance(3, seq)
 
 
-def test_bad_values_and_what_flex_cannot_do_give_clear_errors():
+def test_bad_values_and_what_flex_cannot_do_give_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"packed_attention='dense': use one of \('auto', 'flex', 'sdpa'\)"):
         GPT("tiny", packed_attention="dense")
     with pytest.raises(ValueError, match=r"packed_attention='flex' with dropout=0.1: FlexAttention has no attention"
@@ -264,6 +264,17 @@ def test_bad_values_and_what_flex_cannot_do_give_clear_errors():
     with pytest.raises(NotImplementedError, match=r"packed_attention='flex' on cpu: FlexAttention does not support"
                                                   r" backward on CPU.* Use packed_attention='auto'"):
         model("flex")(mb["input_ids"], mb["position_ids"], mb["document_ids"])
+    # The strategy's check before every step (every rank, before any collective) refuses it first, naming the fix;
+    # auto and sdpa pass, and so does flex where torch's device check allows the backward (the fixture's lifting).
+    with pytest.raises(ValueError, match=r"packed_attention='flex' cannot train packed rows on cpu: FlexAttention does"
+                                         r" not support backward on CPU.* Use packed_attention='auto'"):
+        GPT("tiny", packed_attention="flex").check_pipeline_batch(mb)
+    GPT("tiny", packed_attention="auto").check_pipeline_batch(mb)
+    GPT("tiny", packed_attention="sdpa").check_pipeline_batch(mb)
+    with torch.no_grad():  # inference: flex's forward runs on CPU
+        GPT("tiny", packed_attention="flex").check_pipeline_batch(mb)
+    allow_flex_backward_on_cpu(monkeypatch)
+    GPT("tiny", packed_attention="flex").check_pipeline_batch(mb)
     # Context parallelism attends over whole sequences: a block mask is refused like the dense mask.
     attn = model("flex").layers["0"].attn
     attn.context = (None, "contiguous", "ring")

@@ -63,6 +63,20 @@ def functional_reduce_scatter(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _funcol.reduce_scatter_tensor(x, "sum", 0, group)
 
 
+def flex_attention_trains_on(device: torch.device) -> str | None:
+    """None where torch's FlexAttention can run its backward on ``device``, else torch's reason. Asks torch's own
+    device check (private) with tiny inputs that need gradients, so a check made before the step agrees with the one
+    the first forward would meet."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    probe = torch.zeros(1, 1, 1, 16, device=device, requires_grad=True)
+    try:
+        torch_flex._validate_device(probe, probe, probe)
+    except (NotImplementedError, ValueError) as err:
+        return str(err)
+    return None
+
+
 def set_compiled_call(module: torch.nn.Module, call: Any) -> None:
     """Make ``call`` what ``module(...)`` runs, as ``Module.compile`` does with its ``torch.compile`` of
     ``module._call_impl`` (the attribute it sets); names, state dicts and hooks stay the module's. For a compiled

@@ -33,6 +33,7 @@ from lightning_3d.context import ring_attention, ulysses_attention
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
+from lightning_3d.utils.compat import flex_attention_trains_on
 
 
 class Attention(nn.Module):
@@ -301,6 +302,17 @@ def resolve_packed_attention(packed_attention: str, device: torch.device, dropou
                          f" needs head_dim >= {FLEX_MIN_HEAD_DIM}. Use packed_attention='auto' or 'sdpa' (SDPA's"
                          " dense mask), or fewer, wider heads (hidden_size / num_heads >= 16).")
     return packed_attention
+
+
+def check_flex_trains(packed_attention: str, device: torch.device, dropout: float, head_dim: int) -> None:
+    """ValueError naming the fix when packed rows would train through FlexAttention on a device where torch has no
+    FlexAttention backward (CPU): ``packed_attention="flex"`` there ("auto" takes the SDPA mask)."""
+    if resolve_packed_attention(packed_attention, device, dropout, head_dim) != "flex":
+        return
+    reason = flex_attention_trains_on(device)
+    if reason is not None:
+        raise ValueError(f"packed_attention='flex' cannot train packed rows on {device.type}: {reason} Use"
+                         " packed_attention='auto' (FlexAttention on CUDA, SDPA's dense mask elsewhere) or 'sdpa'.")
 
 
 @torch.compiler.disable

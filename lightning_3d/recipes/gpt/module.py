@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.context import check_ulysses_heads
-from lightning_3d.recipes.gpt.model import (Attention, GPTModel, check_packed_attention, check_packed_batch,
-                                           copy_full_into)
+from lightning_3d.recipes.gpt.model import (Attention, GPTModel, check_flex_trains, check_packed_attention,
+                                           check_packed_batch, copy_full_into)
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
 from lightning_3d.recipes.kernels import linear_cross_entropy
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
@@ -202,6 +202,12 @@ class GPT(pl.LightningModule):
     def check_pipeline_batch(self, microbatch: dict[str, Tensor]) -> None:
         check_token_batch(microbatch, self.config.vocab_size, ["input_ids"], "input_ids", max_length=self.config.seq_length)
         check_packed_batch(microbatch, self.config.seq_length)
+        ids = microbatch.get("document_ids")
+        if ids is not None and torch.is_grad_enabled():
+            # Here, on every rank before the step, rather than at the first forward of the stage that reads the packed
+            # rows (a pipeline's other stages would be left waiting on it).
+            check_flex_trains(self.hparams.packed_attention, ids.device, self.config.dropout,
+                              self.config.hidden_size // self.config.num_heads)
 
     def padded_parameters(self) -> list[str]:
         """Parameters whose first dimension is the padded vocabulary (it changes with the tensor-parallel size)."""
