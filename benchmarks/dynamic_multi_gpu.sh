@@ -4,7 +4,7 @@
 # plan_waits are reported) vs padding vs packing at $PACK rows per micro-batch (default 2: set it to the best of the
 # one-GPU run) vs token budget. Four torchrun launches of at most 70 s each, after building the multi-task data cache
 # (~1 minute of CPU; none if $L3D_CACHE already holds it for this Python version): about 4-5 minutes of device time.
-# PPS=2 or PPS=4 runs half of it. SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models (about 2 minutes).
+# PPS=2 or PPS=4 runs half of it; NPROC=2 PPS=2 runs pp = 2 alone (dp = 1) on two GPUs. SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models (about 2 minutes).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
@@ -16,7 +16,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   N=2; PPS=${PPS:-2}; MODELS=${MODELS:-"gpt:tiny:128:64 t5:tiny:128:64"}; NS=1500; VOCAB=1000; GB=16; STEPS=3
   WARM=1; TB=512; EXTRA="--accelerator cpu --precision 32-true --num-workers 1"; LIMIT=300
 else
-  N=4; PPS=${PPS:-"2 4"}; MODELS=${MODELS:-"gpt:1.3b:2048:512 t5:770m:1024:256"}; NS=20000; VOCAB=32000; GB=256
+  N=${NPROC:-4}; PPS=${PPS:-"2 4"}; MODELS=${MODELS:-"gpt:1.3b:2048:512 t5:770m:1024:256"}; NS=20000; VOCAB=32000; GB=256
   STEPS=5; WARM=2; TB=16384; EXTRA="--num-workers 2"; LIMIT=70
 fi
 COMMON="--num-samples $NS --vocab-size $VOCAB --cache-dir $CACHE"

@@ -98,6 +98,28 @@ print(json.dumps({k: d[k] for k in ('all_reduce', 'reduce_scatter', 'all_gather'
       echo "== $name"; grep '^{' "$OUT/$name.txt" | cut -c1-900; tail -n 4 "$OUT/$name.txt"
     done
     ;;
+  tplanes)
+    # Two lanes of two GPUs (issues 26, 21). GPUs 0,1: GPT-1.3B dp = 2 against tp = 2 at the same micro-batch 8 x 2,
+    # compiled per block (the tensor-parallel graphs on the local leaves), then sequence parallelism compiled.
+    # GPUs 2,3: T5-770M tensor parallelism on local tensors against torch's DTensor plan and dp = 2 (eager), then
+    # dynamic micro-batching of GPT-1.3B at pp = 2 (dp = 1) on the multi-task mix.
+    T8="--preset 1.3b --seq-length 2048 --micro-batch-size 8 --num-microbatches 2 --steps 6 --warmup 3"
+    T5="--model t5 --preset 770m --seq-length 512 --target-length 128 --micro-batch-size 8 --num-microbatches 8 --warmup 2 --steps 5"
+    ( export CUDA_VISIBLE_DEVICES=0,1
+      timeout 330 python benchmarks/train_throughput.py $T8 --layouts 2,1,1 1,1,2 --compile default --timeout 160 \
+          --out "$OUT/tp2_mb8.json" > "$OUT/tp2_mb8.txt" 2>&1; step tp2_mb8 $?
+      timeout 200 python benchmarks/train_throughput.py $T8 --layouts 1,1,2 --sequence-parallel --compile default \
+          --timeout 190 --out "$OUT/tp2_sp.json" > "$OUT/tp2_sp.txt" 2>&1; step tp2_sp $? ) &
+    ( export CUDA_VISIBLE_DEVICES=2,3
+      timeout 200 python benchmarks/train_throughput.py $T5 --layouts 2,1,1 1,1,2 --timeout 95 \
+          --out "$OUT/t5_tp2.json" > "$OUT/t5_tp2.txt" 2>&1; step t5_tp2 $?
+      L3D_TP_IMPLEMENTATION=dtensor timeout 100 python benchmarks/train_throughput.py $T5 --layouts 1,1,2 --timeout 95 \
+          --out "$OUT/t5_tp2_dtensor.json" > "$OUT/t5_tp2_dtensor.txt" 2>&1; step t5_tp2_dtensor $?
+      NPROC=2 PPS=2 MODELS=gpt:1.3b:2048:512 OUT="$OUT/dyn" timeout 220 bash benchmarks/dynamic_multi_gpu.sh \
+          > "$OUT/dyn_pp2.txt" 2>&1; step dyn_pp2 $? ) &
+    wait
+    cat "$OUT/dyn_pp2.txt" 2>/dev/null | tail -n 20
+    ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 
@@ -108,7 +130,7 @@ print((out / "gpus.csv").read_text(), (out / "versions.txt").read_text())
 for name in ("collectives.txt",):
     if (out / name).exists():
         print(name, (out / name).read_text()[-3000:])
-for name in ("tp2_profile", "dp4", "tp4", "tp2_sp"):
+for name in ("tp2_profile", "dp4", "tp4", "tp2_sp", "tp2_mb8", "t5_tp2", "t5_tp2_dtensor"):
     path = out / f"{name}.json"
     for r in json.loads(path.read_text())["results"] if path.exists() else []:
         print(name, r["layout"], r["variant"], round(r["tokens_per_s"]), "tok/s", f"{r['mfu']:.3f}", "MFU",
