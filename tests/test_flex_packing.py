@@ -44,7 +44,7 @@ def allow_flex_backward_on_cpu(monkeypatch) -> None:
             original(query, key, value)
 
     monkeypatch.setattr(torch_flex, "_validate_device", validate)
-    monkeypatch.setattr(gpt_model_module, "FLEX_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
 
 
 @pytest.fixture
@@ -217,7 +217,7 @@ def test_compiled_blocks_trace_flex_into_their_graph_without_recompiling_per_mic
 
 def test_fused_cpu_kernel_forward_equals_the_dense_mask(monkeypatch):
     """Inductor's compiled flex (the fused kernel; CPU runs it without grad) against the dense mask."""
-    monkeypatch.setattr(gpt_model_module, "FLEX_COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "inductor")
     mb = packed_microbatch()
     with torch.no_grad():
         fused = model("flex")(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
@@ -234,7 +234,7 @@ def test_fused_cpu_kernel_uses_the_block_tables_like_the_dense_mask_over_several
     fp32 summation orders, tests/tolerance.py's chain bound."""
     from tests.tolerance import chain_tolerance
 
-    monkeypatch.setattr(gpt_model_module, "FLEX_COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "inductor")
     seq, rows = 320, [[300, 15], [100, 20, 130, 40]]
     docs = torch.stack([torch.cat([torch.arange(len(r)).repeat_interleave(torch.tensor(r)),
                                    torch.full((seq - sum(r),), len(r))]) for r in rows])

@@ -28,7 +28,6 @@ def allow_flex_backward_on_cpu() -> list[int]:
 
     original = torch_flex._validate_device
     torch_flex._validate_device = lambda q, k, v: None if q.device.type == "cpu" else original(q, k, v)
-    gpt_model_module.FLEX_COMPILE_BACKEND = "aot_eager"
     training.COMPILE_BACKEND = "aot_eager"
     calls = [0]
     compiled = gpt_model_module._compiled_flex_attention
