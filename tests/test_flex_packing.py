@@ -1,10 +1,10 @@
 """FlexAttention document masking for packed GPT rows (``GPT(packed_attention=...)``), single process, CPU.
 
 torch has no FlexAttention backward on CPU: its public ``flex_attention`` refuses inputs that require grad there. The
-fixture ``flex_on_cpu`` lifts that one check (``_validate_device``) and compiles flex with "aot_eager" (the same
-dynamo capture and autograd tracing as on the GPU, torch's reference math kernels for the forward and the backward),
-so the CPU suite checks everything but the fused Triton kernel: the mask (mask_mod), its plumbing through the
-blocks, activation checkpointing, compiled blocks, and the gradients. The reference math path evaluates mask_mod on
+fixture ``flex_on_cpu`` (tests/conftest.py, tests/flex_cpu.py) lifts that one check (``_validate_device``) and
+compiles with "aot_eager" (the same dynamo capture and autograd tracing as on the GPU, torch's reference math kernels
+for the forward and the backward), so the CPU suite checks everything but the fused Triton kernel: the mask
+(mask_mod), its plumbing through the blocks, activation checkpointing, compiled blocks, and the gradients. The reference math path evaluates mask_mod on
 every score and never reads the block tables (which blocks are skipped, which run without mask_mod): those are
 checked by counts and by the fused CPU kernel (inductor, forward only, without grad) over several blocks. Tolerances: flex and the dense mask are both fp32 softmax attention over the same scores, so
 they differ by summation order only (tests/tolerance.py's chain bound, as for packed against unpacked rows).
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.attention.flex_attention as torch_flex
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 import lightning_3d.recipes.gpt.model as gpt_model_module
@@ -26,6 +25,7 @@ from lightning_3d.recipes.gpt.model import (GPTModel, document_block_mask, docum
                                             resolve_packed_attention)
 import lightning_3d.recipes.training as training
 from lightning_3d.recipes.training import IGNORE_INDEX, compile_blocks, summed_token_cross_entropy
+from tests.flex_cpu import allow_flex_backward_on_cpu, count_flex_calls
 from tests.test_multitask import VOCAB, collator, random_samples
 from tests.tolerance import gpt_tolerance, loss_tolerance, scaled_error
 
@@ -33,23 +33,6 @@ from tests.tolerance import gpt_tolerance, loss_tolerance, scaled_error
 # The model below: 2 blocks; its longest reduction is the MLP's output projection over 4 x 32 = 128 inputs (rows of 32
 # tokens, hidden size 32).
 TOL = gpt_tolerance(2, 128)
-
-
-def allow_flex_backward_on_cpu(monkeypatch) -> None:
-    """Let flex_attention train on CPU through torch's reference math path (see the module docstring)."""
-    original = torch_flex._validate_device
-
-    def validate(query, key, value):
-        if query.device.type != "cpu":
-            original(query, key, value)
-
-    monkeypatch.setattr(torch_flex, "_validate_device", validate)
-    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
-
-
-@pytest.fixture
-def flex_on_cpu(monkeypatch):
-    allow_flex_backward_on_cpu(monkeypatch)
 
 
 def model(packed_attention: str = "flex", **kw) -> GPTModel:
@@ -71,23 +54,6 @@ def loss_and_grads(m: GPTModel, mb: dict) -> tuple[torch.Tensor, torch.Tensor, d
     loss = summed_token_cross_entropy(logits, mb["labels"])
     loss.backward()
     return loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
-
-
-def count_flex_calls(monkeypatch) -> list[int]:
-    """How many times the compiled flex kernel runs (forward calls, including recomputation)."""
-    calls = [0]
-    compiled = gpt_model_module._compiled_flex_attention
-
-    def counting(backend):
-        kernel = compiled(backend)
-
-        def run(*args, **kw):
-            calls[0] += 1
-            return kernel(*args, **kw)
-        return run
-
-    monkeypatch.setattr(gpt_model_module, "_compiled_flex_attention", counting)
-    return calls
 
 
 def test_block_mask_is_the_dense_document_mask_and_skips_blocks_across_documents():
@@ -177,7 +143,7 @@ def test_flex_equals_the_dense_mask_in_loss_and_every_gradient(flex_on_cpu):
 
 
 def test_recomputation_runs_flex_again_and_changes_nothing(flex_on_cpu, monkeypatch):
-    calls = count_flex_calls(monkeypatch)
+    calls = count_flex_calls(monkeypatch.setattr)
     mb = packed_microbatch()
     loss, _, grads = loss_and_grads(model("flex"), mb)
     assert calls[0] == 2  # one per block
@@ -191,10 +157,9 @@ def test_recomputation_runs_flex_again_and_changes_nothing(flex_on_cpu, monkeypa
 def test_compiled_blocks_trace_flex_into_their_graph_without_recompiling_per_microbatch(flex_on_cpu, monkeypatch):
     from torch._dynamo.utils import counters
 
-    calls = count_flex_calls(monkeypatch)
+    calls = count_flex_calls(monkeypatch.setattr)
     eager = model("flex")
     compiled = model("flex")
-    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
     compile_blocks(compiled.layers.values())  # the recipe's compile=True
     torch._dynamo.reset()
     mb, other = packed_microbatch(0), packed_microbatch(1)
@@ -273,7 +238,7 @@ def test_bad_values_and_what_flex_cannot_do_give_clear_errors(monkeypatch):
     GPT("tiny", packed_attention="sdpa").check_pipeline_batch(mb)
     with torch.no_grad():  # inference: flex's forward runs on CPU
         GPT("tiny", packed_attention="flex").check_pipeline_batch(mb)
-    allow_flex_backward_on_cpu(monkeypatch)
+    allow_flex_backward_on_cpu(monkeypatch.setattr)
     GPT("tiny", packed_attention="flex").check_pipeline_batch(mb)
     # Context parallelism attends over whole sequences: a block mask is refused like the dense mask.
     attn = model("flex").layers["0"].attn
@@ -312,7 +277,6 @@ def test_a_compiled_stage_builds_the_block_mask_eagerly_and_equals_the_eager_mod
     (document_block_mask is compiler-disabled) and flex is traced into it."""
     from lightning_3d.recipes.gpt.parallelize import GPTStage
 
-    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
     mb = packed_microbatch()
     eager = model("flex")
     stage = GPTStage(model("flex"), range(2), first=True, last=True)
