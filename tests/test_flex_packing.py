@@ -272,20 +272,26 @@ def test_tensor_sequence_and_pipeline_parallel_flex_train_like_one_process(tmp_p
         assert result["loss_err"] <= 1e-5 and result["param_err"] <= 1e-5, (name, result)
 
 
-def test_a_compiled_stage_builds_the_block_mask_eagerly_and_equals_the_eager_model(flex_on_cpu, monkeypatch):
-    """compile_scope="stage": the whole stage is one compiled region; the block mask is built outside the graph
-    (document_block_mask is compiler-disabled) and flex is traced into it."""
+def test_a_compiled_flex_stage_equals_the_eager_model_in_logits_loss_and_every_gradient(flex_on_cpu):
+    """compile_scope="stage" (the whole stage one compiled region, flex traced into it, the block mask built by the
+    compiler-disabled document_block_mask) against the eager model with the same weights: logits, loss and every
+    parameter's gradient within the fp32 summation-order bounds of the eager flex/dense comparison above."""
     from lightning_3d.recipes.gpt.parallelize import GPTStage
 
     mb = packed_microbatch()
-    eager = model("flex")
+    loss, logits, grads = loss_and_grads(model("flex"), mb)
     stage = GPTStage(model("flex"), range(2), first=True, last=True)
     compile_blocks([stage])  # compile_scope="stage"
-    logits = stage(microbatch=mb)[..., :VOCAB]
-    reference = eager(mb["input_ids"], mb["position_ids"], mb["document_ids"])[..., :VOCAB]
-    assert scaled_error(logits, reference) <= TOL
-    logits.sum().backward()
-    assert all(p.grad is not None for p in stage.parameters())
+    logits_c = stage(microbatch=mb)[..., :VOCAB]
+    loss_c = summed_token_cross_entropy(logits_c, mb["labels"])
+    loss_c.backward()
+    n_tokens = int((mb["labels"] != IGNORE_INDEX).sum())
+    assert scaled_error(logits_c.detach(), logits) <= TOL
+    assert abs(loss_c.item() - loss.item()) <= n_tokens * loss_tolerance(TOL, logits)
+    stage_grads = {n: p.grad for n, p in stage.named_parameters()}
+    assert stage_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert scaled_error(stage_grads[name], grad) <= n_tokens * TOL, name
 
 
 def test_flex_packing_check_script_runs_every_variant_on_cpu():
