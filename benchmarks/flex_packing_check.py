@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu for the smoke run")
     if not cuda:  # CPU has no flex backward: torch's reference math kernels, as the CPU suite runs them
-        from tests.scenarios.flex_packing import allow_flex_backward_on_cpu
+        from tests.flex_cpu import allow_flex_backward_on_cpu
 
         allow_flex_backward_on_cpu()
     torch.manual_seed(args.seed)

@@ -56,6 +56,14 @@ def single_process(monkeypatch):
 
 
 @pytest.fixture
+def flex_on_cpu(monkeypatch):
+    """FlexAttention trains on CPU for the test (tests/flex_cpu.py), undone afterwards."""
+    from tests.flex_cpu import allow_flex_backward_on_cpu
+
+    allow_flex_backward_on_cpu(monkeypatch.setattr)
+
+
+@pytest.fixture
 def four_rank_trainer(monkeypatch):
     """A stand-in Trainer for ThroughputMFUMonitor units: dp=2 x pp=2 on 4 CPU devices, fitting, logging into the
     returned list; ``time.perf_counter`` reads 100, 101, 103 (two steps 2 s apart after the start)."""

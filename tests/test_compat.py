@@ -128,8 +128,19 @@ def test_functional_collectives_keep_their_signatures() -> None:
     assert _params(funcol.reduce_scatter_tensor)[:4] == ["self", "reduceOp", "scatter_dim", "group"]
 
 
-def test_flex_attention_device_check_answers_as_torch_would() -> None:
+def test_flex_attention_device_check_answers_as_torch_would(monkeypatch) -> None:
     """torch's private FlexAttention device check: CPU has no backward (the reason is torch's text), and the probe is
-    what the check reads (a tensor that needs gradients)."""
+    what the check reads (a tensor that needs gradients, on the device) with no elements (nothing allocated)."""
+    from torch.nn.attention import flex_attention as torch_flex
+
     reason = compat.flex_attention_trains_on(torch.device("cpu"))
     assert reason is not None and "backward on CPU" in reason
+    with torch.no_grad():  # the probe needs gradients whatever the caller's grad mode
+        assert compat.flex_attention_trains_on(torch.device("cpu")) == reason
+    # A device torch's check does not know: its ValueError's text, not an exception.
+    assert "only supported on CUDA" in compat.flex_attention_trains_on(torch.device("meta"))
+    seen = []
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda q, k, v: seen.append((q, k, v)))
+    assert compat.flex_attention_trains_on(torch.device("meta")) is None  # torch's check passed: flex trains there
+    ((q, k, v),) = seen
+    assert q is k is v and q.numel() == 0 and q.requires_grad and q.device.type == "meta"

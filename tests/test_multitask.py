@@ -74,9 +74,9 @@ def test_packing_with_document_masks_equals_the_unpacked_samples(model_type: str
     the packed rows under FlexAttention's block mask (tests/test_flex_packing.py runs flex's backward on CPU)."""
     model = gpt_model() if model_type.startswith("gpt") else t5_model()
     if model_type == "gpt-flex":
-        from tests.test_flex_packing import allow_flex_backward_on_cpu
+        from tests.flex_cpu import allow_flex_backward_on_cpu
 
-        allow_flex_backward_on_cpu(monkeypatch)
+        allow_flex_backward_on_cpu(monkeypatch.setattr)
         model.packed_attention = "flex"
         model_type = "gpt"
     samples = random_samples(model_type, 9)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -12,13 +13,15 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_3d.tensor_parallel import compile_on_local_tensors
 
 IGNORE_INDEX = -100
-# What ``compile=True`` hands to torch.compile. Tests use "aot_eager" (same graph capture and autograd tracing, no
-# C++/Triton build): in-process by patching this name, in subprocesses through L3D_COMPILE_BACKEND.
+# What ``compile=True`` hands to torch.compile, and what GPT's FlexAttention and its block-mask builder are compiled
+# with (read from here at each call: one name for every compiled piece). Tests use "aot_eager" (same graph capture
+# and autograd tracing, no C++/Triton build): in-process by patching this name, in subprocesses through
+# L3D_COMPILE_BACKEND.
 COMPILE_BACKEND = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # What one torch.compile graph covers: a transformer block (the default), or a whole pipeline stage (embedding, blocks,
@@ -33,12 +36,24 @@ def init_full_(param: Tensor, fill: Callable[[Tensor, torch.Generator], Any], se
     (key it by the parameter's name, so every layout draws the same values), then this rank's part is copied in (for
     a DTensor shard its local slice, computed without communication). For ``init_weights`` of a module of your own:
     ``init_full_(p, lambda t, g: t.normal_(0, 0.02, generator=g), seed, name)``. Costs one full tensor per call."""
-    from lightning_3d.recipes.gpt.model import copy_full_into, seed_for
-
     device = param.to_local().device if isinstance(param, DTensor) else param.device
     full = torch.empty(tuple(param.shape), device=device, dtype=torch.float32)
     fill(full, torch.Generator(device=device).manual_seed(seed_for(seed, name)))
     copy_full_into(param, full.to(param.dtype))
+
+
+def seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def copy_full_into(param: Tensor, full: Tensor) -> None:
+    """Copy a full (unsharded) tensor into a parameter that may be a DTensor shard, without communication."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
 
 
 def summed_token_cross_entropy(output: Tensor, labels: Tensor, compiled: bool = False) -> Tensor:

@@ -1,6 +1,8 @@
 """Tensor parallelism on local tensors: Megatron's f/g communication operators (``mappings``) and the layers that use
-them (``layers``), with DTensor parameters for checkpoints and resharding. See docs/tensor_parallel.md."""
+them (``layers``, and the recipes' vocabulary-parallel ``head``), with DTensor parameters for checkpoints and resharding.
+See docs/tensor_parallel.md."""
 
+from lightning_3d.tensor_parallel.head import VocabParallelHead, tensor_parallel_implementation, vocab_parallel_head
 from lightning_3d.tensor_parallel.layers import (
     ColumnParallelLinear,
     ReplicatedEmbedding,
@@ -31,4 +33,5 @@ __all__ = [
     "VocabParallelEmbedding", "column_parallel", "compile_on_local_tensors", "copy_to_region", "distribute_parameters", "fused_column_parallel",
     "gather_sequence", "local_view", "reduce_from_region", "reduce_scatter_sequence", "replicated", "row_parallel",
     "split_sequence", "vocab_parallel_embedding",
+    "VocabParallelHead", "tensor_parallel_implementation", "vocab_parallel_head",
 ]

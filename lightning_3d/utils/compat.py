@@ -65,11 +65,12 @@ def functional_reduce_scatter(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 def flex_attention_trains_on(device: torch.device) -> str | None:
     """None where torch's FlexAttention can run its backward on ``device``, else torch's reason. Asks torch's own
-    device check (private) with tiny inputs that need gradients, so a check made before the step agrees with the one
-    the first forward would meet."""
+    device check (private) with an input that needs gradients, so a check made before the step agrees with the one
+    the first forward would meet. The check reads only the device and ``requires_grad``: the probe has no elements,
+    so asking allocates nothing on the device (the check runs before every training step)."""
     from torch.nn.attention import flex_attention as torch_flex
 
-    probe = torch.zeros(1, 1, 1, 16, device=device, requires_grad=True)
+    probe = torch.empty(0, device=device, requires_grad=True)
     try:
         torch_flex._validate_device(probe, probe, probe)
     except (NotImplementedError, ValueError) as err:

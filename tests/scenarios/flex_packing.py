@@ -4,9 +4,9 @@ parallelism (2 ranks, CPU).
 GPT with ``packed_attention="flex"`` at tp=2 with sequence parallelism (eager and compiled blocks) and at pp=2 with
 activation checkpointing,
 against plain single-process training on the same global batches, padded (tests/scenarios/multitask.py's reference).
-CPU has no FlexAttention backward in torch; as in tests/test_flex_packing.py, the one check that refuses it is lifted
-and flex (and the compiled blocks) are compiled with "aot_eager" (torch's reference math kernels, the same capture
-as on the GPU).
+CPU has no FlexAttention backward in torch; as in tests/test_flex_packing.py, tests/flex_cpu.py lifts the one check
+that refuses it and compiles flex (and the compiled blocks) with "aot_eager" (torch's reference math kernels, the
+same capture as on the GPU).
 """
 
 from __future__ import annotations
@@ -15,34 +15,11 @@ from pathlib import Path
 
 import torch
 
-import lightning_3d.recipes.gpt.model as gpt_model_module
-import lightning_3d.recipes.training as training
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import GPT
+from tests.flex_cpu import allow_flex_backward_on_cpu, count_flex_calls
 from tests.scenarios.common import LossRecorder, parse_args, trainer, write_report
 from tests.scenarios.multitask import OPTIM, SEQ, STEPS, compare, data, full_parameters, reference
-
-
-def allow_flex_backward_on_cpu() -> list[int]:
-    import torch.nn.attention.flex_attention as torch_flex
-
-    original = torch_flex._validate_device
-    torch_flex._validate_device = lambda q, k, v: None if q.device.type == "cpu" else original(q, k, v)
-    gpt_model_module.FLEX_COMPILE_BACKEND = "aot_eager"
-    training.COMPILE_BACKEND = "aot_eager"
-    calls = [0]
-    compiled = gpt_model_module._compiled_flex_attention
-
-    def counting(backend):
-        kernel = compiled(backend)
-
-        def run(*args, **kw):
-            calls[0] += 1
-            return kernel(*args, **kw)
-        return run
-
-    gpt_model_module._compiled_flex_attention = counting
-    return calls
 
 
 def fit(cache: Path, pp: int, tp: int, sequence_parallel: bool, activation_checkpointing: bool,
@@ -60,7 +37,8 @@ def fit(cache: Path, pp: int, tp: int, sequence_parallel: bool, activation_check
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    calls = allow_flex_backward_on_cpu()
+    allow_flex_backward_on_cpu()
+    calls = count_flex_calls()
     cache = args.report.with_suffix(".cache")
     ref = reference(cache)
     results: dict = {

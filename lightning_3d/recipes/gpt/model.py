@@ -17,20 +17,21 @@ Without ``document_ids`` the model runs SDPA's causal kernel as before, with no 
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.context import ring_attention, ulysses_attention
+from lightning_3d.recipes import training
 from lightning_3d.recipes.gpt.config import GPTConfig
+# Re-exported for the modules that import them from here (T5, the Hugging Face interop); defined in training.py, which
+# must not import this module (this one reads training.COMPILE_BACKEND).
+from lightning_3d.recipes.training import copy_full_into, seed_for  # noqa: F401
 from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
 from lightning_3d.utils.compat import flex_attention_trains_on
@@ -331,13 +332,8 @@ def document_block_mask(document_ids: Tensor) -> BlockMask:
     # intermediates: 8 bytes a pair, per micro-batch and stage, more than SDPA's dense boolean mask. Compiled, the
     # same evaluation fuses into one pass that keeps only the block tables. CUDA only: that is where flex trains,
     # while on CPU (inference, tests) a compile per shape would cost more than the eager build.
-    build = _compiled_create_block_mask(FLEX_COMPILE_BACKEND) if document_ids.is_cuda else create_block_mask
+    build = _compiled_create_block_mask(training.COMPILE_BACKEND) if document_ids.is_cuda else create_block_mask
     return build(same_document_causal, batch, None, seq, seq, device=document_ids.device)
-
-
-# What flex_attention is compiled with (as recipes/training.py's COMPILE_BACKEND, read here from the same variable:
-# training.py imports this module). Tests use "aot_eager": the same graph capture, torch's reference math kernels.
-FLEX_COMPILE_BACKEND = os.environ.get("L3D_COMPILE_BACKEND", "inductor")
 
 
 @functools.cache
@@ -360,7 +356,7 @@ def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMa
     if torch.compiler.is_compiling():
         return flex_attention(q, k, v, block_mask=block_mask)
     try:
-        return _compiled_flex_attention(FLEX_COMPILE_BACKEND)(q, k, v, block_mask=block_mask)
+        return _compiled_flex_attention(training.COMPILE_BACKEND)(q, k, v, block_mask=block_mask)
     except NotImplementedError as err:  # torch's refusal, e.g. no FlexAttention backward on CPU
         raise NotImplementedError(f"packed_attention='flex' on {q.device.type}: {err} Use packed_attention='auto'"
                                   " (FlexAttention on CUDA, SDPA's dense mask elsewhere) or 'sdpa'.") from err
@@ -408,17 +404,3 @@ def check_packed_batch(microbatch: Mapping[str, Tensor], max_positions: int) -> 
             raise ValueError(f"position_ids hold {low if low < 0 else high}, outside the model's {max_positions}"
                              f" positions (0 to {max_positions - 1}, seq_length): pack documents of at most"
                              f" {max_positions} tokens, or build the model with a larger seq_length.")
-
-
-def seed_for(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def copy_full_into(param: Tensor, full: Tensor) -> None:
-    """Copy a full (unsharded) tensor into a parameter that may be a DTensor shard, without communication."""
-    if isinstance(param, DTensor):
-        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(local)
-    else:
-        param.copy_(full)

@@ -8,12 +8,9 @@ benchmarks/tp_host_time.py.
 
 from __future__ import annotations
 
-import os
-
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -26,10 +23,9 @@ from torch.distributed.tensor.parallel import (
 from lightning_3d.dynamic import with_microbatch_checkpointing
 from lightning_3d.recipes.gpt.model import Embedding, GPTModel, LMHead, packing_inputs, run_layers
 from lightning_3d.tensor_parallel import (
-    TensorParallel, column_parallel, local_view, replicated, row_parallel, split_sequence, vocab_parallel_embedding,
+    TensorParallel, column_parallel, replicated, row_parallel, split_sequence, tensor_parallel_implementation,
+    vocab_parallel_embedding, vocab_parallel_head,
 )
-
-IMPLEMENTATIONS = ("local", "dtensor")
 
 
 class GPTStage(nn.Module):
@@ -75,19 +71,6 @@ class _SequenceParallelEmbedding(Embedding):
         return split_sequence(super().forward(input_ids, position_ids), self.tensor_parallel.group)
 
 
-class _VocabParallelHead(LMHead):
-    """This rank's vocabulary columns of the logits, handed on as a ``Shard(-1)`` DTensor for ``loss_parallel``."""
-
-    tensor_parallel: TensorParallel
-
-    def forward(self, x: Tensor) -> Tensor:
-        tp = self.tensor_parallel
-        logits = F.linear(tp.enter(x), local_view(self.weight))
-        if self.padding_mask is not None:
-            logits = logits + self.padding_mask.to_local().to(logits.dtype)
-        return DTensor.from_local(logits, tp.mesh, [Shard(-1)], run_check=False)
-
-
 def parallelize_gpt(
     module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, implementation: str | None = None
 ) -> None:
@@ -101,12 +84,7 @@ def parallelize_gpt(
     residual stream between blocks (and the pipeline boundary) is sharded over the sequence: LayerNorms run on 1/tp
     of the tokens and the all-reduces become all-gathers and reduce-scatters.
     """
-    if implementation is None:
-        implementation = os.environ.get("L3D_TP_IMPLEMENTATION", "local")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"Tensor-parallel implementation {implementation!r} (argument or L3D_TP_IMPLEMENTATION) is"
-                         f" not one of {IMPLEMENTATIONS}: use 'local' (the default) or 'dtensor'.")
-    if implementation == "dtensor":
+    if tensor_parallel_implementation(implementation) == "dtensor":
         _parallelize_gpt_dtensor(module, tp_mesh, sequence_parallel)
         return
     tp = TensorParallel(tp_mesh, sequence_parallel)
@@ -131,17 +109,7 @@ def parallelize_gpt(
     head = getattr(module, "head", None)
     if head is not None:
         replicated(module.norm, tp, memo)
-        weight = memo.get(id(head.weight))
-        if weight is None:
-            weight = nn.Parameter(distribute_tensor(head.weight.data, tp_mesh, [Shard(0)]),
-                                  requires_grad=head.weight.requires_grad)
-        head.weight = weight
-        if head.padding_mask is not None:  # sharded like the logits, so the mask add stays local
-            head.padding_mask = distribute_tensor(head.padding_mask, tp_mesh, [Shard(0)])
-        if type(head) is not LMHead:
-            raise TypeError(f"{type(head).__name__} cannot be made vocabulary-parallel: only LMHead can.")
-        head.__class__ = _VocabParallelHead
-        head.tensor_parallel = tp
+        vocab_parallel_head(head, tp, memo, LMHead)
 
 
 def _parallelize_gpt_dtensor(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:

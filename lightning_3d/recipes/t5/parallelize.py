@@ -8,14 +8,13 @@ for comparison (``L3D_TP_IMPLEMENTATION``, as for GPT).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -29,10 +28,8 @@ from lightning_3d.recipes.gpt.model import LMHead
 from lightning_3d.recipes.t5.model import RMSNorm, T5Model, rms_norm, run_stage
 from lightning_3d.tensor_parallel import (
     ReplicatedNorm, TensorParallel, VocabParallelEmbedding, column_parallel, distribute_parameters, local_view,
-    row_parallel, vocab_parallel_embedding,
+    row_parallel, tensor_parallel_implementation, vocab_parallel_embedding, vocab_parallel_head,
 )
-
-IMPLEMENTATIONS = ("local", "dtensor")
 
 
 class T5Stage(nn.Module):
@@ -90,19 +87,6 @@ class _ReplicatedRMSNorm(ReplicatedNorm, RMSNorm):
         return rms_norm(x, self.local_parameter("weight"), self.eps)
 
 
-class _VocabParallelHead(LMHead):
-    """This rank's vocabulary columns of the logits, handed on as a ``Shard(-1)`` DTensor for ``loss_parallel``."""
-
-    tensor_parallel: TensorParallel
-
-    def forward(self, x: Tensor) -> Tensor:
-        tp = self.tensor_parallel
-        logits = F.linear(tp.enter(x), local_view(self.weight))
-        if self.padding_mask is not None:
-            logits = logits + self.padding_mask.to_local().to(logits.dtype)
-        return DTensor.from_local(logits, tp.mesh, [Shard(-1)], run_check=False)
-
-
 def _replicated_rms_norm(norm: nn.Module, tp: TensorParallel, memo: dict[int, nn.Parameter]) -> None:
     if type(norm) is not RMSNorm:
         raise TypeError(f"{type(norm).__name__} cannot become a replicated tensor-parallel norm: only T5's RMSNorm can.")
@@ -137,11 +121,7 @@ def parallelize_t5(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
     ``loss_parallel``. With ``sequence_parallel`` the residual streams (encoder, decoder and the encoder output that
     every decoder stage reads) are sharded over the sequence between blocks and across pipeline boundaries.
     """
-    if implementation is None:
-        implementation = os.environ.get("L3D_TP_IMPLEMENTATION", "local")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"Tensor-parallel implementation {implementation!r} (argument or L3D_TP_IMPLEMENTATION) is"
-                         f" not one of {IMPLEMENTATIONS}: use 'local' (the default) or 'dtensor'.")
+    implementation = tensor_parallel_implementation(implementation)
     _check_divisible(module, tp_mesh.size())
     if implementation == "dtensor":
         _parallelize_t5_dtensor(module, tp_mesh, sequence_parallel)
@@ -186,17 +166,7 @@ def _parallelize_t5_local(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
             _replicated_rms_norm(getattr(module, name), tp, memo)
     head = getattr(module, "lm_head", None)
     if head is not None:
-        if type(head) is not LMHead:
-            raise TypeError(f"{type(head).__name__} cannot be made vocabulary-parallel: only LMHead can.")
-        weight = memo.get(id(head.weight))
-        if weight is None:
-            weight = nn.Parameter(distribute_tensor(head.weight.data, tp_mesh, [Shard(0)]),
-                                  requires_grad=head.weight.requires_grad)
-        head.weight = weight
-        if head.padding_mask is not None:  # sharded like the logits, so the mask add stays local
-            head.padding_mask = distribute_tensor(head.padding_mask, tp_mesh, [Shard(0)])
-        head.__class__ = _VocabParallelHead
-        head.tensor_parallel = tp
+        vocab_parallel_head(head, tp, memo, LMHead)
 
 
 def _parallelize_t5_dtensor(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
