@@ -142,3 +142,29 @@ def test_host_time_benchmark_compiles_blocks_both_ways(tmp_path: Path) -> None:
     # Same kernels through aot_eager; the bound is the eager comparison's (two summation orders at most).
     for r in results[1:]:
         assert r["loss_last"] == pytest.approx(results[0]["loss_last"], rel=gpt_tolerance(4, 4096))
+
+
+def test_overlap_benchmark_compares_both_paths(tmp_path: Path) -> None:
+    """benchmarks/tp_overlap.py on CPU (gloo): every layer shape with SP off and on through both paths, the same output
+    and gradients to the bit, and the bytes each forward saves: under SP the overlapped path keeps this rank's
+    sequence chunk of the input where the synchronous one keeps the gathered input."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import clean_env
+    from tests.launch import ROOT
+
+    out = tmp_path / "overlap.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/tp_overlap.py"), "--device", "cpu", "--preset", "tiny",
+           "--seq-length", "16", "--micro-batch-size", "2", "--iters", "1", "--warmup", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, env=clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    results, world = report["results"], report["world"]
+    assert [(r["layer"], r["sequence_parallel"], r["overlap"]) for r in results] == [
+        (layer, sp, overlap) for layer in ("qkv", "fc") for sp in (False, True) for overlap in (False, True)]
+    for r in results:
+        assert r["equal_to_sync"] and r["max_abs_diff_to_sync"] == 0.0, r
+        tokens = r["tokens"] // world if r["sequence_parallel"] and r["overlap"] else r["tokens"]
+        weight = r["out_features"] // world * r["in_features"]
+        assert r["saved_bytes"] == (tokens * r["in_features"] + weight) * 4, r  # fp32 on CPU
