@@ -29,7 +29,8 @@ from lightning_3d.tensor_parallel.mappings import (
 
 __all__ = [
     "ColumnParallelLinear", "ReplicatedEmbedding", "ReplicatedLayerNorm", "ReplicatedNorm", "RowParallelLinear", "TensorParallel",
-    "VocabParallelEmbedding", "column_parallel", "column_parallel_linear", "compile_on_local_tensors", "copy_to_region", "distribute_parameters", "fused_column_parallel",
+    "VocabParallelEmbedding", "column_parallel", "column_parallel_linear", "compile_on_local_tensors", "copy_to_region",
+    "distribute_parameters", "fused_column_parallel",
     "gather_sequence", "local_view", "reduce_from_region", "reduce_scatter_sequence", "replicated", "row_parallel",
     "split_sequence", "vocab_parallel_embedding",
 ]

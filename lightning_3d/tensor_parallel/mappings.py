@@ -272,7 +272,8 @@ class _ColumnParallelLinear(torch.autograd.Function):
     to the bit."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, group, sequence_parallel: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, group,  # type: ignore[override]
+                sequence_parallel: bool) -> Tensor:
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Saved as autograd saves for F.linear: the input where the weight needs a gradient, the weight where the input
         # does.
