@@ -454,7 +454,9 @@ def environment(args: argparse.Namespace) -> dict:
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "python": sys.version.split()[0], "torch": torch.__version__, "lightning": lightning.__version__,
             "cuda": torch.version.cuda, "nccl": nccl, "gpus": gpus, "accelerator": args.accelerator,
-            "regime": args.regime, "worker_env": {**ALWAYS_ENV, **REGIMES[args.regime]}}
+            "regime": args.regime, "worker_env": {**ALWAYS_ENV, **REGIMES[args.regime]},
+            "switches": {k: v for k, v in os.environ.items()
+                         if k.startswith("L3D_TP_") or k == "CUDA_DEVICE_MAX_CONNECTIONS"}}
 
 
 def table(rows: list[dict], header: str) -> str:

@@ -120,12 +120,15 @@ def test_set_compiled_call_is_what_the_module_runs() -> None:
 
 
 def test_functional_collectives_keep_their_signatures() -> None:
-    """torch's functional collectives as compiled tensor-parallel blocks call them (tensor, op/dim..., group)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    assert _params(funcol.all_reduce)[:3] == ["self", "reduceOp", "group"]
-    assert _params(funcol.all_gather_tensor)[:3] == ["self", "gather_dim", "group"]
-    assert _params(funcol.reduce_scatter_tensor)[:4] == ["self", "reduceOp", "scatter_dim", "group"]
+    """torch's functional collective ops as compiled tensor-parallel blocks call them: (tensor, op, group name),
+    (tensor, group size, group name), (tensor, op, group size, group name), and the wait on a tensor."""
+    ops = torch.ops._c10d_functional
+    args = {name: [a.name for a in getattr(ops, name).default._schema.arguments]
+            for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor")}
+    assert args == {"all_reduce": ["input", "reduce_op", "group_name"],
+                    "all_gather_into_tensor": ["input", "group_size", "group_name"],
+                    "reduce_scatter_tensor": ["input", "reduce_op", "group_size", "group_name"],
+                    "wait_tensor": ["tensor"]}, args
 
 
 def test_flex_attention_device_check_answers_as_torch_would(monkeypatch) -> None:

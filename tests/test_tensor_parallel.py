@@ -41,6 +41,35 @@ def test_operators_and_layers_match_their_definition(tmp_path: Path) -> None:
             # times the leaves the stage reads (a DTensor input to the graph would bypass them, fewer hand-overs).
             assert compiled[f"sp{sp}_handed_compiled"] == compiled[f"sp{sp}_handed_eager"] > 0, (rank, sp, compiled)
         _check_t5(rank, result["t5"], result["t5_compiled"])
+        _check_overlap(rank, result["overlap"])
+
+
+def _check_overlap(rank: int, overlap: dict) -> None:
+    """tests/scenarios/tensor_parallel.py check_overlap: column_parallel_linear against the synchronous path."""
+    from tests.scenarios.tensor_parallel import B, H, S
+
+    for sp in (False, True):
+        for autocast in (False, True):
+            for layer in ("fc", "qkv"):
+                key = f"sp{sp}_autocast{autocast}_{layer}"
+                # The same operations in another order: outputs and every gradient equal to the bit.
+                assert overlap[f"{key}_equal"], (rank, key, overlap)
+                # dgrad GEMM, collective launched, wgrad GEMM and bias sum while it runs, then its wait (under SP
+                # the input's all-gather in flight during the dgrad GEMM); the synchronous path after both GEMMs.
+                assert overlap[f"{key}_overlap_order"], (rank, key, overlap[f"{key}_events"])
+                assert overlap[f"{key}_sync_order"], (rank, key, overlap)
+                assert overlap[f"{key}_saved_bytes"] and overlap[f"{key}_saved_bytes_sync"], (rank, key, overlap)
+                # Under SP the saved input is this rank's chunk, not the gathered sequence: (tp - 1) / tp of
+                # B x S x H elements fewer (world 2), in the GEMM's dtype (bf16 under autocast).
+                elem = 2 if autocast else 4
+                assert overlap[f"{key}_saved_bytes_saving"] == (B * S * H * elem // 2 if sp else 0), (rank, key)
+    for sp in (False, True):
+        # Compiled: the same order in the backward graph, the waits graph ops of their own after the work they
+        # overlap; aot_eager runs the same kernels and collectives, so equal to the bit.
+        assert overlap[f"compiled_sp{sp}_order"], (rank, sp, overlap[f"compiled_sp{sp}_events"])
+        assert overlap[f"compiled_sp{sp}_equal"], (rank, sp, overlap)
+    assert overlap["default_on"] and overlap["zero_off"], (rank, overlap)
+    assert "L3D_TP_OVERLAP='yes'" in overlap["bad_value_error"] and "or 0" in overlap["bad_value_error"], overlap
 
 
 def _check_t5(rank: int, t5: dict, compiled: dict) -> None:
@@ -113,3 +142,29 @@ def test_host_time_benchmark_compiles_blocks_both_ways(tmp_path: Path) -> None:
     # Same kernels through aot_eager; the bound is the eager comparison's (two summation orders at most).
     for r in results[1:]:
         assert r["loss_last"] == pytest.approx(results[0]["loss_last"], rel=gpt_tolerance(4, 4096))
+
+
+def test_overlap_benchmark_compares_both_paths(tmp_path: Path) -> None:
+    """benchmarks/tp_overlap.py on CPU (gloo): every layer shape with SP off and on through both paths, the same output
+    and gradients to the bit, and the bytes each forward saves: under SP the overlapped path keeps this rank's
+    sequence chunk of the input where the synchronous one keeps the gathered input."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import clean_env
+    from tests.launch import ROOT
+
+    out = tmp_path / "overlap.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/tp_overlap.py"), "--device", "cpu", "--preset", "tiny",
+           "--seq-length", "16", "--micro-batch-size", "2", "--iters", "1", "--warmup", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, env=clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    results, world = report["results"], report["world"]
+    assert [(r["layer"], r["sequence_parallel"], r["overlap"]) for r in results] == [
+        (layer, sp, overlap) for layer in ("qkv", "fc") for sp in (False, True) for overlap in (False, True)]
+    for r in results:
+        assert r["equal_to_sync"] and r["max_abs_diff_to_sync"] == 0.0, r
+        tokens = r["tokens"] // world if r["sequence_parallel"] and r["overlap"] else r["tokens"]
+        weight = r["out_features"] // world * r["in_features"]
+        assert r["saved_bytes"] == (tokens * r["in_features"] + weight) * 4, r  # fp32 on CPU

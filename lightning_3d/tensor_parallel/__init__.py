@@ -21,6 +21,7 @@ from lightning_3d.tensor_parallel.layers import (
 )
 from lightning_3d.tensor_parallel.mappings import (
     TensorParallel,
+    column_parallel_linear,
     copy_to_region,
     gather_sequence,
     reduce_from_region,
@@ -30,7 +31,8 @@ from lightning_3d.tensor_parallel.mappings import (
 
 __all__ = [
     "ColumnParallelLinear", "ReplicatedEmbedding", "ReplicatedLayerNorm", "ReplicatedNorm", "RowParallelLinear", "TensorParallel",
-    "VocabParallelEmbedding", "column_parallel", "compile_on_local_tensors", "copy_to_region", "distribute_parameters", "fused_column_parallel",
+    "VocabParallelEmbedding", "column_parallel", "column_parallel_linear", "compile_on_local_tensors", "copy_to_region",
+    "distribute_parameters", "fused_column_parallel",
     "gather_sequence", "local_view", "reduce_from_region", "reduce_scatter_sequence", "replicated", "row_parallel",
     "split_sequence", "vocab_parallel_embedding",
     "VocabParallelHead", "tensor_parallel_implementation", "vocab_parallel_head",

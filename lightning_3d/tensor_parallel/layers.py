@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from lightning_3d.tensor_parallel.mappings import TensorParallel, reduce_from_region
+from lightning_3d.tensor_parallel.mappings import TensorParallel, column_parallel_linear, reduce_from_region
 from lightning_3d.utils.compat import run_post_accumulate_grad_hooks, set_compiled_call
 
 _PARTIAL = (Partial(),)
@@ -181,7 +181,7 @@ class ColumnParallelLinear(_LocalTensorLayer, nn.Linear):
     """Output features sharded: the full input (f, or the sequence all-gather) times this rank's rows."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(self.tensor_parallel.enter(x), self._local("weight"), self._local("bias"))
+        return column_parallel_linear(x, self._local("weight"), self._local("bias"), self.tensor_parallel)
 
 
 class RowParallelLinear(_LocalTensorLayer, nn.Linear):
@@ -280,7 +280,8 @@ def replicated(module: nn.Module, tp: TensorParallel, memo: dict[int, nn.Paramet
 
 def fused_column_parallel(x: Tensor, linears: Sequence[nn.Linear], tp: TensorParallel) -> tuple[Tensor, ...]:
     """Several column-parallel layers of one input as one GEMM (q, k, v): one f (or all-gather) forward, one
-    all-reduce (or reduce-scatter) of the input gradient backward, and one GEMM of this rank's rows of each.
+    all-reduce (or reduce-scatter) of the input gradient backward, overlapped with the weight-gradient GEMM
+    (:func:`column_parallel_linear`), and one GEMM of this rank's rows of each.
 
     The parameters stay separate (checkpoints and export see ``q``, ``k``, ``v``); the fused weight is their local
     shards side by side, so the result is ``(linear(x) for linear in linears)`` with this rank's columns. A layer
@@ -290,5 +291,5 @@ def fused_column_parallel(x: Tensor, linears: Sequence[nn.Linear], tp: TensorPar
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
-    out = F.linear(tp.enter(x), torch.cat(weights), bias)
+    out = column_parallel_linear(x, torch.cat(weights), bias, tp)
     return out.split([w.shape[0] for w in weights], dim=-1)

@@ -11,20 +11,28 @@ group (see docs/tensor_parallel.md):
 
 The sequence is dimension 1 (activations are (batch, seq, hidden)); rank r holds the r-th of tp equal contiguous
 chunks, the layout of DTensor's ``Shard(1)``, so pipeline boundaries, dropout streams and checkpoints see the same
-shards as the DTensor plan did. Collectives are synchronous here: overlapping them with the GEMMs (torch's async-TP
-on symmetric memory) needs GPUs and is left to them.
+shards as the DTensor plan did. The column-parallel entry fused with its GEMM, whose backward overlaps the input
+gradient's collective with the weight-gradient GEMM, is :func:`column_parallel_linear` (f or the sequence
+all-gather and the GEMM as one autograd function).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_3d.utils.compat import functional_all_gather, functional_all_reduce, functional_reduce_scatter
+from lightning_3d.utils.compat import (
+    functional_all_gather_start,
+    functional_all_reduce_start,
+    functional_reduce_scatter_start,
+    functional_wait,
+)
 
 # The single-tensor collectives under their newer names where torch has them (the old ones warn as deprecated).
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -38,6 +46,9 @@ class TensorParallel:
 
     mesh: DeviceMesh
     sequence_parallel: bool = False
+    # Whether column-parallel layers overlap the backward's collective of their input gradient with their weight
+    # gradient's GEMM (``column_parallel_linear``); off only to measure what the overlap buys.
+    overlap: bool = field(default_factory=lambda: overlap_from_environment())
 
     # Looked up per layer and micro-batch, so resolved once here. Not ``functools.cached_property``: before Python 3.12
     # it takes an RLock, a context manager torch.compile cannot trace (a graph break per lookup in a compiled block).
@@ -56,11 +67,9 @@ class TensorParallel:
         Under autocast the GEMM that follows casts its input to the autocast dtype anyway; casting before the
         collective instead makes the backward all-reduce (or the sequence all-gather and its reduce-scatter) move
         bf16, not the fp32 that a LayerNorm's output has under autocast: half the bytes, as Megatron's activations."""
-        device = x.device.type
-        if x.is_floating_point() and torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            if x.dtype != dtype:
-                x = x.to(dtype)
+        dtype = autocast_dtype(x)
+        if dtype is not None and x.dtype != dtype:
+            x = x.to(dtype)
         return gather_sequence(x, self.group) if self.sequence_parallel else copy_to_region(x, self.group)
 
     def exit(self, x: Tensor) -> Tensor:
@@ -68,27 +77,67 @@ class TensorParallel:
         return reduce_scatter_sequence(x, self.group) if self.sequence_parallel else reduce_from_region(x, self.group)
 
 
-def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    if torch.compiler.is_compiling():  # out of place in a graph (see functional_all_reduce)
-        return functional_all_reduce(x.contiguous(), group)
+OVERLAP_VARIABLE = "L3D_TP_OVERLAP"
+
+
+def overlap_from_environment() -> bool:
+    """``L3D_TP_OVERLAP``: 1 (or unset) overlaps the column-parallel backward's collective with the weight-gradient
+    GEMM; 0 runs the collective synchronously after the layer's whole backward (the comparison a benchmark makes).
+    Read where the plan builds its ``TensorParallel``, on every rank before any collective."""
+    value = os.environ.get(OVERLAP_VARIABLE, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{OVERLAP_VARIABLE}={value!r} is not a switch: set it to 1 (overlap the tensor-parallel"
+                         " backward collectives with the weight-gradient GEMM, the default) or 0 (synchronous"
+                         " collectives, for comparison), or unset it.")
+    return value == "1"
+
+
+def autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype autocast gives a GEMM of ``x`` on its device, or None where autocast leaves ``x`` alone."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
+# Each ``_launch_*`` starts a collective and returns (output, handle) without waiting for it; ``_finish(output,
+# handle)`` waits and returns the result. Eagerly: the c10d call with ``async_op=True`` into a tensor allocated here,
+# and its work handle. Inside a graph: torch's functional collective op (out of place, see
+# compat.functional_all_reduce_start) with handle None, and the wait a graph op of its own, placed where ``_finish``
+# is called: a compiled graph runs the work between the two while the collective is in flight.
+
+
+def _finish(output: Tensor, handle) -> Tensor:
+    if handle is None:
+        return functional_wait(output)
+    handle.wait()
+    return output
+
+
+def _launch_all_reduce(x: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, object]:
+    """The sum of ``x`` over ``group``; eagerly in place on (a contiguous) ``x``."""
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    if torch.compiler.is_compiling():
+        return functional_all_reduce_start(x, group), None
+    return x, dist.all_reduce(x, group=group, async_op=True)
 
 
-def _all_gather_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """(b, s/tp, ...) chunks -> (b, s, ...), rank order along the sequence."""
-    world = dist.get_world_size(group)
-    if torch.compiler.is_compiling():  # out of place in a graph (see functional_all_gather)
-        out = functional_all_gather(x.contiguous(), group)
-    else:
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # the collective concatenates along dim 0
-        _all_gather_single(out, x.contiguous(), group=group)
-    # (tp, b, s/tp, ...) -> (b, tp, s/tp, ...) -> (b, s, ...): one copy.
-    return out.unflatten(0, (world, x.shape[0])).transpose(0, 1).reshape(x.shape[0], world * x.shape[1], *x.shape[2:])
+def _launch_all_gather(x: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, object]:
+    """Every rank's ``x`` concatenated along dim 0, in rank order (:func:`_sequence_from_gathered` reorders it)."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return functional_all_gather_start(x, group), None
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    return out, _all_gather_single(out, x, group=group, async_op=True)
 
 
-def _reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+def _sequence_from_gathered(out: Tensor, world: int) -> Tensor:
+    """(tp * b, s/tp, ...) as gathered -> (tp, b, s/tp, ...) -> (b, tp, s/tp, ...) -> (b, s, ...): one copy."""
+    b = out.shape[0] // world
+    return out.unflatten(0, (world, b)).transpose(0, 1).reshape(b, world * out.shape[1], *out.shape[2:])
+
+
+def _launch_reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, object]:
     """(b, s, ...) partial sums -> this rank's (b, s/tp, ...) chunk of their sum."""
     world = dist.get_world_size(group)
     b, s = x.shape[0], x.shape[1]
@@ -96,11 +145,24 @@ def _reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
         raise ValueError(f"Sequence parallelism needs the sequence length {s} divisible by tensor_parallel_size={world}.")
     # (b, s, ...) -> (tp, b, s/tp, ...) flattened to (tp * b, s/tp, ...): rank r's chunk is the r-th block of dim 0.
     chunks = x.reshape(b, world, s // world, *x.shape[2:]).transpose(0, 1).reshape(world * b, s // world, *x.shape[2:])
-    if torch.compiler.is_compiling():  # out of place in a graph (see functional_reduce_scatter)
-        return functional_reduce_scatter(chunks, group)
+    if torch.compiler.is_compiling():
+        return functional_reduce_scatter_start(chunks, group), None
     out = x.new_empty(chunks.shape[0] // world, *chunks.shape[1:])
-    _reduce_scatter_single(out, chunks, group=group)
-    return out
+    return out, _reduce_scatter_single(out, chunks, group=group, async_op=True)
+
+
+def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _finish(*_launch_all_reduce(x, group))
+
+
+def _all_gather_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(b, s/tp, ...) chunks -> (b, s, ...), rank order along the sequence."""
+    return _sequence_from_gathered(_finish(*_launch_all_gather(x, group)), dist.get_world_size(group))
+
+
+def _reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(b, s, ...) partial sums -> this rank's (b, s/tp, ...) chunk of their sum."""
+    return _finish(*_launch_reduce_scatter_seq(x, group))
 
 
 def _split_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -196,3 +258,68 @@ def reduce_scatter_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 def split_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Replicated -> this rank's sequence chunk; the backward all-gathers (each rank's chunk's gradient)."""
     return _SplitSequence.apply(x, group)
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """f (or the sequence all-gather) and the GEMM as one autograd node, so that its backward can order its work as
+    Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` does: the input gradient (dgrad) first, its
+    all-reduce (reduce-scatter under SP) launched without waiting, the weight and bias gradients computed while it
+    runs, the wait last. Through ``copy_to_region`` and ``F.linear`` autograd ran the GEMM's whole backward and only
+    then the collective, with nothing left to overlap it with. Under SP only this rank's sequence chunk of the input
+    is saved, and the backward gathers the full input again while the dgrad GEMM runs (the forward's gathered copy,
+    tp times the chunk, is freed after the forward). The operations are the ones autograd runs for ``F.linear``
+    (``mm`` for both gradients, ``sum`` over tokens for the bias), so the gradients are those of the synchronous path
+    to the bit."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, group,  # type: ignore[override]
+                sequence_parallel: bool) -> Tensor:
+        need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Saved as autograd saves for F.linear: the input where the weight needs a gradient, the weight where the input
+        # does.
+        ctx.save_for_backward(x if need_weight else None, weight if need_x else None)
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        total = _all_gather_seq(x, group) if sequence_parallel else x
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        group, sp = ctx.group, ctx.sequence_parallel
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if need_weight and sp:  # in flight while the dgrad GEMM runs
+            gathered, gather_handle = _launch_all_gather(x, group)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = handle = None
+        if need_x:
+            dgrad = grad_2d.mm(weight).view(*grad.shape[:-1], weight.shape[1])
+            grad_x, handle = (_launch_reduce_scatter_seq if sp else _launch_all_reduce)(dgrad, group)
+        grad_weight = grad_bias = None
+        if need_weight:
+            if sp:
+                total = _sequence_from_gathered(_finish(gathered, gather_handle), dist.get_world_size(group))
+            else:
+                total = x
+            grad_weight = grad_2d.t().mm(total.reshape(-1, total.shape[-1]))
+        if need_bias:
+            grad_bias = grad_2d.sum(0)
+        if need_x:
+            grad_x = _finish(grad_x, handle)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp: TensorParallel) -> Tensor:
+    """``F.linear(tp.enter(x), weight, bias)`` for this rank's rows ``weight`` of a column-parallel layer: the same
+    result and gradients, with the backward's collective of the input gradient overlapped with the weight-gradient
+    GEMM (``_ColumnParallelLinear``; docs/tensor_parallel.md). ``tp.overlap`` False (``L3D_TP_OVERLAP=0``) runs
+    ``tp.enter`` and ``F.linear`` as separate autograd nodes instead, the synchronous path, for comparison.
+
+    Under autocast the input, weight and bias are cast to the autocast dtype here, as autocast's ``linear`` casts
+    them, so that the collectives move that dtype (``TensorParallel.enter``) and the node sees one dtype."""
+    if not tp.overlap or not torch.is_grad_enabled():
+        return F.linear(tp.enter(x), weight, bias)
+    dtype = autocast_dtype(x)
+    if dtype is not None:
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    return _ColumnParallelLinear.apply(x, weight, bias, tp.group, tp.sequence_parallel)

@@ -19,7 +19,6 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-import torch.distributed._functional_collectives as _funcol
 from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
@@ -47,20 +46,29 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
         hook(param)
 
 
-# torch's functional collectives (out of place, traced by torch.compile as graph ops with explicit waits). Compiled
-# tensor-parallel blocks use them instead of the in-place c10d calls: torch 2.11's compile of an in-place
-# all-gather / reduce-scatter in a custom backward lost its result (zero gradients under sequence parallelism,
-# lightning_3d/tensor_parallel/mappings.py). Dimension 0, the sum, as the c10d calls they replace.
-def functional_all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _funcol.all_reduce(x, "sum", group)
+# torch's functional collectives (out of place, traced by torch.compile as graph ops). Compiled tensor-parallel blocks
+# use them instead of the in-place c10d calls: torch 2.11's compile of an in-place all-gather / reduce-scatter in a
+# custom backward lost its result (zero gradients under sequence parallelism, lightning_3d/tensor_parallel/mappings.py).
+# The ops themselves, not the ``_functional_collectives`` wrappers: traced, a wrapper puts the collective's wait right
+# after its launch, and the column-parallel backward must place the wait after the weight-gradient GEMM to overlap
+# the two. Each ``*_start`` returns the collective's output in flight; ``functional_wait`` returns it valid.
+# Dimension 0, the sum, as the c10d calls they replace.
+def functional_all_reduce_start(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return torch.ops._c10d_functional.all_reduce(x, "sum", group.group_name)
 
 
-def functional_all_gather(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _funcol.all_gather_tensor(x, 0, group)
+def functional_all_gather_start(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return torch.ops._c10d_functional.all_gather_into_tensor(x, torch.distributed.get_world_size(group),
+                                                            group.group_name)
 
 
-def functional_reduce_scatter(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _funcol.reduce_scatter_tensor(x, "sum", 0, group)
+def functional_reduce_scatter_start(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return torch.ops._c10d_functional.reduce_scatter_tensor(x, "sum", torch.distributed.get_world_size(group),
+                                                           group.group_name)
+
+
+def functional_wait(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(x)
 
 
 def flex_attention_trains_on(device: torch.device) -> str | None:

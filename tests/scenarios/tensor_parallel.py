@@ -243,6 +243,172 @@ def check_autocast_and_optimizer(rank: int, world: int) -> dict[str, bool]:
     return result
 
 
+def check_overlap(rank: int, world: int) -> dict[str, bool | int | str]:
+    """The column-parallel entry fused with its GEMM (``column_parallel_linear``, ``L3D_TP_OVERLAP``): the same
+    outputs and gradients as the synchronous path (the same operations in another order, so equal to the bit), with
+    and without sequence parallelism and autocast, for a ``ColumnParallelLinear`` and the fused q/k/v; the backward
+    launches the input gradient's collective between the dgrad and the wgrad GEMM and waits for it after the wgrad
+    (under SP the input's all-gather is launched before the dgrad GEMM and waited for before the wgrad one); under SP
+    it saves this rank's sequence chunk of the input instead of the gathered input (exact bytes)."""
+    import os
+
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_3d.tensor_parallel import mappings
+
+    mesh = init_device_mesh("cpu", (world,))
+    result: dict[str, bool | int | str] = {}
+    events: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("mm", "sum"):
+                events.append(name)
+            return func(*args, **(kwargs or {}))
+
+    class Waited:
+        def __init__(self, work, name: str) -> None:
+            self.work, self.name = work, name
+
+        def wait(self):
+            events.append("wait:" + self.name)
+            return self.work.wait()
+
+    def spy(fn, name: str):
+        def call(*args, **kwargs):
+            events.append("launch:" + name)
+            work = fn(*args, **kwargs)
+            return Waited(work, name) if kwargs.get("async_op") else work
+        return call
+
+    def run(overlap: bool, sp: bool, autocast: bool, fused: bool):
+        torch.manual_seed(0)  # the same layers, inputs and upstream gradients on every call
+        tp = TensorParallel(mesh, sp, overlap=overlap)
+        module, memo = (QKV() if fused else MLP()), {}
+        linears = (module.q, module.k, module.v) if fused else (module.fc,)
+        for linear in linears:
+            column_parallel(linear, tp, memo)
+        x = torch.randn(B, S // world if sp else S, H).requires_grad_()
+        packed = [0]
+
+        def pack(t):
+            packed[0] += t.numel() * t.element_size()
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = torch.cat(fused_column_parallel(x, linears, tp), -1) if fused else linears[0](x)
+        grad = torch.randn(out.shape, dtype=out.dtype)
+        real = (dist.all_reduce, mappings._all_gather_single, mappings._reduce_scatter_single)
+        events.clear()
+        dist.all_reduce = spy(real[0], "all_reduce")
+        mappings._all_gather_single = spy(real[1], "all_gather")
+        mappings._reduce_scatter_single = spy(real[2], "reduce_scatter")
+        try:
+            with Ops():
+                out.backward(grad)
+        finally:
+            dist.all_reduce, mappings._all_gather_single, mappings._reduce_scatter_single = real
+        grads = [x.grad] + [p.grad.to_local() for linear in linears for p in linear.parameters()]
+        return out.detach(), grads, list(events), packed[0]
+
+    for sp in (False, True):
+        for autocast in (False, True):
+            for fused in (False, True):
+                key = f"sp{sp}_autocast{autocast}_{'qkv' if fused else 'fc'}"
+                out_on, grads_on, events_on, bytes_on = run(True, sp, autocast, fused)
+                out_off, grads_off, events_off, bytes_off = run(False, sp, autocast, fused)
+                result[f"{key}_equal"] = torch.equal(out_on, out_off) and len(grads_on) == len(grads_off) and all(
+                    torch.equal(a, b) for a, b in zip(grads_on, grads_off))
+                # The backward's own work (the gathered input's all-gather under SP, the dgrad mm, the input
+                # gradient's collective, the wgrad mm and the bias sum); both layers have a bias (fused: q's and v's).
+                collective = "reduce_scatter" if sp else "all_reduce"
+                want = ["mm", f"launch:{collective}", "mm", "sum", f"wait:{collective}"]
+                if sp:
+                    want = ["launch:all_gather", "mm", f"launch:{collective}", "wait:all_gather", "mm", "sum",
+                            f"wait:{collective}"]
+                result[f"{key}_overlap_order"] = events_on == want
+                result[f"{key}_events"] = " ".join(events_on)
+                # The synchronous path: the collective only after both GEMMs of the layer's backward.
+                last_mm = max(i for i, e in enumerate(events_off) if e == "mm")
+                result[f"{key}_sync_order"] = events_off.index(f"launch:{collective}") > last_mm
+                # Saved: the input (this rank's chunk with overlap under SP; the gathered input without) and the
+                # weight, in the GEMM's dtype; nothing else.
+                elem = 2 if autocast else 4
+                out_features = (3 * H if fused else 4 * H) // world  # this rank's rows of q, k, v (or of fc)
+                weight_bytes = out_features * H * elem
+                local_tokens = B * (S // world if sp else S)
+                result[f"{key}_saved_bytes"] = bytes_on == (local_tokens * H * elem + weight_bytes)
+                result[f"{key}_saved_bytes_sync"] = bytes_off == (B * S * H * elem + weight_bytes)
+                result[f"{key}_saved_bytes_saving"] = bytes_off - bytes_on
+    result.update(_compiled_overlap_order(mesh, world))
+    # The switch: default on, 0 off, anything else refused naming the value and the fix.
+    saved = os.environ.pop(mappings.OVERLAP_VARIABLE, None)
+    try:
+        result["default_on"] = TensorParallel(mesh).overlap is True
+        os.environ[mappings.OVERLAP_VARIABLE] = "0"
+        result["zero_off"] = TensorParallel(mesh).overlap is False
+        os.environ[mappings.OVERLAP_VARIABLE] = "yes"
+        try:
+            TensorParallel(mesh)
+            result["bad_value_error"] = ""
+        except ValueError as e:
+            result["bad_value_error"] = str(e)
+    finally:
+        os.environ.pop(mappings.OVERLAP_VARIABLE, None)
+        if saved is not None:
+            os.environ[mappings.OVERLAP_VARIABLE] = saved
+    return result
+
+
+def _compiled_overlap_order(mesh, world: int) -> dict[str, bool | str]:
+    """Compiled, ``column_parallel_linear``'s backward graph keeps the eager order with explicit waits: the dgrad
+    GEMM, the collective's launch, the wgrad GEMM, then the wait (under SP the input's all-gather launched before the
+    dgrad GEMM, its wait before the wgrad GEMM); and the compiled layer equals the eager one to the bit (aot_eager:
+    the same kernels, the same collectives)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from lightning_3d.tensor_parallel import column_parallel_linear
+
+    names = {"mm": "mm", "all_reduce": "launch:all_reduce", "all_gather_into_tensor": "launch:all_gather",
+             "reduce_scatter_tensor": "launch:reduce_scatter", "wait_tensor": "wait"}
+    result: dict[str, bool | str] = {}
+    for sp in (False, True):
+        tp = TensorParallel(mesh, sp, overlap=True)
+        graphs: list = []
+
+        def keep(gm, _inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w, b: column_parallel_linear(x, w, b, tp),
+                                 backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+        torch.manual_seed(3)
+        x, w, b = torch.randn(B, S // world if sp else S, H), torch.randn(2 * H, H), torch.randn(2 * H)
+        grad = torch.randn(B, S, 2 * H)
+        runs = []
+        for fn in (compiled, lambda x, w, b: column_parallel_linear(x, w, b, tp)):
+            leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+            out = fn(*leaves)
+            out.backward(grad if not sp else grad)
+            runs.append([out.detach()] + [t.grad for t in leaves])
+        backward = graphs[-1]
+        events = [names[n.target._opname] for n in backward.graph.nodes
+                  if n.op == "call_function" and getattr(n.target, "_opname", None) in names]
+        collective = "reduce_scatter" if sp else "all_reduce"
+        want = ["mm", f"launch:{collective}", "mm", "wait"]
+        if sp:
+            want = ["launch:all_gather", "mm", f"launch:{collective}", "wait", "mm", "wait"]
+        result[f"compiled_sp{sp}_order"] = events == want
+        result[f"compiled_sp{sp}_events"] = " ".join(events)
+        result[f"compiled_sp{sp}_equal"] = all(torch.equal(a, b) for a, b in zip(*runs))
+    torch._dynamo.reset()
+    return result
+
+
 def gpt_stage(implementation: str | None, mesh, sequence_parallel: bool, compile_first: bool = False):
     """A tiny GPT stage (embedding, 2 blocks, head) under the tensor-parallel plan. ``compile_first``: its blocks
     compiled by the recipes' ``compile_blocks`` before the plan, the order of the recipes (build_pipeline_stages
@@ -388,7 +554,8 @@ def main() -> None:
               "compiled": check_compiled_stage(world),
               "t5": t5_tensor_parallel.check_t5_plans(world),
               "t5_compiled": t5_tensor_parallel.check_t5_compiled(world),
-              "autocast_and_optimizer": check_autocast_and_optimizer(rank, world)}
+              "autocast_and_optimizer": check_autocast_and_optimizer(rank, world),
+              "overlap": check_overlap(rank, world)}
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
     write_report(args.report, {"ranks": gathered})
