@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_3d.tensor_parallel.layers import distribute_parameters, local_view
-from lightning_3d.tensor_parallel.mappings import TensorParallel
+from lightning_3d.tensor_parallel.mappings import TensorParallel, column_parallel_linear
 
 # "local": the layers of this package (explicit collectives on local tensors); "dtensor": torch's parallelize_module,
 # same sharding and results, kept to compare the two (benchmarks/tp_host_time.py, L3D_TP_IMPLEMENTATION in a GPU run).
@@ -51,7 +51,7 @@ class VocabParallelHead(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tensor_parallel
-        logits = F.linear(tp.enter(x), local_view(self.weight))
+        logits = column_parallel_linear(x, local_view(self.weight), None, tp)
         if self.padding_mask is not None:
             logits = logits + self.padding_mask.to_local().to(logits.dtype)
         return DTensor.from_local(logits, tp.mesh, [Shard(-1)], run_check=False)
