@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+OP = "lightning_3d::accumulate_weight_grad"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,7 +88,7 @@ def run_one(args: argparse.Namespace, fusion: bool) -> dict:
         "cpu_ms": statistics.median(cpu), "cpu_range_ms": [min(cpu), max(cpu)],
         "fused_accumulations_per_step": timer.accumulations,
         "per_microbatch_cpu_ms": statistics.median(cpu) / args.num_microbatches,
-        "losses": timer.losses, "profile": timer.profile,
+        "losses": timer.losses, "profile": timer.profile, "profiled_op_calls": timer.op_calls,
     }
 
 
@@ -115,6 +116,7 @@ class _Timer:
                 self.losses: list[float] = []
                 self.accumulations = 0
                 self.profile: list[dict] = []
+                self.op_calls: dict[str, int] = {}
                 self._prof = None
 
             def on_train_batch_start(self, trainer, module, batch, idx) -> None:
@@ -130,7 +132,10 @@ class _Timer:
                 self.accumulations = sync._fused_accumulations if sync is not None else 0
                 if self._prof is not None:
                     self._prof.__exit__(None, None, None)
-                    rows = sorted(self._prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+                    averages = self._prof.key_averages()
+                    self.op_calls = {"aten": sum(e.count for e in averages if e.key.startswith("aten::")),
+                                     "accumulate_weight_grad": sum(e.count for e in averages if e.key == OP)}
+                    rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
                     self.profile = [{"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
                                     for e in rows[:15]]
                     self._prof = None
@@ -158,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
               f"  cpu {r['cpu_ms']:.1f} ms ({r['per_microbatch_cpu_ms']:.2f} per micro-batch)"
               f"  fused accumulations/step {r['fused_accumulations_per_step']}  last loss {r['losses'][-1]:.4f}",
               flush=True)
+        if r["profiled_op_calls"]:
+            print(f"    profiled step: {r['profiled_op_calls']['aten']} aten ops,"
+                  f" {r['profiled_op_calls']['accumulate_weight_grad']} {OP} calls; top host ops by self CPU time:")
         for row in r["profile"]:
             print(f"    {row['self_cpu_ms']:8.2f} ms {row['calls']:6d}x  {row['name'][:80]}")
     if len(results) == 2:
