@@ -128,6 +128,9 @@ def test_a_layer_called_twice_after_its_bucket_left_raises() -> None:
         bucket.work = object()  # as if the bucket's all-reduce had been launched
         with pytest.raises(RuntimeError, match=r"more than once per forward.*gradient_accumulation_fusion=False"):
             sync._on_grad_ready(layer.weight)
+        sync._syncing = True  # the op's report reaches the same check in a step that synchronises
+        with pytest.raises(RuntimeError, match=r"more than once per forward.*gradient_accumulation_fusion=False"):
+            sync._on_fused_accumulated(layer.weight)
     finally:
         sync.remove_hooks()
 
