@@ -227,8 +227,11 @@ def test_the_op_is_autograd_accumulation_over_every_leading_dimension() -> None:
 
 def test_t5_compiled_per_stage_trains_with_fusion_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
     """The T5 recipe compiled per stage (the one-GPU configuration of issue 25, here with the aot_eager backend): the
-    op stays in the stage's compiled backward, every fused layer reports once per micro-batch, and the losses and
-    gradients equal the unfused run's (fp32 on the CPU: the same products, up to summation order)."""
+    op stays in the stage's compiled backward (one graph for the stage, one for the loss, no graph break), every fused
+    layer reports once per micro-batch, and the gradients equal the unfused run's (fp32 on the CPU: the same products,
+    up to summation order)."""
+    from torch._dynamo.utils import counters
+
     from torch.utils.data import DataLoader
 
     from lightning_3d.recipes import T5
@@ -236,6 +239,8 @@ def test_t5_compiled_per_stage_trains_with_fusion_as_without(monkeypatch: pytest
     monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
     runs = {}
     for fusion in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
         grads: list[dict] = []
         counts: list[int] = []
 
@@ -255,6 +260,7 @@ def test_t5_compiled_per_stage_trains_with_fusion_as_without(monkeypatch: pytest
                              strategy=Compressed3DStrategy(num_microbatches=2, gradient_accumulation_fusion=fusion),
                              callbacks=[Record()])
         trainer.fit(model, train_dataloaders=data)
+        assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters)
         runs[fusion] = grads, counts
     (fused, fused_counts), (plain, plain_counts) = runs[True], runs[False]
     # one encoder block (q, k, v, o, wi, wo) and one decoder block (+ cross-attention's q, k, v, o), 2 micro-batches
