@@ -361,3 +361,21 @@ def test_trace_summary_accounts_every_microsecond(tmp_path: Path) -> None:
     assert s["nccl_ms"] == 2.0 and s["nccl_only_ms"] == 1.5 and s["idle_ms"] == 2.0
     assert s["compute_by_family_ms"] == {"gemm": 3.0, "elementwise/copy/reduce": 1.0, "triton": 1.0}
     assert s["largest_other_ms"] == {"aten::add_: void at::native::vectorized_elementwise_kernel<add>": 1.0}
+
+
+def test_host_time_t5_counts_the_fused_accumulations(tmp_path: Path) -> None:
+    """benchmarks/host_time_t5.py (T5's host time per step, issue 25) at one block per side: with fusion every fused
+    layer (6 per encoder block, 10 per decoder block) accumulates once per micro-batch, in the timed steps and as op
+    calls in the profiled one; without it none does; both train the same (fp32: summation order only)."""
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/host_time_t5.py"), "--layers", "1", "--num-microbatches", "2",
+           "--steps", "1", "--warmup", "1", "--profile", "--out", str(out)]
+    run = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "fusion on - off:" in run.stdout
+    on, off = json.loads(out.read_text())["results"]
+    assert on["fusion"] and not off["fusion"]
+    assert on["fused_accumulations_per_step"] == 2 * 16 and off["fused_accumulations_per_step"] == 0
+    assert on["profiled_op_calls"]["accumulate_weight_grad"] == 2 * 16
+    assert off["profiled_op_calls"]["accumulate_weight_grad"] == 0 and off["profiled_op_calls"]["aten"] > 0
+    assert on["wall_ms"] > 0 and on["cpu_ms"] > 0 and on["profile"] and off["profile"]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(on["losses"], off["losses"], strict=True))

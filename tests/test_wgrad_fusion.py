@@ -128,6 +128,9 @@ def test_a_layer_called_twice_after_its_bucket_left_raises() -> None:
         bucket.work = object()  # as if the bucket's all-reduce had been launched
         with pytest.raises(RuntimeError, match=r"more than once per forward.*gradient_accumulation_fusion=False"):
             sync._on_grad_ready(layer.weight)
+        sync._syncing = True  # the op's report reaches the same check in a step that synchronises
+        with pytest.raises(RuntimeError, match=r"more than once per forward.*gradient_accumulation_fusion=False"):
+            sync._on_fused_accumulated(layer.weight)
     finally:
         sync.remove_hooks()
 
@@ -184,3 +187,84 @@ def test_a_slot_of_its_own_follows_the_layer_when_it_moves_and_a_bucket_view_doe
             bucket_layer(torch.randn(3, 4)).sum().backward()
     finally:
         sync.remove_hooks()
+
+
+def test_the_op_is_autograd_accumulation_over_every_leading_dimension() -> None:
+    """The op as the layer calls it (output gradient and input with leading batch and sequence dimensions, flattened
+    into tokens by the layer's backward): the first micro-batch writes the slot and makes it ``weight.grad``, later
+    ones add to it, and a gradient someone else put in ``weight.grad`` is added to instead; the report comes once per
+    call. Against autograd's own accumulation of ``nn.Linear``: the same products, in fp32 on the CPU, up to the
+    GEMM's summation order over the tokens and the rounding of the add into the running sum (per micro-batch and
+    element 2·(n + 1)·u·Σ|terms|, n = tokens, u = fp32 unit roundoff)."""
+    from lightning_3d.strategies.wgrad_fusion import register_slot, unfuse_gradient_accumulation
+
+    torch.manual_seed(0)
+    layer, plain = nn.Linear(6, 5), nn.Linear(6, 5)
+    plain.load_state_dict(layer.state_dict())
+    (weight,) = fuse_gradient_accumulation([layer])
+    reports: list[nn.Parameter] = []
+    register_slot(weight, torch.full_like(weight, float("nan")), reports.append)  # the first write must not read it
+    try:
+        inputs = [torch.randn(2, 3, 6), torch.randn(4, 6), torch.randn(1, 2, 2, 6)]
+        bound = torch.zeros_like(weight, dtype=torch.float64)
+        for x in inputs:
+            for m in (layer, plain):
+                m(x).square().sum().backward()
+            g = 2 * plain(x).detach().reshape(-1, 5).double()  # d(sum y^2)/dy, for the bound's Σ|terms|
+            bound += 2 * (g.shape[0] + 1) * 2.0**-24 * (g.abs().t() @ x.reshape(-1, 6).double().abs())
+        assert layer.weight.grad.data_ptr() == layer.grad_slot.data_ptr() and len(reports) == len(inputs)
+        assert reports[0] is weight
+        assert ((layer.weight.grad.double() - plain.weight.grad.double()).abs() <= bound).all()
+        other = torch.zeros_like(weight)
+        layer.weight.grad = other  # not the slot: the op adds there and leaves the slot alone
+        slot_before = layer.grad_slot.clone()
+        layer(inputs[0]).square().sum().backward()
+        assert layer.weight.grad is other and other.abs().sum() > 0
+        torch.testing.assert_close(layer.grad_slot, slot_before, rtol=0, atol=0)
+    finally:
+        unfuse_gradient_accumulation([weight])
+
+
+def test_t5_compiled_per_stage_trains_with_fusion_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The T5 recipe compiled per stage (the one-GPU configuration of issue 25, here with the aot_eager backend): the
+    op stays in the stage's compiled backward (one graph for the stage, one for the loss, no graph break), every fused
+    layer reports once per micro-batch, and the gradients equal the unfused run's (fp32 on the CPU: the same products,
+    up to summation order)."""
+    from torch._dynamo.utils import counters
+
+    from torch.utils.data import DataLoader
+
+    from lightning_3d.recipes import T5
+
+    monkeypatch.setattr(training, "COMPILE_BACKEND", "aot_eager")
+    runs = {}
+    for fusion in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        grads: list[dict] = []
+        counts: list[int] = []
+
+        class Record(pl.Callback):
+            def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+                grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters()})
+                counts.append(trainer.strategy.engine.grad_sync._fused_accumulations)
+
+        torch.manual_seed(0)
+        model = T5("tiny", vocab_size=256, num_layers=1, hidden_size=32, num_heads=2, head_dim=16, ffn_hidden_size=64,
+                   compile=True, compile_scope="stage", attention="sdpa")
+        g = torch.Generator().manual_seed(0)
+        data = DataLoader([{"input_ids": torch.randint(2, 256, (12,), generator=g),
+                            "labels": torch.randint(2, 256, (6,), generator=g)} for _ in range(8)], batch_size=4)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                             strategy=Compressed3DStrategy(num_microbatches=2, gradient_accumulation_fusion=fusion),
+                             callbacks=[Record()])
+        trainer.fit(model, train_dataloaders=data)
+        assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters)
+        runs[fusion] = grads, counts
+    (fused, fused_counts), (plain, plain_counts) = runs[True], runs[False]
+    # one encoder block (q, k, v, o, wi, wo) and one decoder block (+ cross-attention's q, k, v, o), 2 micro-batches
+    assert fused_counts == [2 * 16] * 2 and plain_counts == [0, 0]
+    for step_fused, step_plain in zip(fused, plain, strict=True):
+        for name, grad in step_plain.items():
+            torch.testing.assert_close(step_fused[name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -136,7 +136,7 @@ class GradientSynchronizer:
             bucket.buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
             offset = 0
             for p in params:
-                register_slot(p, bucket.buffer[offset : offset + p.numel()].view_as(p), self._on_grad_ready)
+                register_slot(p, bucket.buffer[offset : offset + p.numel()].view_as(p), self._on_fused_accumulated)
                 offset += p.numel()
 
     # ----- step protocol ---------------------------------------------------------------------------------
@@ -195,6 +195,13 @@ class GradientSynchronizer:
         self._syncing = False
 
     # ----- internals ---------------------------------------------------------------------------------------
+    def _on_fused_accumulated(self, param: nn.Parameter) -> None:
+        """The fused op's report, once per layer and micro-batch: counted, and only a step that synchronises has more
+        to do (fused weights are plain tensors, so there is no placement to align; their buckets launch from here)."""
+        self._fused_accumulations += 1
+        if self._syncing:
+            self._on_grad_ready(param)
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of.get(id(param))
         if bucket is not None and bucket.work is not None:
@@ -205,8 +212,6 @@ class GradientSynchronizer:
                 " nn.Linear is called more than once per forward, which gradient-accumulation fusion cannot follow."
                 " Pass gradient_accumulation_fusion=False to Compressed3DStrategy."
             )
-        if id(param) in self._fused:
-            self._fused_accumulations += 1
         final = bucket is not None and bucket.stage in self._armed
         align_grad_placement(param, allow_communication=final)
         if not (self._syncing and final):

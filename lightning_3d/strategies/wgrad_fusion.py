@@ -49,23 +49,34 @@ def _owner_of(weight: nn.Parameter) -> "FusedGradLinear":
     return owner
 
 
+# The op is defined with ``torch.library.Library`` and one CompositeExplicitAutograd kernel rather than with
+# ``torch.library.custom_op``: it runs once per fused layer and micro-batch (384 times per micro-batch for T5-770M), on
+# the host thread that feeds the GPU, and custom_op's Python layers around the kernel (its autograd wrapper, the
+# redispatch, the dynamo-disable context) cost more host time than the kernel's own work. The op returns nothing and is
+# only ever called in a backward (grad mode off), so it needs no autograd formula.
+#
 # Declared pure on purpose: with a declared mutation, AOTAutograd would hand the op a copy of the slot and write it back
 # after the block's backward, when the slot's bucket may already be in its in-place all-reduce. Pure, it must be kept
 # from dead-code elimination (it returns nothing): registered as side-effectful, as compiled autograd's
 # ``accumulate_grad_`` is. The synchronizer checks every step that the accumulations happened.
-@torch.library.custom_op("lightning_3d::accumulate_weight_grad", mutates_args=())
-def accumulate_weight_grad(slot: Tensor, grad_output: Tensor, saved_input: Tensor) -> None:
-    """weight.grad (= ``slot`` or None) += grad_outputᵀ · input, over every leading (token) dimension."""
-    weight, on_accumulated = _SLOTS.get(slot.data_ptr(), (None, None))
-    if weight is None:
+_LIBRARY = torch.library.Library("lightning_3d", "FRAGMENT")
+_LIBRARY.define("accumulate_weight_grad(Tensor slot, Tensor grad_output_t, Tensor saved_input) -> ()")
+
+
+def _accumulate_weight_grad(slot: Tensor, grad_output_t: Tensor, saved_input: Tensor) -> None:
+    """weight.grad (= ``slot`` or None) += ``grad_output_t`` · ``saved_input``: the (out, tokens) transposed output
+    gradient and the (tokens, in) input, every leading dimension already flattened into tokens (by the caller, so that
+    inside a compiled block these views are part of the graph instead of host work here)."""
+    entry = _SLOTS.get(slot.data_ptr())
+    if entry is None:
         raise RuntimeError(
             "A FusedGradLinear ran its backward without a registered gradient slot (the strategy that owned it was torn"
             " down, or the layer was moved to another device or dtype after the strategy laid its gradients out in"
             " buckets). Train it under Compressed3DStrategy, moving the model before the strategy's setup, or build the"
             " model again without gradient_accumulation_fusion."
         )
-    g = grad_output.reshape(-1, grad_output.shape[-1]).t()
-    x = saved_input.reshape(-1, saved_input.shape[-1])
+    weight, on_accumulated = entry
+    g, x = grad_output_t, saved_input
     grad = weight.grad
     if grad is not None and grad.data_ptr() != slot.data_ptr():  # someone put another tensor there: add to it
         grad.add_(torch.mm(g, x))
@@ -92,12 +103,16 @@ def accumulate_weight_grad(slot: Tensor, grad_output: Tensor, saved_input: Tenso
         on_accumulated(weight)
 
 
-@accumulate_weight_grad.register_fake
-def _(slot: Tensor, grad_output: Tensor, saved_input: Tensor) -> None:
+_LIBRARY.impl("accumulate_weight_grad", _accumulate_weight_grad, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("lightning_3d::accumulate_weight_grad", lib=_LIBRARY)
+def _(slot: Tensor, grad_output_t: Tensor, saved_input: Tensor) -> None:
     return None
 
 
-torch.fx.node.has_side_effect(torch.ops.lightning_3d.accumulate_weight_grad.default)
+accumulate_weight_grad = torch.ops.lightning_3d.accumulate_weight_grad.default
+torch.fx.node.has_side_effect(accumulate_weight_grad)
 
 
 class _LinearWithFusedWeightGrad(torch.autograd.Function):
@@ -121,7 +136,8 @@ class _LinearWithFusedWeightGrad(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
         x_cast, w_cast = ctx.saved_tensors
         grad_input = grad_output @ w_cast if ctx.needs_input_grad[0] else None
-        accumulate_weight_grad(ctx.slot, grad_output, x_cast)
+        accumulate_weight_grad(ctx.slot, grad_output.reshape(-1, grad_output.shape[-1]).t(),
+                               x_cast.reshape(-1, x_cast.shape[-1]))
         grad_bias = None
         if ctx.bias_dtype is not None:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
