@@ -175,6 +175,12 @@ def candidate(m: Model, c: Config, cm: ProfiledCostModel) -> Candidate:
     return Candidate(dp, pp, tp, c.mbs, c.m, c.schedule, c.v, tuple(split), (c.ckpt,) * stages, False)
 
 
+def seconds_needed(launch_s: list[float], default_launch_s: float, steps: int, step_s: float) -> float:
+    """A run's expected seconds: its launch (the median of the runs so far outside their steps, else the default)
+    plus its steps at three times ``step_s`` (the first steps' warm-up and a prediction up to 3x off)."""
+    return (statistics.median(launch_s) if launch_s else default_launch_s) + 3 * steps * step_s
+
+
 def without_tp_grids(doc: dict) -> dict:
     """``doc`` without the tensor-parallel grids measured across GPUs: what the planner derived before them."""
     return dict(doc, layers={k: [e for e in v if not e.get("collectives")] for k, v in doc["layers"].items()})
@@ -340,7 +346,7 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
         # What a run takes: the launch (processes, NCCL, the model; the runs so far tell it) and the steps at up to
         # three times the prediction; a configuration that cannot finish in what is left is skipped for a later,
         # cheaper one rather than timed out.
-        need = (statistics.median(launch_s) if launch_s else ns.launch_s) + 3 * (ns.warmup + ns.steps) * p.step_time
+        need = seconds_needed(launch_s, ns.launch_s, ns.warmup + ns.steps, p.step_time)
         if budget < max(ns.min_config_s, need):
             row["error"] = f"skipped: {budget:.0f} s of the suite's budget left, {need:.0f} s needed"
         else:
@@ -364,7 +370,7 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
     misses = sorted(((abs(r["time_error"]), name, r) for name, e in report["models"].items() for r in e["rows"]
                      if "time_error" in r and abs(r["time_error"]) > ns.remeasure_above), key=lambda t: -t[0])
     for _, name, row in misses:
-        need = (statistics.median(launch_s) if launch_s else ns.launch_s) + 3 * (ns.warmup + ns.steps) * row["step_s"]
+        need = seconds_needed(launch_s, ns.launch_s, ns.warmup + ns.steps, row["step_s"])
         if left() < max(ns.min_config_s, need):
             continue
         m = models[name]
@@ -480,8 +486,10 @@ def recompute(report_path: str, profiles: dict[str, str]) -> dict:
         out["models"][name] = {"old": summarize(rows_old), "new": summarize(rows_new), "rows": rows_new}
         every_old += rows_old
         every_new += rows_new
-        print(f"  {name}: MAPE old {100 * out['models'][name]['old'].get('time_mape', 0):.1f} %"
-              f" new {100 * out['models'][name]['new'].get('time_mape', 0):.1f} %")
+        old, new = out["models"][name]["old"], out["models"][name]["new"]
+        print(f"  {name}: MAPE old {100 * old.get('time_mape', 0):.1f} % new {100 * new.get('time_mape', 0):.1f} %;"
+              f" spearman old {old.get('spearman') or 0:.3f} new {new.get('spearman') or 0:.3f}; tp grids measured:"
+              f" {'yes' if has_tp_grids(doc) else 'no (derived from tp = 1)'}")
     out["all"] = {"old": summarize(every_old), "new": summarize(every_new)}
     print(f"ALL: MAPE old {100 * out['all']['old'].get('time_mape', 0):.1f} % new {100 * out['all']['new'].get('time_mape', 0):.1f} %")
     return out

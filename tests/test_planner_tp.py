@@ -159,3 +159,22 @@ def test_validation_reports_the_derived_prediction_beside_the_measured_one() -> 
     s = v.summarize(rows)
     assert s["time_mape"] == pytest.approx(0.1)
     assert s["derived_time_mape"] == pytest.approx((0.5 + 0.2) / 2)
+
+
+def test_a_configuration_starts_only_with_its_launch_and_steps_left(monkeypatch) -> None:
+    import argparse
+
+    v = _validate_module()
+    assert v.seconds_needed([], 40.0, 11, 0.5) == pytest.approx(40.0 + 3 * 11 * 0.5)
+    assert v.seconds_needed([30.0, 50.0, 34.0], 40.0, 11, 0.2) == pytest.approx(34.0 + 3 * 11 * 0.2)
+    seen = []  # the script's parser is built inside main: its actions, caught at parse time
+
+    def capture(self, args=None, namespace=None):
+        seen.extend(self._actions)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        v.main([])
+    defaults = {a.dest: a.default for a in seen}
+    assert (defaults["steps"], defaults["warmup"], defaults["launch_s"]) == (8, 3, 40.0)
