@@ -350,8 +350,9 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
         if budget < max(ns.min_config_s, need):
             row["error"] = f"skipped: {budget:.0f} s of the suite's budget left, {need:.0f} s needed"
         else:
-            row.update(measure(m, c, steps=ns.steps, warmup=ns.warmup, timeout=min(ns.config_timeout_s, budget),
-                               log_dir=log_dir, cpu=cpu))
+            # Twice what it should take: a hung or pathological run gives its time back to the later ones.
+            timeout = min(ns.config_timeout_s, budget, max(ns.min_config_s, 2 * need))
+            row.update(measure(m, c, steps=ns.steps, warmup=ns.warmup, timeout=timeout, log_dir=log_dir, cpu=cpu))
             if "step_s" in row:
                 launch_s.append(max(0.0, row["run_s"] - (ns.warmup + ns.steps) * row["step_s"]))
         if "step_s" in row:
@@ -504,7 +505,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--repeats", type=int, default=5, help="profiler repeats per shape")
     parser.add_argument("--budget-s", type=float, default=500.0, help="the suite's wall time")
-    parser.add_argument("--config-timeout-s", type=float, default=120.0, help="per configuration")
+    parser.add_argument("--config-timeout-s", type=float, default=120.0, help="per configuration, at most (each one's"
+                        " is twice its seconds_needed, within this and the budget left)")
     parser.add_argument("--min-config-s", type=float, default=25.0, help="skip a configuration with less left")
     parser.add_argument("--launch-s", type=float, default=40.0, help="a run's seconds outside its steps (process"
                         " start, NCCL, model build) assumed until the first run measures it: a configuration starts"

@@ -127,7 +127,11 @@ def test_the_profiler_measures_tp_blocks_across_processes_on_cpu() -> None:
     doc["layers"]["block"].append(copy.deepcopy(entry))
     cm = _model(doc)
     assert cm.includes_tp_collectives("block", False, 2)
-    assert float(cm.layer_time("block", 2, 32, tp=2)[0]) == pytest.approx(entry["forward"][1][0], rel=1e-9)
+    # Read as every grid is: non-decreasing in micro-batch size (a CPU's noisy timings may fall).
+    from lightning_3d.costs.profiled import monotone_in_microbatch
+
+    expected = monotone_in_microbatch(np.array(entry["forward"], dtype=float))[1][0]
+    assert float(cm.layer_time("block", 2, 32, tp=2)[0]) == pytest.approx(expected, rel=1e-9)
 
 
 def _validate_module():
