@@ -297,6 +297,8 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
                                   "call_overhead": doc.get("call_overhead"), "optimizer": doc.get("optimizer")}
         print(f"{name}: profiled in {profile_s:.1f} s; overheads {_overheads(doc)}", flush=True)
         print(f"  profile timeline: {'; '.join(marks)}", flush=True)
+        if doc.get("tp_layers_error"):
+            print(f"  tp layers NOT measured (tp derived from tp = 1): {doc['tp_layers_error'][-300:]}", flush=True)
         for line in tp_grid_lines(m, doc, clusters[name]):
             print(line, flush=True)
         work += [(name, m, c) for c in m.configs]

@@ -182,3 +182,15 @@ def test_a_configuration_starts_only_with_its_launch_and_steps_left(monkeypatch)
         v.main([])
     defaults = {a.dest: a.default for a in seen}
     assert (defaults["steps"], defaults["warmup"], defaults["launch_s"]) == (8, 3, 40.0)
+
+
+def test_measuring_processes_past_their_deadline_are_stopped() -> None:
+    import time
+
+    from lightning_3d.planner.profile import _spawn
+
+    t0 = time.monotonic()
+    # time.sleep(rank): the last of three ranks sleeps 2 s, past a 0.3 s deadline (its start alone takes longer).
+    with pytest.raises(TimeoutError, match="3 measuring processes did not finish within 0 s"):
+        _spawn(time.sleep, (), 3, 0.3)
+    assert time.monotonic() - t0 < 30
