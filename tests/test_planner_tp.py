@@ -194,3 +194,16 @@ def test_measuring_processes_past_their_deadline_are_stopped() -> None:
     with pytest.raises(TimeoutError, match="3 measuring processes did not finish within 0 s"):
         _spawn(time.sleep, (), 3, 0.3)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_noisy_chains_single_timing_loses_the_median_fixed_cost() -> None:
+    from lightning_3d.planner.profile import _subtract_fixed
+
+    grid = {"forward": [[1.0e-3], [0.2e-3], [5.0e-3]], "backward": [[2.0e-3], [0.1e-3], [6.0e-3]]}
+    fixed = {"forward": [0.3e-3, 0.5e-3, 0.4e-3], "backward": [0.2e-3]}
+    _subtract_fixed(grid, [(0, 0), (1, 0)], fixed)  # the third point's chain was consistent: left alone
+    assert grid["forward"] == [[pytest.approx(0.6e-3)], [0.2e-3], [5.0e-3]]  # 0.2 ms is not above 0.4 ms: stands
+    assert grid["backward"] == [[pytest.approx(1.8e-3)], [0.1e-3], [6.0e-3]]
+    untouched = {"forward": [[1.0e-3]], "backward": [[2.0e-3]]}
+    _subtract_fixed(untouched, [(0, 0)], {"forward": [], "backward": []})  # no consistent chain: nothing known
+    assert untouched == {"forward": [[1.0e-3]], "backward": [[2.0e-3]]}

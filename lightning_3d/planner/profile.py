@@ -746,6 +746,8 @@ def _tp_layer_grids(rank: int, world: int, spec: dict) -> dict:
                     axes = [sizes, seq_lens]
                     names = ("forward", "backward", "host_forward", "host_backward", "stored", "peak")
                     grid = {q: _nested(axes) for q in names}
+                    fixed: dict[str, list[float]] = {"forward": [], "backward": []}  # a call's fixed cost, per chain
+                    single = []  # grid points whose chain was noise: their T(1) holds that fixed cost
                     for idx in _indices(axes):
                         b, s = axes[0][idx[0]], axes[1][idx[1]]
                         kw = dict(recompute=rc, device=device, dtype=dtype, warmup=spec["warmup"],
@@ -755,11 +757,15 @@ def _tp_layer_grids(rank: int, world: int, spec: dict) -> dict:
                                 if one else None)
                         if many is not None and all(0 < many[q] - one[q] < (CHAIN - 1) * one[q]
                                                     for q in ("forward", "backward")):
+                            for q in ("forward", "backward"):
+                                fixed[q].append(many[q] - CHAIN * _marginal(one[q], many[q], CHAIN))
                             for q in ("forward", "backward", "host_forward", "host_backward"):
                                 one[q] = _marginal(one[q], many[q], CHAIN)
-                        # else: the single call stands (an overestimate by one call's fixed cost), as at tp = 1
+                        elif one is not None:
+                            single.append(idx)
                         for q in names:
                             _set(grid[q], idx, None if one is None else one[q])
+                    _subtract_fixed(grid, single, fixed)
                     out.setdefault(kind, []).append({"tp": n, "recompute": rc, "microbatch_size": sizes,
                                                      "seq_len": seq_lens, "target_len": None, "collectives": True,
                                                      **grid})
@@ -768,6 +774,17 @@ def _tp_layer_grids(rank: int, world: int, spec: dict) -> dict:
                 torch.cuda.empty_cache()
         dist.barrier()
     return out
+
+
+def _subtract_fixed(grid: dict, single: list[tuple], fixed: dict[str, list[float]]) -> None:
+    """As at tp = 1 (``_finish_profile_layers``): each single timing (grid points ``single``, whose chain was noise)
+    less the median of the call's fixed costs ``fixed[q]`` that the consistent chains gave, where it is above it
+    (else the timing stands: an overestimate by at most that cost)."""
+    for q in ("forward", "backward"):
+        cost = statistics.median(fixed[q]) if fixed[q] else 0.0
+        for idx in single:
+            value = _get(grid[q], idx)
+            _set(grid[q], idx, value - cost if value > cost else value)
 
 
 def tp_degrees(shape: ModelShape, world: int) -> list[int]:
