@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import lightning_3d.recipes  # noqa: E402,F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import ClusterSpec, ProfiledCostModel  # noqa: E402
 from lightning_3d.planner.model import Candidate, Workload, predict, simulate_candidate  # noqa: E402
-from lightning_3d.planner.profile import profile_model  # noqa: E402
+from lightning_3d.planner.profile import measure_tp_layers, profile_model  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ def measure(m: Model, c: Config, *, steps: int, warmup: int, timeout: float, log
     cmd += ["--compile", "default"] if c.compile else []
     # The driver's own --timeout stops its workers first; past ours, SIGTERM lets it clean up (its workers run in
     # sessions of their own, which a SIGKILL of the driver would leave on the GPUs), SIGKILL only if it does not.
+    t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         text, _ = proc.communicate(timeout=timeout)
@@ -161,7 +163,8 @@ def measure(m: Model, c: Config, *, steps: int, warmup: int, timeout: float, log
         return {"error": row["error"][-1500:]}
     ms = row["step_ms"]
     return {"step_s": ms["median"] / 1e3, "step_p10_s": ms["p10"] / 1e3, "step_p90_s": ms["p90"] / 1e3,
-            "peak_bytes": row["peak_mem_gb"] * 1e9 if row.get("peak_mem_gb") else None}
+            "peak_bytes": row["peak_mem_gb"] * 1e9 if row.get("peak_mem_gb") else None,
+            "run_s": round(time.monotonic() - t0, 1)}
 
 
 def candidate(m: Model, c: Config, cm: ProfiledCostModel) -> Candidate:
@@ -170,6 +173,61 @@ def candidate(m: Model, c: Config, cm: ProfiledCostModel) -> Candidate:
     stages = pp * c.v
     split = c.split or tuple(layers // stages + (1 if i < layers % stages else 0) for i in range(stages))
     return Candidate(dp, pp, tp, c.mbs, c.m, c.schedule, c.v, tuple(split), (c.ckpt,) * stages, False)
+
+
+def seconds_needed(launch_s: list[float], default_launch_s: float, steps: int, step_s: float) -> float:
+    """A run's expected seconds: its launch (the median of the runs so far outside their steps, else the default)
+    plus its steps at three times ``step_s`` (the first steps' warm-up and a prediction up to 3x off)."""
+    return (statistics.median(launch_s) if launch_s else default_launch_s) + 3 * steps * step_s
+
+
+def without_tp_grids(doc: dict) -> dict:
+    """``doc`` without the tensor-parallel grids measured across GPUs: what the planner derived before them."""
+    return dict(doc, layers={k: [e for e in v if not e.get("collectives")] for k, v in doc["layers"].items()})
+
+
+def has_tp_grids(doc: dict) -> bool:
+    return any(e.get("collectives") for v in doc["layers"].values() for e in v)
+
+
+def predict_both(m: Model, c: Config, doc: dict, cluster: ClusterSpec, cm: ProfiledCostModel):
+    """The prediction with the profile as it is, and (when it holds measured tp grids and ``c`` uses tp) the one
+    with those grids left out (derived from tp = 1 as before), for the before/after of the same run."""
+    w = Workload(cm.shape, m.seq, m.batch, cm, cluster, target_len=m.target)
+    cand = candidate(m, c, cm)
+    p = simulate_candidate(cand, w) if cand.pp > 1 else predict(cand, w)
+    if cand.tp == 1 or not has_tp_grids(doc):
+        return p, None
+    cm0 = ProfiledCostModel(without_tp_grids(doc), derive_tp=True, compiled=c.compile)
+    w0 = Workload(cm0.shape, m.seq, m.batch, cm0, cluster, target_len=m.target)
+    return p, simulate_candidate(cand, w0) if cand.pp > 1 else predict(cand, w0)
+
+
+def tp_grid_lines(m: Model, doc: dict, cluster: ClusterSpec) -> list[str]:
+    """Per measured tp degree and micro-batch size: one block's forward + backward ms as measured across the GPUs
+    (device span, host time) against the derivation from tp = 1 (its compute ratio plus the modelled all-reduces)."""
+    if not has_tp_grids(doc):
+        return []
+    cm0 = ProfiledCostModel(without_tp_grids(doc), derive_tp=True)
+    w0 = Workload(cm0.shape, m.seq, m.batch, cm0, cluster, target_len=m.target)
+    out = []
+    for kind, entries in doc["layers"].items():
+        for e in entries:
+            if not e.get("collectives"):
+                continue
+            cells = []
+            for i, b in enumerate(e["microbatch_size"]):
+                f, bw = e["forward"][i][-1], e["backward"][i][-1]
+                if f is None:
+                    cells.append(f"mb{b} -")
+                    continue
+                hf, hb = e["host_forward"][i][-1], e["host_backward"][i][-1]
+                df, db = cm0.layer_time(kind, b, m.seq, recompute=e["recompute"], tp=e["tp"])
+                comm = 2 * w0.tp_comm(kind, b, e["tp"]) * (2 if e["recompute"] else 1)
+                cells.append(f"mb{b} {1e3 * (f + bw):.2f} (host {1e3 * (hf + hb):.2f}) vs derived"
+                             f" {1e3 * (float(df) + float(db) + comm):.2f}")
+            out.append(f"  tp {e['tp']} {kind}{' ckpt' if e['recompute'] else ''} fwd+bwd ms: " + "; ".join(cells))
+    return out
 
 
 def spearman(x: list[float], y: list[float]) -> float | None:
@@ -194,6 +252,11 @@ def summarize(rows: list[dict]) -> dict:
     out["spearman"] = spearman([r["predicted_step_s"] for r in ok], [r["step_s"] for r in ok])
     mem = [abs(r["memory_error"]) for r in ok if r.get("memory_error") is not None]
     out["memory_max_abs_error"] = max(mem) if mem else None
+    if any("derived_time_error" in r for r in ok):
+        # Before the measured tp grids: the same rows with the tp configurations' derived predictions.
+        derived = [r.get("derived_step_s", r["predicted_step_s"]) for r in ok]
+        out["derived_time_mape"] = sum(abs(d / r["step_s"] - 1) for d, r in zip(derived, ok)) / len(ok)
+        out["derived_spearman"] = spearman(derived, [r["step_s"] for r in ok])
     chosen = min(ok, key=lambda r: r["predicted_step_s"])
     best = min(ok, key=lambda r: r["step_s"])
     out["planner_choice"], out["best_measured"] = chosen["config"], best["config"]
@@ -208,12 +271,22 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
     report: dict = {"suite": ns.suite, "gpus": gpus, "device": ns.device or "cuda", "models": {}}
     work = []  # (name, model, config)
     docs, clusters = {}, {}
+    launch_s: list[float] = []  # per measured configuration: its run's seconds outside the steps
     for name, m in models.items():
         eager, _ = m.profile_sizes()
         t0 = time.monotonic()
+        marks: list[str] = []  # where the profile's time goes (each step's end, seconds since its start)
         doc = profile_model(config_dict(m, cpu), device=ns.device, microbatch_sizes=eager, seq_lens=[m.seq],
                             target_lens=[m.target] if m.target else None, repeats=ns.repeats, warmup=2,
-                            collectives=gpus > 1 and not cpu, log=lambda *a: None)
+                            collectives=gpus > 1 and not cpu,
+                            log=lambda msg: marks.append(f"{time.monotonic() - t0:.0f}s {str(msg).split(' (')[0][:40]}"))
+        if cpu and gpus > 1:
+            # On GPUs the profiler measures the tensor-parallel layers with the collectives; the CPU smoke test does
+            # it here over gloo, so that the path (and the planner's reading of its grids) runs.
+            extra = measure_tp_layers(config_dict(m, cpu), gpus, device="cpu", microbatch_sizes=eager,
+                                      seq_lens=[m.seq], warmup=2, repeats=ns.repeats)
+            for kind, entries in extra.get("tp_layers", {}).items():
+                doc["layers"].setdefault(kind, []).extend(entries)
         profile_s = time.monotonic() - t0
         _release(cpu)
         docs[name] = doc
@@ -223,6 +296,11 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
         report["models"][name] = {"profile_seconds": round(profile_s, 1), "rows": [], "overheads": doc.get("overheads"),
                                   "call_overhead": doc.get("call_overhead"), "optimizer": doc.get("optimizer")}
         print(f"{name}: profiled in {profile_s:.1f} s; overheads {_overheads(doc)}", flush=True)
+        print(f"  profile timeline: {'; '.join(marks)}", flush=True)
+        if doc.get("tp_layers_error"):
+            print(f"  tp layers NOT measured (tp derived from tp = 1): {doc['tp_layers_error'][-300:]}", flush=True)
+        for line in tp_grid_lines(m, doc, clusters[name]):
+            print(line, flush=True)
         work += [(name, m, c) for c in m.configs]
     # Round-robin over the models, so that a budget cut leaves every model measured; compiled configurations with
     # their grids profiled only then and only if the budget allows both.
@@ -260,31 +338,44 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
             report["models"][name]["rows"].append(row)
             print(f"  {name:9s} {row['config']:34s} {row['error'][:120]}", flush=True)
             continue
-        w = Workload(cm.shape, m.seq, m.batch, cm, clusters[name], target_len=m.target)
-        cand = candidate(m, c, cm)
-        p = simulate_candidate(cand, w) if cand.pp > 1 else predict(cand, w)
+        p, derived = predict_both(m, c, docs[name], clusters[name], cm)
         row.update({"predicted_step_s": p.step_time, "predicted_peak_bytes": p.peak_memory,
                     "predicted_pipeline_s": p.pipeline_time, "predicted_optimizer_s": p.optimizer_time,
                     "predicted_overhead_s": p.overhead_time, "predicted_dp_s": p.exposed_dp_time})
+        if derived is not None:  # the same configuration priced as before the tp grids were measured
+            row.update(derived_step_s=derived.step_time, derived_peak_bytes=derived.peak_memory)
         budget = left()
-        if budget < ns.min_config_s:
-            row["error"] = f"skipped: {budget:.0f} s of the suite's budget left"
+        # What a run takes: the launch (processes, NCCL, the model; the runs so far tell it) and the steps at up to
+        # three times the prediction; a configuration that cannot finish in what is left is skipped for a later,
+        # cheaper one rather than timed out.
+        need = seconds_needed(launch_s, ns.launch_s, ns.warmup + ns.steps, p.step_time)
+        if budget < max(ns.min_config_s, need):
+            row["error"] = f"skipped: {budget:.0f} s of the suite's budget left, {need:.0f} s needed"
         else:
-            row.update(measure(m, c, steps=ns.steps, warmup=ns.warmup, timeout=min(ns.config_timeout_s, budget),
-                               log_dir=log_dir, cpu=cpu))
+            # Twice what it should take: a hung or pathological run gives its time back to the later ones.
+            timeout = min(ns.config_timeout_s, budget, max(ns.min_config_s, 2 * need))
+            row.update(measure(m, c, steps=ns.steps, warmup=ns.warmup, timeout=timeout, log_dir=log_dir, cpu=cpu))
+            if "step_s" in row:
+                launch_s.append(max(0.0, row["run_s"] - (ns.warmup + ns.steps) * row["step_s"]))
         if "step_s" in row:
             row["time_error"] = p.step_time / row["step_s"] - 1
             row["memory_error"] = p.peak_memory / row["peak_bytes"] - 1 if row.get("peak_bytes") else None
+            if derived is not None:
+                row["derived_time_error"] = derived.step_time / row["step_s"] - 1
+                row["derived_memory_error"] = (derived.peak_memory / row["peak_bytes"] - 1 if row.get("peak_bytes")
+                                               else None)
         report["models"][name]["rows"].append(row)
         print(_line(name, row), flush=True)
         Path(ns.out).write_text(json.dumps(report, indent=1))
     # Second pass, once every configuration had its turn: the worst misses measured again in fresh processes while
     # the budget lasts (a model's miss repeats; a disturbed measurement does not).
+    report["launch_seconds"] = [round(x, 1) for x in launch_s]
     misses = sorted(((abs(r["time_error"]), name, r) for name, e in report["models"].items() for r in e["rows"]
                      if "time_error" in r and abs(r["time_error"]) > ns.remeasure_above), key=lambda t: -t[0])
     for _, name, row in misses:
-        if left() < ns.min_config_s:
-            break
+        need = seconds_needed(launch_s, ns.launch_s, ns.warmup + ns.steps, row["step_s"])
+        if left() < max(ns.min_config_s, need):
+            continue
         m = models[name]
         c = next(c for c in m.configs if c.label() == row["config"])
         if c.compile:  # a second compile costs what a first does: not worth the budget's end
@@ -333,6 +424,8 @@ def _line(name: str, r: dict) -> str:
     mem = (f" mem {r['predicted_peak_bytes'] / 1e9:6.2f}/{r['peak_bytes'] / 1e9:6.2f} GB ({100 * r['memory_error']:+5.1f} %)"
            if r.get("memory_error") is not None else "")
     again = f" again {r['repeat_step_s'] * 1e3:.1f}" if "repeat_step_s" in r else ""
+    again += f" derived {r['derived_step_s'] * 1e3:.1f}" if "derived_step_s" in r else ""
+    again += f" run {r['run_s']:.0f} s" if "run_s" in r else ""
     return (head + f" meas {r['step_s'] * 1e3:8.1f} [{r['step_p10_s'] * 1e3:.1f}-{r['step_p90_s'] * 1e3:.1f}]{again}"
             f" ({100 * r['time_error']:+6.1f} %)" + mem)
 
@@ -350,6 +443,9 @@ def _print_summary(report: dict) -> None:
               f"  choice/best {fmt(s.get('choice_vs_best_measured') and 100 * s['choice_vs_best_measured'], '.1f')} %"
               + (f" ({s['planner_choice']} vs {s['best_measured']})" if s.get("planner_choice") else "")
               + (f"  profile {s['profile_seconds']} s" if "profile_seconds" in s else ""))
+        if s.get("derived_time_mape") is not None:
+            print(f"  {name:9s} with tp derived from tp = 1 (as before the measured tp grids): MAPE"
+                  f" {100 * s['derived_time_mape']:.1f} %  spearman {fmt(s.get('derived_spearman'), '.3f')}")
 
 
 def breakdown(c: Candidate, w: Workload) -> dict:
@@ -393,8 +489,10 @@ def recompute(report_path: str, profiles: dict[str, str]) -> dict:
         out["models"][name] = {"old": summarize(rows_old), "new": summarize(rows_new), "rows": rows_new}
         every_old += rows_old
         every_new += rows_new
-        print(f"  {name}: MAPE old {100 * out['models'][name]['old'].get('time_mape', 0):.1f} %"
-              f" new {100 * out['models'][name]['new'].get('time_mape', 0):.1f} %")
+        old, new = out["models"][name]["old"], out["models"][name]["new"]
+        print(f"  {name}: MAPE old {100 * old.get('time_mape', 0):.1f} % new {100 * new.get('time_mape', 0):.1f} %;"
+              f" spearman old {old.get('spearman') or 0:.3f} new {new.get('spearman') or 0:.3f}; tp grids measured:"
+              f" {'yes' if has_tp_grids(doc) else 'no (derived from tp = 1)'}")
     out["all"] = {"old": summarize(every_old), "new": summarize(every_new)}
     print(f"ALL: MAPE old {100 * out['all']['old'].get('time_mape', 0):.1f} % new {100 * out['all']['new'].get('time_mape', 0):.1f} %")
     return out
@@ -405,12 +503,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--suite", choices=("one", "four"), default="one")
     parser.add_argument("--device", default=None, help="default: the GPUs; cpu: smoke test with tiny models")
     parser.add_argument("--out", default=None, help="JSON (default: $OUT/planner_validate_<suite>.json)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration (their median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--repeats", type=int, default=5, help="profiler repeats per shape")
     parser.add_argument("--budget-s", type=float, default=500.0, help="the suite's wall time")
-    parser.add_argument("--config-timeout-s", type=float, default=120.0, help="per configuration")
+    parser.add_argument("--config-timeout-s", type=float, default=120.0, help="per configuration, at most (each one's"
+                        " is twice its seconds_needed, within this and the budget left)")
     parser.add_argument("--min-config-s", type=float, default=25.0, help="skip a configuration with less left")
+    parser.add_argument("--launch-s", type=float, default=40.0, help="a run's seconds outside its steps (process"
+                        " start, NCCL, model build) assumed until the first run measures it: a configuration starts"
+                        " only if this plus 3 x (warmup + steps) x its prediction is left")
     parser.add_argument("--compile-reserve-s", type=float, default=150.0,
                         help="seconds a compiled configuration needs left (its grids' compile and its run's)")
     parser.add_argument("--compile-round", type=int, default=1,

@@ -149,6 +149,9 @@ class ProfiledCostModel:
         self.tp_link_bandwidth = tp_link_bandwidth
         self.tp_latency = tp_latency
         self._grids: dict[tuple[str, bool, int], _Grid] = {}
+        #: (kind, recompute, tp) grids measured across tp GPUs (the profiler's ``measure_tp_layers``): their spans hold
+        #: the layer's collectives, which the planner then does not add again
+        self._with_collectives: set[tuple[str, bool, int]] = set()
         for kind, entries in data["layers"].items():
             # Per (recompute, tp): the grid of the asked compilation; the embedding and head fall back to eager ones
             # (a profile compiles the blocks, and the head's loss where it can).
@@ -162,6 +165,8 @@ class ProfiledCostModel:
                     chosen[key] = (i, entry)
             for (rc, tp), (i, entry) in chosen.items():
                 self._grids[(kind, rc, tp)] = _Grid(entry, f"{where}: layers.{kind}[{i}]")
+                if tp > 1 and entry.get("collectives"):
+                    self._with_collectives.add((kind, rc, tp))
         if self.compiled:
             missing = [k for k in data["layers"] if k in BLOCK_KINDS and not any(kk == k for kk, _, _ in self._grids)]
             if missing:
@@ -171,6 +176,11 @@ class ProfiledCostModel:
 
     def kinds(self) -> set[str]:
         return {k for k, _, _ in self._grids}
+
+    def includes_tp_collectives(self, kind: str, recompute: bool, tp: int) -> bool:
+        """Whether ``layer_time`` at this tp degree is a measured span that already holds the layer's tensor-parallel
+        collectives (a grid the profiler measured across tp GPUs), so that no modelled all-reduce is added."""
+        return (kind, recompute, tp) in self._with_collectives
 
     def _lookup(self, kind: str, recompute: bool, tp: int, q: str, points: list[np.ndarray]) -> np.ndarray:
         grid = self._grids.get((kind, recompute, tp))
@@ -208,7 +218,7 @@ class ProfiledCostModel:
         p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
         fwd = self._lookup(kind, recompute, tp, "forward", p)
         bwd = self._lookup(kind, recompute, tp, "backward", p)
-        if tp > 1 and self.tp_link_bandwidth:
+        if tp > 1 and self.tp_link_bandwidth and not self.includes_tp_collectives(kind, recompute, tp):
             h, e = self.shape.hidden_size, self.shape.bytes_per_element
             b, s = np.asarray(microbatch_size, dtype=float), np.asarray(seq_len, dtype=float)
             tokens = b * (np.asarray(target_len, dtype=float) if kind == "decoder_block" and target_len is not None else s)

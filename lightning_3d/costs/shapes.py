@@ -38,10 +38,13 @@ def model_shape(config: object, *, bytes_per_element: int = 2, tensor_parallel_s
 class RecipeCosts:
     """``workload(model_args, data_args, bytes_per_element) -> (ModelShape, seq_len, target_len or None)``;
     ``layers(model_args, data_args, shape, device) -> {kind: (module, make_inputs(b, s, t, dtype), run(module, *inputs))}``
-    (``run`` returns the layer's output, or the loss for the head)."""
+    (``run`` returns the layer's output, or the loss for the head); ``tensor_parallel(kind, module, mesh) -> bool``
+    shards one of those modules as the recipe's tensor-parallel plan does (False: that kind is not sharded by it),
+    for the profiler's measured tensor-parallel grids."""
 
     workload: Callable[[dict, dict, int], tuple[ModelShape, int, int | None]]
     layers: Callable[..., dict] | None = None
+    tensor_parallel: Callable[..., bool] | None = None
 
 
 RECIPES: dict[str, RecipeCosts] = {}

@@ -92,7 +92,11 @@ class Workload:
                     # inside the training loop, which the isolated span does not hold).
                     hf, hb = host(kind, mbs, self.seq_len, **kw)
                 st, pk = self.cost_model.layer_memory(kind, mbs, self.seq_len, **kw)
-                comm = self.tp_comm(kind, mbs, tp)
+                measured = getattr(self.cost_model, "includes_tp_collectives", None)
+                kind_rc = recompute and kind not in ("embedding", "head")
+                # A grid measured across tp GPUs holds its collectives in its span (and their launches in its host
+                # time): only a derived grid gets the modelled all-reduces.
+                comm = 0.0 if measured is not None and measured(kind, kind_rc, tp) else self.tp_comm(kind, mbs, tp)
                 extra_bwd = comm if recompute and kind not in ("embedding", "head") else 0.0
                 df, db = float(f) + comm, float(b) + comm + extra_bwd
                 out[kind] = (max(df, float(hf)), max(db, float(hb)), float(st), float(pk),

@@ -19,7 +19,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -189,7 +189,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
                   seq_lens=None, target_lens=None, recompute=(False, True), warmup: int = 2, repeats: int = 5,
                   collectives: bool = True, compile: bool | str = False, overheads: bool = True,
                   fuse_gradients: bool = True, compile_recompute=(False,), compile_microbatch_sizes=None,
-                  eager: bool = True, log=print) -> dict:
+                  eager: bool = True, tp_layers: bool = True, tp_recompute=(False,), log=print) -> dict:
     """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named).
 
     Per layer kind and grid point: forward and backward seconds of one layer as it runs inside a stage. A block is
@@ -203,6 +203,9 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     gradient-accumulation fusion (False: plain autograd, for ``gradient_accumulation_fusion=False`` runs).
     ``eager=False`` with ``compile``: only the compiled grids (to add to an eager profile's layers later). ``overheads``: the per-micro-batch and per-step costs outside
     the layers, from a few steps of a tiny model of the same recipe under the strategy (``measure_overheads``).
+    ``tp_layers``: with ``collectives`` on several GPUs, also the recipe's tensor-parallel layers at each degree of
+    ``tp_degrees`` (``recompute`` settings ``tp_recompute``), measured across the GPUs with their collectives
+    (``measure_tp_layers``); grids with ``"collectives": true`` that the planner reads instead of deriving.
     """
     if device is None:
         if not torch.cuda.is_available():
@@ -264,8 +267,12 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     _finish_profile_layers(doc, call_f, call_b, single)
+    tp = None
+    if tp_layers and eager:
+        tp = dict(config=cfg, microbatch_sizes=microbatch_sizes, seq_lens=seq_lens, recompute=tp_recompute,
+                  warmup=warmup, repeats=repeats)
     return _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, repeats, overheads, collectives,
-                         started, log)
+                         started, log, tp)
 
 
 def _profile_variant(doc, layers, kind, rc, compiled, compile, fuse_gradients, compile_microbatch_sizes,
@@ -339,8 +346,9 @@ def _finish_profile_layers(doc, call_f, call_b, single) -> None:
 
 
 def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, repeats, overheads, collectives, started,
-                  log) -> dict:
-    """The optimizer, the overheads and the collectives, after the layers."""
+                  log, tp: dict | None = None) -> dict:
+    """The optimizer, the overheads and the collectives (with ``tp``: and the tensor-parallel layers), after the
+    layers."""
     doc["gradient_accumulation_fusion"] = bool(fused)
     tensors = model_tensors(layers, shape, device)
     if tensors is not None:
@@ -349,6 +357,7 @@ def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, rep
     else:
         block = layers.get("block", layers.get("encoder_block"))[0]
         doc["optimizer"] = measure_optimizer(block, device, warmup, repeats)
+    log("optimizer measured")
     for weights in fused.values():
         unfuse_gradient_accumulation(weights)
     if device.type == "cuda":
@@ -360,7 +369,21 @@ def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, rep
             log(f"overheads not measured: {type(err).__name__}: {err}")
             doc["overheads"] = {"microbatch_seconds": 0.0, "step_seconds": 0.0, "error": f"{type(err).__name__}: {err}"[:500]}
     if collectives and device.type == "cuda" and torch.cuda.device_count() > 1:
-        doc["collectives"] = measure_collectives(torch.cuda.device_count())
+        try:
+            data = measure_collectives(torch.cuda.device_count(), tp_layers=tp)
+        except Exception as err:  # noqa: BLE001
+            if tp is None:
+                raise
+            # The tensor-parallel layers are a refinement: without them the planner derives tp from tp = 1 (as
+            # before), and the collectives' tables are measured on their own.
+            log(f"tensor-parallel layers not measured: {type(err).__name__}: {err}")
+            doc["tp_layers_error"] = f"{type(err).__name__}: {err}"[:1000]
+            tp = None
+            data = measure_collectives(torch.cuda.device_count())
+        for kind, entries in data.pop("tp_layers", {}).items():
+            doc["layers"].setdefault(kind, []).extend(entries)
+        doc["collectives"] = data
+        log("collectives" + (" and tensor-parallel layers" if tp else "") + " measured")
     doc["seconds"] = round(time.perf_counter() - started, 2)
     return doc
 
@@ -626,52 +649,207 @@ def _set(grid, idx, value):
     grid[idx[-1]] = value
 
 
-def _collective_worker(rank: int, world: int, path: str, sizes: list[int]) -> None:
+def _collective_worker(rank: int, world: int, path: str, sizes: list[int], tp: dict | None = None,
+                       backend: str = "nccl") -> None:
+    """One rank of the multi-GPU measurements: the collectives' tables (``sizes``: bytes; none when empty) and, with
+    ``tp``, the recipe's tensor-parallel layers (``_tp_layer_grids``); rank 0 writes the JSON to ``path``."""
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
-    out: dict = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}, "p2p": []}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    out: dict = {}
     try:
-        groups = {}
-        n = 2
-        while n <= world:
-            groups[n] = dist.new_group(list(range(n)))
-            n *= 2
-        for n, group in groups.items():
-            for name in ("all_reduce", "all_gather", "reduce_scatter"):
-                rows = []
-                for size in sizes:
-                    x = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda")
-                    outs = torch.empty(size // 2 * n, dtype=torch.bfloat16, device="cuda") if name == "all_gather" else None
-                    small = torch.empty(size // 2 // n, dtype=torch.bfloat16, device="cuda")
-
-                    def op():
-                        if name == "all_reduce":
-                            dist.all_reduce(x, group=group)
-                        elif name == "all_gather":
-                            dist.all_gather_into_tensor(outs, x, group=group)
-                        else:
-                            dist.reduce_scatter_tensor(small, x, group=group)
-
-                    rows.append([size, _time_op(op, rank < n)])
-                if rank == 0:
-                    out[name][str(n)] = rows
-        for size in sizes:
-            x = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda")
-
-            def p2p():
-                if rank == 0:
-                    dist.send(x, 1)
-                elif rank == 1:
-                    dist.recv(x, 0)
-
-            out["p2p"].append([size, _time_op(p2p, rank < 2)])
+        if sizes:
+            out.update(_collective_tables(rank, world, sizes))
+        if tp:
+            out["tp_layers"] = _tp_layer_grids(rank, world, tp)
         if rank == 0:
             Path(path).write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+def _collective_tables(rank: int, world: int, sizes: list[int]) -> dict:
+    import torch.distributed as dist
+
+    out: dict = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}, "p2p": []}
+    groups = {}
+    n = 2
+    while n <= world:
+        groups[n] = dist.new_group(list(range(n)))
+        n *= 2
+    for n, group in groups.items():
+        for name in ("all_reduce", "all_gather", "reduce_scatter"):
+            rows = []
+            for size in sizes:
+                x = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda")
+                outs = torch.empty(size // 2 * n, dtype=torch.bfloat16, device="cuda") if name == "all_gather" else None
+                small = torch.empty(size // 2 // n, dtype=torch.bfloat16, device="cuda")
+
+                def op():
+                    if name == "all_reduce":
+                        dist.all_reduce(x, group=group)
+                    elif name == "all_gather":
+                        dist.all_gather_into_tensor(outs, x, group=group)
+                    else:
+                        dist.reduce_scatter_tensor(small, x, group=group)
+
+                rows.append([size, _time_op(op, rank < n)])
+            if rank == 0:
+                out[name][str(n)] = rows
+    for size in sizes:
+        x = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda")
+
+        def p2p():
+            if rank == 0:
+                dist.send(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+
+        out["p2p"].append([size, _time_op(p2p, rank < 2)])
+    return out
+
+
+def _tp_layer_grids(rank: int, world: int, spec: dict) -> dict:
+    """Per tensor-parallel degree n in ``spec["sizes"]`` (ranks 0..n-1 take part, the others wait): the grids of each
+    layer kind the recipe shards (``RecipeCosts.tensor_parallel``), measured as ``_profile_variant`` measures tp = 1
+    (a chain of ``CHAIN`` for the per-layer time, the host's seconds beside the span), with the shard's own compute,
+    its collectives inside the span and their launches in the host time: what a derived grid cannot know.
+    ``{kind: [entry, ...]}``, entries marked ``"collectives": true``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    cfg = spec["config"]
+    model = cfg.get("model") or {}
+    path = model.get("class_path", "lightning_3d.recipes.GPT")
+    _import(path)  # a fresh process: importing the recipe registers its costs (the planner may not import recipes)
+    recipe = recipe_costs(path)
+    device = torch.device("cuda", rank) if spec["device"] == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if spec.get("bf16") and device.type == "cuda" else None
+    shape = ModelShape(**spec["shape"])
+    seq_lens, sizes = list(spec["seq_lens"]), list(spec["microbatch_sizes"])
+    out: dict[str, list] = {}
+    for n in spec["tp_sizes"]:
+        group = dist.new_group(list(range(n)))  # every rank creates every group
+        if rank < n:
+            mesh = DeviceMesh.from_group(group, device.type)
+            torch.manual_seed(0)
+            layers = recipe.layers(dict(model.get("init_args") or {}), dict((cfg.get("data") or {}).get("init_args")
+                                                                            or {}), shape, device)
+            for kind, (module, make, run) in layers.items():
+                module.to(device)
+                if not recipe.tensor_parallel(kind, module, mesh):
+                    continue
+                for rc in spec["recompute"]:
+                    axes = [sizes, seq_lens]
+                    names = ("forward", "backward", "host_forward", "host_backward", "stored", "peak")
+                    grid = {q: _nested(axes) for q in names}
+                    fixed: dict[str, list[float]] = {"forward": [], "backward": []}  # a call's fixed cost, per chain
+                    single = []  # grid points whose chain was noise: their T(1) holds that fixed cost
+                    for idx in _indices(axes):
+                        b, s = axes[0][idx[0]], axes[1][idx[1]]
+                        kw = dict(recompute=rc, device=device, dtype=dtype, warmup=spec["warmup"],
+                                  repeats=spec["repeats"])
+                        one = measure(module, make(b, s, s, dtype or torch.float32), run, **kw)
+                        many = (measure(module, make(b, s, s, dtype or torch.float32), run, chain=CHAIN, **kw)
+                                if one else None)
+                        if many is not None and all(0 < many[q] - one[q] < (CHAIN - 1) * one[q]
+                                                    for q in ("forward", "backward")):
+                            for q in ("forward", "backward"):
+                                fixed[q].append(many[q] - CHAIN * _marginal(one[q], many[q], CHAIN))
+                            for q in ("forward", "backward", "host_forward", "host_backward"):
+                                one[q] = _marginal(one[q], many[q], CHAIN)
+                        elif one is not None:
+                            single.append(idx)
+                        for q in names:
+                            _set(grid[q], idx, None if one is None else one[q])
+                    _subtract_fixed(grid, single, fixed)
+                    out.setdefault(kind, []).append({"tp": n, "recompute": rc, "microbatch_size": sizes,
+                                                     "seq_len": seq_lens, "target_len": None, "collectives": True,
+                                                     **grid})
+            del layers
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        dist.barrier()
+    return out
+
+
+def _subtract_fixed(grid: dict, single: list[tuple], fixed: dict[str, list[float]]) -> None:
+    """As at tp = 1 (``_finish_profile_layers``): each single timing (grid points ``single``, whose chain was noise)
+    less the median of the call's fixed costs ``fixed[q]`` that the consistent chains gave, where it is above it
+    (else the timing stands: an overestimate by at most that cost)."""
+    for q in ("forward", "backward"):
+        cost = statistics.median(fixed[q]) if fixed[q] else 0.0
+        for idx in single:
+            value = _get(grid[q], idx)
+            _set(grid[q], idx, value - cost if value > cost else value)
+
+
+def tp_degrees(shape: ModelShape, world: int) -> list[int]:
+    """The tensor-parallel degrees the profiler measures on ``world`` GPUs: powers of two up to it that divide the
+    heads and the hidden size (what the planner's skeletons allow within a node)."""
+    out, n = [], 2
+    while n <= world:
+        if shape.num_heads % n == 0 and shape.hidden_size % n == 0:
+            out.append(n)
+        n *= 2
+    return out
+
+
+def measure_tp_layers(config: str | Path | dict, world: int, *, device: str = "cuda", microbatch_sizes=(1, 2, 4),
+                      seq_lens=None, recompute=(False,), warmup: int = 2, repeats: int = 5,
+                      collective_sizes=(), timeout_s: float = 240.0) -> dict:
+    """``world`` processes (NCCL on GPUs, gloo on the CPU for tests): the recipe's tensor-parallel layers at every
+    degree of ``tp_degrees`` (``_tp_layer_grids``), and the collectives' tables when ``collective_sizes`` is given.
+    Returns ``{"tp_layers": {kind: [entry]}, ...tables}``; past ``timeout_s`` the processes are stopped and a
+    TimeoutError raised."""
+    cfg = load_config(config)
+    w = workload_from_config(cfg, ClusterSpec.single_node(1), cost_model=_NoCost())
+    precision = str((cfg.get("trainer") or {}).get("precision", "32-true"))
+    spec = {"config": cfg, "shape": asdict(w.shape), "device": device, "bf16": BYTES.get(precision, 4) == 2,
+            "tp_sizes": tp_degrees(w.shape, world), "microbatch_sizes": sorted(set(microbatch_sizes)),
+            "seq_lens": sorted(set(seq_lens or [w.seq_len])), "recompute": list(recompute), "warmup": warmup,
+            "repeats": repeats}
+    recipe = recipe_costs(((cfg.get("model") or {}).get("class_path")) or "lightning_3d.recipes.GPT")
+    if recipe.tensor_parallel is None or recipe.layers is None:
+        spec["tp_sizes"] = []  # a recipe that registers no tensor-parallel plan for its layers: derived grids
+    if not spec["tp_sizes"] and not collective_sizes:
+        return {"tp_layers": {}}
+    os.environ["MASTER_PORT"] = str(_free_port())
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "multi.json")
+        _spawn(_collective_worker, (world, path, list(collective_sizes), spec if spec["tp_sizes"] else None,
+                                    "nccl" if device == "cuda" else "gloo"), world, timeout_s)
+        return json.loads(Path(path).read_text())
+
+
+def _spawn(fn, args: tuple, world: int, timeout_s: float) -> None:
+    """``mp.spawn`` with a deadline: a worker's error is raised as spawn raises it; past ``timeout_s`` (a rank stuck
+    in a collective) the workers are killed and a TimeoutError raised, so that the profile goes on without them."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(fn, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=min(2.0, max(0.05, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in context.processes:
+                proc.join()
+            raise TimeoutError(f"the {world} measuring processes did not finish within {timeout_s:.0f} s")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _time_op(op, member: bool, repeats: int = 5) -> float:
@@ -690,18 +868,24 @@ def _time_op(op, member: bool, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure_collectives(world: int, sizes=(2**20, 2**23, 2**26, 2**28)) -> dict:
-    """All-reduce / all-gather / reduce-scatter (groups of 2, 4, ... GPUs) and GPU0→GPU1 send times by bytes."""
-    import torch.multiprocessing as mp
+def measure_collectives(world: int, sizes=(2**20, 2**23, 2**26, 2**28), *, tp_layers: dict | None = None) -> dict:
+    """All-reduce / all-gather / reduce-scatter (groups of 2, 4, ... GPUs) and GPU0→GPU1 send times by bytes; with
+    ``tp_layers`` (``measure_tp_layers``' keyword arguments) also the recipe's tensor-parallel layers, in the same
+    processes (key ``tp_layers``)."""
+    if tp_layers is not None:
+        data = measure_tp_layers(world=world, device="cuda", collective_sizes=sizes, **tp_layers)
+    else:
+        import torch.multiprocessing as mp
 
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    # NVLink multicast (NVLS) off, as the benchmarks run NCCL: it is unavailable or unstable on shared machines.
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(key, value)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "collectives.json")
-        mp.spawn(_collective_worker, args=(world, path, list(sizes)), nprocs=world, join=True)
-        data = json.loads(Path(path).read_text())
+        os.environ["MASTER_PORT"] = str(_free_port())
+        # NVLink multicast (NVLS) off, as the benchmarks run NCCL: it is unavailable or unstable on shared machines.
+        for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                           ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(key, value)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "collectives.json")
+            mp.spawn(_collective_worker, args=(world, path, list(sizes)), nprocs=world, join=True)
+            data = json.loads(Path(path).read_text())
     # Bus bandwidth of the largest all-reduce over all GPUs: what ClusterSpec.intra_node_bandwidth means.
     biggest = max((int(n) for n in data["all_reduce"]), default=0)
     if biggest:

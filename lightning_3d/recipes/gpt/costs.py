@@ -50,4 +50,17 @@ def layers(model_args: dict, data_args: dict, shape: ModelShape, device: torch.d
     }
 
 
-register_recipe(CLASS_PATHS, RecipeCosts(workload, layers))
+def tensor_parallel(kind: str, module: nn.Module, mesh) -> bool:
+    """A block from ``layers`` sharded by the recipe's own plan (``parallelize_gpt``) over ``mesh``; the embedding and
+    head are left to the planner's derivation (False)."""
+    if kind != "block":
+        return False
+    from lightning_3d.recipes.gpt.parallelize import parallelize_gpt
+
+    holder = nn.Module()
+    holder.layers = nn.ModuleDict({"0": module})
+    parallelize_gpt(holder, mesh)
+    return True
+
+
+register_recipe(CLASS_PATHS, RecipeCosts(workload, layers, tensor_parallel))
