@@ -5,14 +5,14 @@
 # token budget vs padding.
 #
 # One torchrun launch per (model, pp) runs the variants in the order that matters: dynamic, packing, token_budget,
-# padding last. The launch has a wall-clock deadline (LIMIT seconds after it starts, default 115): a variant starts
+# padding last. The launch has a wall-clock deadline (LIMIT seconds after it starts; GPT 135, T5 105): a variant starts
 # only with --min-variant-s left, stops before a step that would end past the deadline or its own budget (its
 # finished timed steps count, the row says "stopped by budget"), and one that gets no timed step is a row
 # "skipped: budget" — never killed mid-run. The result JSON is rewritten before and after every variant (the one
 # running is written as "cut by the time limit"), so a launch killed by the safety timeout (LIMIT + 30 s) keeps
-# every finished row. Steps: 4 timed after 2 warm-up; padding (about 4x the others' step) 2 timed after 1.
-# Total: data cache (~1 minute of CPU; none if $L3D_CACHE holds it for this Python version) + 4 x LIMIT + exits,
-# at most ~9 minutes. PPS=2 or PPS=4, MODELS=gpt:1.3b:2048:512 or t5:770m:1024:256 run a part; NPROC=2 PPS=2 runs
+# every finished row. Steps: 4 timed after 1 warm-up; padding (about 4x the others' step) 2 timed after 1.
+# Total: data cache (~1 minute of CPU; none if $L3D_CACHE holds it for this Python version) + 2 x 135 + 2 x 105 s
+# + exits: at most ~9 minutes. PPS=2 or PPS=4, MODELS=gpt:1.3b:2048:512 or t5:770m:1024:256 run a part; NPROC=2 PPS=2 runs
 # pp = 2 alone (dp = 1) on two GPUs. SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models (about 2-3 minutes).
 # The last lines printed are one table of every row, and dynamic against the best packing, token budget and padding.
 set -u
@@ -24,17 +24,20 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_E
 # PPS and MODELS (model:preset:seq_length:target_length ...) may be given to run a part, e.g. PPS=4 MODELS=t5:770m:1024:256.
 if [ "${SMOKE:-0}" = 1 ]; then
   N=2; PPS=${PPS:-2}; MODELS=${MODELS:-"gpt:tiny:128:64 t5:tiny:128:64"}; NS=1500; VOCAB=1000; GB=16; STEPS=3
-  WARM=1; TB=512; EXTRA="--accelerator cpu --precision 32-true --num-workers 1"; LIMIT=${LIMIT:-150}
-  SLOW="padding=1/1"
+  WARM=1; TB=512; EXTRA="--accelerator cpu --precision 32-true --num-workers 1"; LIMIT_GPT=${LIMIT:-150}
+  LIMIT_T5=${LIMIT:-150}; SLOW="padding=1/1"
 else
   N=${NPROC:-4}; PPS=${PPS:-"2 4"}; MODELS=${MODELS:-"gpt:1.3b:2048:512 t5:770m:1024:256"}; NS=20000; VOCAB=32000; GB=256
-  STEPS=6; WARM=2; TB=16384; EXTRA="--num-workers 2"; LIMIT=${LIMIT:-115}
+  STEPS=5; WARM=1; TB=16384; EXTRA="--num-workers 2"; LIMIT_GPT=${LIMIT:-135}; LIMIT_T5=${LIMIT:-105}
   SLOW="padding=2/1"
 fi
-# packing@PACK: PACK packed rows per micro-batch. The multi-task global batch of 256 samples packs into about 40 rows
-# of 2,048 tokens (GPT) / 1,024 + 256 (T5), so packing@2 gives each replica >= 2·pp micro-batches at pp = 2 (dp = 2)
-# and pp = 4 (dp = 1): enough to fill the pipeline (docs/dynamic.md, "Baselines at pp > 1").
-VARIANTS="dynamic packing@${PACK:-2} token_budget@$TB padding@4"
+# packing@N: N packed rows per micro-batch, the largest N that gives every replica at least 2·pp micro-batches in
+# every step (a filled pipeline; counts in docs/dynamic.md, "Baselines at pp > 1"): a global batch of 256 samples
+# packs into 14-18 GPT rows of 2,048 tokens and 34-46 T5 rows of 1,024 + 256. PACK=N overrides it everywhere.
+pack_for() {
+  if [ -n "${PACK:-}" ]; then echo "$PACK"; return; fi
+  case "$1:$2" in gpt:2) echo 2 ;; gpt:*) echo 1 ;; t5:*) echo 4 ;; *) echo 2 ;; esac
+}
 COMMON="--num-samples $NS --vocab-size $VOCAB --cache-dir $CACHE"
 start_all=$(date +%s)
 python benchmarks/multitask_microbatching.py --prepare-only --model gpt --seq-length 2048 --target-length 512 \
@@ -43,19 +46,21 @@ echo "== data cache $(($(date +%s) - start_all))s"
 files=()
 for spec in $MODELS; do
   IFS=: read -r model preset seq tgt <<<"$spec"
+  limit=$LIMIT_GPT; [ "$model" = t5 ] && limit=$LIMIT_T5
   for pp in $PPS; do
     start=$(date +%s)
+    variants="dynamic packing@$(pack_for "$model" "$pp") token_budget@$TB padding@4"
     json="$OUT/multitask_${model}_pp$pp.json"; log="$OUT/multitask_${model}_pp$pp.log"
     rm -f "$json"; files+=("$json")
     port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     # The deadline is the script's budget; the timeout only guards against a hang (rows so far are on disk).
-    timeout -k 10 $((LIMIT + 30)) python -m torch.distributed.run --nproc_per_node "$N" --master_port "$port" \
+    timeout -k 10 $((limit + 30)) python -m torch.distributed.run --nproc_per_node "$N" --master_port "$port" \
       benchmarks/multitask_microbatching.py --engine lightning --devices "$N" --pp "$pp" --model "$model" \
       --preset "$preset" --seq-length "$seq" --target-length "$tgt" $COMMON --global-batch "$GB" --steps "$STEPS" \
-      --warmup "$WARM" --steps-for $SLOW --deadline-at $((start + LIMIT)) $EXTRA --variants $VARIANTS \
+      --warmup "$WARM" --steps-for $SLOW --deadline-at $((start + limit)) $EXTRA --variants $variants \
       --out "$json" >"$log" 2>&1
     rc=$?
-    echo "== $model pp=$pp rc=$rc $(($(date +%s) - start))s (deadline ${LIMIT}s)"
+    echo "== $model pp=$pp rc=$rc $(($(date +%s) - start))s (deadline ${limit}s)"
     grep '^{' "$log" | cut -c1-400
     [ "$rc" = 0 ] || grep -v '^{' "$log" | grep -v -i warn | tail -n 5
   done

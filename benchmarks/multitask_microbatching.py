@@ -29,6 +29,7 @@ synchronised per-step clock after ``--warmup`` steps.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import os
@@ -413,6 +414,49 @@ def rank0_decides(flag: bool) -> bool:
     return bool(value.item())
 
 
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's maximum over all ranks (the pipeline's later stages see what rank 0, stage 0, does not: they
+    receive the activations' shape headers)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+class HeaderClock:
+    """Counts the pipeline's blocking shape-header receives and the host time blocked in them. A receiving stage
+    learns an activation's shape from a header the first time it sees a micro-batch signature; with shapes that
+    change every step (dynamic micro-batching) every micro-batch pays one, and the receiver's host thread waits
+    there for the sender's host to reach that micro-batch — a cost per micro-batch that no cost model here
+    counts. Installed on ``PipelineChannels`` by the benchmark only (the library is unchanged)."""
+
+    count = 0
+    seconds = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        from lightning_3d.pipeline.p2p import PipelineChannels
+
+        if getattr(PipelineChannels.recv_header, "_timed", False):
+            return
+        plain = PipelineChannels.recv_header
+
+        def recv_header(self, pp_rank):
+            start = time.perf_counter()
+            try:
+                return plain(self, pp_rank)
+            finally:
+                cls.count += 1
+                cls.seconds += time.perf_counter() - start
+
+        recv_header._timed = True
+        PipelineChannels.recv_header = recv_header
+
+
 def per_variant(items: list[str], option: str) -> dict[str, str]:
     """``NAME=VALUE`` items (NAME a variant's name such as ``padding`` or its full text such as ``packing@2``;
     a bare VALUE is the default, key ``""``)."""
@@ -484,6 +528,18 @@ def lightning(args) -> list[dict]:
             self.setup_s: float | None = None
             self.stopped = False
             self.microbatches: list[int] = []  # this replica's micro-batches per step (rank 0 reports its own)
+            self.shapes: list[int] = []  # distinct micro-batch shapes per step, and those never run before
+            self.new_shapes: list[int] = []
+            self._seen: set = set()
+            self.headers: list[tuple[int, float]] = []  # per step: shape headers received, seconds blocked
+            self.allocs: list[tuple[int, int]] = []  # per step: device allocations (cudaMalloc), alloc retries
+            self._marks = (0, 0.0, 0, 0)
+
+        def _allocator(self) -> tuple[int, int]:
+            if not torch.cuda.is_available():
+                return 0, 0
+            stats = torch.cuda.memory_stats()
+            return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
             if torch.cuda.is_available():
@@ -493,22 +549,36 @@ def lightning(args) -> list[dict]:
                 self.setup_s = round(time.time() - self.variant_start, 1)
             if isinstance(batch, list):
                 self.microbatches.append(len(batch))
+                keys = {tuple(mb["input_ids"].shape) + tuple(mb["labels"].shape) for mb in batch
+                        if isinstance(mb, dict) and "input_ids" in mb and "labels" in mb}
+                self.shapes.append(len(keys))
+                self.new_shapes.append(len(keys - self._seen))
+                self._seen |= keys
+            self._marks = (HeaderClock.count, HeaderClock.seconds, *self._allocator())
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self._start)
+            count, seconds, allocs, retries = self._marks
+            self.headers.append((HeaderClock.count - count, HeaderClock.seconds - seconds))
+            now_allocs, now_retries = self._allocator()
+            self.allocs.append((now_allocs - allocs, now_retries - retries))
             if len(self.times) >= self.steps:  # max_steps ends it anyway, on every rank
                 return
-            # One more step of the slowest seen so far (with a margin for its variation) must end in time.
-            late = time.time() + 1.2 * max(self.times) > self.deadline
+            # One more step like the slowest since the first (which carries compiles and first-shape set-up), with a
+            # margin for its variation, must end in time.
+            late = time.time() + 1.2 * max(self.times[1:] or self.times) > self.deadline
             if rank0_decides(late):
                 self.stopped = True
                 trainer.should_stop = True
 
+    HeaderClock.install()
     signal.signal(signal.SIGTERM, _note_sigterm)  # Lightning's handler chains this one (it keeps earlier ones)
     # A wall-clock deadline (seconds since the epoch): one clock for every rank of the host and for the launcher.
-    deadline = args.deadline_at if args.deadline_at else float("inf")
+    # The variants must end --teardown-s before it: a Trainer's teardown (loader workers, the pipeline's buffers)
+    # and the launch's exit after its last step take that long.
+    deadline = args.deadline_at - args.teardown_s if args.deadline_at else float("inf")
     world = int(os.environ.get("WORLD_SIZE", args.devices))
     probe = data_module(args)  # the vocabulary (the data must be prepared: --prepare-only first)
     card = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 64 * 2**30
@@ -530,7 +600,7 @@ def lightning(args) -> list[dict]:
         left = deadline - begin
         if rank0_decides(left < args.min_variant_s):
             results.append({**row, "status": SKIPPED,
-                            "error": f"{SKIPPED} ({max(0.0, left):.0f} s left before --deadline-at, a variant needs"
+                            "error": f"{SKIPPED} ({max(0.0, left):.0f} s left before --deadline-at less --teardown-s, a variant needs"
                                      f" --min-variant-s {args.min_variant_s:g})"})
             write_rows(args, results, None, final=False)
             if int(os.environ.get("RANK", "0")) == 0:
@@ -578,6 +648,30 @@ def lightning(args) -> list[dict]:
                             if clock.microbatches else None,
                             "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
                             if torch.cuda.is_available() else None})
+            if clock.times[timed]:
+                n = len(clock.times[timed])
+                heads = clock.headers[timed]
+                allocs = clock.allocs[timed]
+                # The later stages receive the headers; every rank's allocator counts: the worst rank, per step.
+                recvs, blocked, device_allocs, retries = max_over_ranks(
+                    [sum(h for h, _ in heads) / n, sum(s for _, s in heads) / n, sum(a for a, _ in allocs) / n,
+                     float(sum(r for _, r in allocs))])
+                row.update({"shapes_per_step": round(float(np.mean(clock.shapes[timed])), 1) if clock.shapes else None,
+                            "new_shapes_per_step": round(float(np.mean(clock.new_shapes[timed])), 1)
+                            if clock.new_shapes else None,
+                            "header_recvs_per_step": round(recvs, 1),
+                            "header_wait_ms_per_step": round(1000 * blocked, 1)})
+                if torch.cuda.is_available():
+                    row.update({"device_allocs_per_step": round(device_allocs, 1), "alloc_retries": int(retries)})
+                if name == "dynamic":
+                    # The plan's simulated pipeline time of the slowest replica, for the timed steps: planned again
+                    # here (a pure function of the samples; the trained plans were made in the loader's workers and
+                    # the device transfer keeps only their schedule).
+                    planner = data.collator(world // args.pp, 0).dynamic
+                    batches = [[data.train_dataset[i] for i in indices[k * args.global_batch:(k + 1) * args.global_batch]]
+                               for k in range(warmup, len(clock.times))]
+                    row["predicted_step_s_mean"] = round(float(np.mean(
+                        [max(r.makespan for r in planner.plan(b).replicas) for b in batches])), 4)
             if data.plan_waits is not None and name == "dynamic":
                 row["plan_waits"] = data.plan_waits.summary()
         except Exception as err:  # noqa: BLE001 - one failing variant (e.g. out of memory) must not lose the others
@@ -602,9 +696,11 @@ def lightning(args) -> list[dict]:
 
 LIGHTNING_TABLE = [("model", "model", "{}"), ("pp", "pp", "{}"), ("dp", "dp", "{}"), ("variant", "variant", "{}"),
                    ("tok/s", "useful_tokens_per_s", "{:,}"), ("step s", "step_s_mean", "{:.3f}"),
-                   ("timed", "timed_steps", "{}"), ("mb/step", "microbatches_per_step", "{}"),
-                   ("peak GB", "peak_memory_gb", "{}"), ("set-up s", "setup_s", "{}"),
-                   ("variant s", "variant_s", "{}")]
+                   ("pred s", "predicted_step_s_mean", "{:.3f}"), ("timed", "timed_steps", "{}"),
+                   ("mb/step", "microbatches_per_step", "{}"), ("new shapes", "new_shapes_per_step", "{}"),
+                   ("hdr/step", "header_recvs_per_step", "{}"), ("hdr ms", "header_wait_ms_per_step", "{}"),
+                   ("allocs", "device_allocs_per_step", "{}"), ("peak GB", "peak_memory_gb", "{}"),
+                   ("set-up s", "setup_s", "{}"), ("variant s", "variant_s", "{}")]
 
 
 def lightning_table(paths: list[Path]) -> str:
@@ -619,7 +715,15 @@ def lightning_table(paths: list[Path]) -> str:
             lines.append(f"| {Path(path).name}: no rows ({type(err).__name__}) |")
             continue
         model = doc.get("args", {}).get("model", "?")
-        rows = doc.get("results", [])
+        rows = list(doc.get("results", []))
+        try:  # the variants asked for that a killed launch never started
+            asked = ast.literal_eval(doc.get("args", {}).get("variants", "[]"))
+        except (ValueError, SyntaxError):
+            asked = []
+        done = {r.get("variant") for r in rows}
+        pp = doc.get("args", {}).get("pp", "?")
+        rows += [{"variant": v, "pp": pp, "dp": rows[0].get("dp", "?") if rows else "?",
+                  "error": f"{CUT} (not started)"} for v in asked if v not in done]
         for r in rows:
             r = {"model": model, **r}
             ok = not r.get("error")
@@ -678,6 +782,9 @@ def main() -> None:
                         help="lightning engine: wall-clock time (seconds since the epoch) by which every variant has"
                              " ended; a variant with less than --min-variant-s left is skipped (row 'skipped: budget'),"
                              " a running one stops before a step that would end past it (its finished steps count)")
+    parser.add_argument("--teardown-s", type=float, default=12.0,
+                        help="lightning engine: seconds before --deadline-at kept free for the last variant's teardown"
+                             " and the processes' exit")
     parser.add_argument("--min-variant-s", type=float, default=20.0,
                         help="lightning engine: start a variant only with this much time left before --deadline-at")
     parser.add_argument("--variant-budget-s", nargs="*", default=[], metavar="[NAME=]SECONDS",
