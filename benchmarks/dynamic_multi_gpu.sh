@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 21's pipeline comparison on one 4-GPU host: useful tokens/s of GPT-1.3B and T5-770M on the multi-task mix at
-# pp = 2 (dp = 2) and pp = 4 (dp = 1): dynamic micro-batching (planned in DataLoader workers, analytic cost model; its
-# plan_waits are reported) vs packing at $PACK rows per micro-batch (GPT: FlexAttention's block mask on CUDA) vs
-# token budget vs padding.
+# pp = 2 (dp = 2) and pp = 4 (dp = 1): dynamic micro-batching (planned in DataLoader workers; GPT with a measured
+# profile, T5 with the analytic cost model; its plan_waits are reported) vs packing (GPT: FlexAttention's block mask
+# on CUDA) vs token budget vs padding. Every row also carries the cost model's simulated time of the micro-batches it
+# ran ("pred s"), the shape headers the later stages waited for, new shapes and device allocations per step.
 #
 # One torchrun launch per (model, pp) runs the variants in the order that matters: dynamic, packing, token_budget,
 # padding last. The launch has a wall-clock deadline (LIMIT seconds after it starts; GPT 135, T5 105): a variant starts
@@ -38,6 +39,10 @@ pack_for() {
   if [ -n "${PACK:-}" ]; then echo "$PACK"; return; fi
   case "$1:$2" in gpt:2) echo 2 ;; gpt:*) echo 1 ;; t5:*) echo 4 ;; *) echo 2 ;; esac
 }
+# GPT's dynamic plans with the measured GPT-1.3B profile of the one-GPU runs (per-micro-batch overhead and in-situ
+# host time included; the analytic model under-predicted micro-batch times by 18-70 % on an H100): PROFILE_GPT=none
+# plans with the analytic one, MORE=dynamic@analytic adds an analytic-planned run after the others. T5 has no profile.
+PROFILE_GPT=${PROFILE_GPT-benchmarks/results/2026-11-27n_multitask_profile_gpt1.3b_1xh200.json}
 COMMON="--num-samples $NS --vocab-size $VOCAB --cache-dir $CACHE"
 start_all=$(date +%s)
 python benchmarks/multitask_microbatching.py --prepare-only --model gpt --seq-length 2048 --target-length 512 \
@@ -49,7 +54,8 @@ for spec in $MODELS; do
   limit=$LIMIT_GPT; [ "$model" = t5 ] && limit=$LIMIT_T5
   for pp in $PPS; do
     start=$(date +%s)
-    variants="dynamic packing@$(pack_for "$model" "$pp") token_budget@$TB padding@4"
+    variants="dynamic packing@$(pack_for "$model" "$pp") token_budget@$TB padding@4 ${MORE:-}"
+    profile=none; [ "$model" = gpt ] && [ "${SMOKE:-0}" != 1 ] && profile=$PROFILE_GPT
     json="$OUT/multitask_${model}_pp$pp.json"; log="$OUT/multitask_${model}_pp$pp.log"
     rm -f "$json"; files+=("$json")
     port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -58,7 +64,7 @@ for spec in $MODELS; do
       benchmarks/multitask_microbatching.py --engine lightning --devices "$N" --pp "$pp" --model "$model" \
       --preset "$preset" --seq-length "$seq" --target-length "$tgt" $COMMON --global-batch "$GB" --steps "$STEPS" \
       --warmup "$WARM" --steps-for $SLOW --deadline-at $((start + limit)) $EXTRA --variants $variants \
-      --out "$json" >"$log" 2>&1
+      --profile "$profile" --out "$json" >"$log" 2>&1
     rc=$?
     echo "== $model pp=$pp rc=$rc $(($(date +%s) - start))s (deadline ${limit}s)"
     grep '^{' "$log" | cut -c1-400

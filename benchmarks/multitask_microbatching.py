@@ -457,6 +457,30 @@ class HeaderClock:
         PipelineChannels.recv_header = recv_header
 
 
+def predicted_pipeline_s(cost_model, shape, pp: int, steps: list[tuple[list[tuple], tuple | None]]) -> list[float]:
+    """The cost model's simulated pipeline time of each step's micro-batches as they ran on this replica: ``steps``
+    holds per step the micro-batches' (size, length, target length or None) and the step's explicit ``orders`` (None:
+    1F1B in the given order, the strategy's default). What dynamic's planner predicts for its own plans, computed the
+    same way for every variant, so that measured / predicted compares the variants' unmodelled costs (per
+    micro-batch host work, new shapes, the optimizer). GPT's packed rows are costed with attention over the whole row
+    (the dense mask's cost; FlexAttention skips the blocks across documents)."""
+    from lightning_3d.dynamic.stage_costs import evaluate, stage_layers
+    from lightning_3d.pipeline.schedules import build_schedule
+    from lightning_3d.pipeline.timing import simulate
+
+    stages = stage_layers(shape, pp)
+    out = []
+    for mbs, orders in steps:
+        size, length = np.array([m[0] for m in mbs]), np.array([m[1] for m in mbs])
+        target = np.array([m[2] for m in mbs]) if mbs[0][2] is not None else None
+        costs = evaluate(cost_model, stages, size, length, target, recompute=False, tp=1)
+        orders = orders or tuple(build_schedule("1f1b", pp, 1, len(mbs), r) for r in range(pp))
+        timeline = simulate(orders, pp, lambda a: (costs.forward if a.kind == "F" else costs.backward)[a.stage, a.microbatch],
+                            check=False)
+        out.append(float(timeline.makespan))
+    return out
+
+
 def per_variant(items: list[str], option: str) -> dict[str, str]:
     """``NAME=VALUE`` items (NAME a variant's name such as ``padding`` or its full text such as ``packing@2``;
     a bare VALUE is the default, key ``""``)."""
@@ -529,6 +553,7 @@ def lightning(args) -> list[dict]:
             self.stopped = False
             self.microbatches: list[int] = []  # this replica's micro-batches per step (rank 0 reports its own)
             self.shapes: list[int] = []  # distinct micro-batch shapes per step, and those never run before
+            self.runs: list[tuple[list[tuple], tuple | None]] = []  # per step: (size, length, target) and orders
             self.new_shapes: list[int] = []
             self._seen: set = set()
             self.headers: list[tuple[int, float]] = []  # per step: shape headers received, seconds blocked
@@ -552,6 +577,9 @@ def lightning(args) -> list[dict]:
                 keys = {tuple(mb["input_ids"].shape) + tuple(mb["labels"].shape) for mb in batch
                         if isinstance(mb, dict) and "input_ids" in mb and "labels" in mb}
                 self.shapes.append(len(keys))
+                self.runs.append(([(mb["input_ids"].shape[0], mb["input_ids"].shape[1],
+                                    mb["labels"].shape[1] if "decoder_input_ids" in mb else None) for mb in batch],
+                                  getattr(batch, "orders", None)))
                 self.new_shapes.append(len(keys - self._seen))
                 self._seen |= keys
             self._marks = (HeaderClock.count, HeaderClock.seconds, *self._allocator())
@@ -585,6 +613,12 @@ def lightning(args) -> list[dict]:
     # The activation budget: the card's fraction less fp32 weights, gradients and AdamW state of a pipeline stage.
     params = build_model(args, probe).config.num_parameters()
     budget_gb = (args.memory_fraction * card - 16 * params / args.pp) / 2**30
+    # The cost model dynamic plans with (a --profile file, else the analytic one), for every variant's prediction.
+    from lightning_3d.costs import ProfiledCostModel, model_shape
+    from lightning_3d.dynamic import default_cost_model
+
+    shape = model_shape(build_model(args, probe).config, bytes_per_element=4 if "32" in args.precision else 2)
+    cost_model = ProfiledCostModel(args.profile) if args.profile not in ("none", "measure") else default_cost_model(shape)
     results = []
     for text in args.variants:
         name, size = parse_variant(text)
@@ -614,10 +648,8 @@ def lightning(args) -> list[dict]:
             model = build_model(args, probe, packed_attention_of(text))
             extra = {"memory_budget_gb": budget_gb} if name == "dynamic" else {}
             data = data_module(args, name, size, num_workers=args.num_workers, **extra)
-            if name == "dynamic" and args.profile not in ("none", "measure"):
-                from lightning_3d.costs import ProfiledCostModel
-
-                data.cost_model = ProfiledCostModel(args.profile)
+            if text == "dynamic" and args.profile not in ("none", "measure"):  # dynamic@analytic: the module's own
+                data.cost_model = cost_model
             strategy = Compressed3DStrategy(pipeline_parallel_size=args.pp, compression=False)
             trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, precision=args.precision,
                                  max_steps=steps, strategy=strategy, logger=False, enable_checkpointing=False,
@@ -663,15 +695,11 @@ def lightning(args) -> list[dict]:
                             "header_wait_ms_per_step": round(1000 * blocked, 1)})
                 if torch.cuda.is_available():
                     row.update({"device_allocs_per_step": round(device_allocs, 1), "alloc_retries": int(retries)})
-                if name == "dynamic":
-                    # The plan's simulated pipeline time of the slowest replica, for the timed steps: planned again
-                    # here (a pure function of the samples; the trained plans were made in the loader's workers and
-                    # the device transfer keeps only their schedule).
-                    planner = data.collator(world // args.pp, 0).dynamic
-                    batches = [[data.train_dataset[i] for i in indices[k * args.global_batch:(k + 1) * args.global_batch]]
-                               for k in range(warmup, len(clock.times))]
-                    row["predicted_step_s_mean"] = round(float(np.mean(
-                        [max(r.makespan for r in planner.plan(b).replicas) for b in batches])), 4)
+                if len(clock.runs) == len(clock.times):
+                    # The slowest replica's simulated time per timed step (every rank simulates its own replica).
+                    predicted = max_over_ranks(predicted_pipeline_s(cost_model, shape, args.pp, clock.runs[timed]))
+                    row["predicted_step_s_mean"] = round(float(np.mean(predicted)), 4)
+                    row["measured_over_predicted"] = round(row["step_s_mean"] / row["predicted_step_s_mean"], 2)
             if data.plan_waits is not None and name == "dynamic":
                 row["plan_waits"] = data.plan_waits.summary()
         except Exception as err:  # noqa: BLE001 - one failing variant (e.g. out of memory) must not lose the others
@@ -802,6 +830,9 @@ def main() -> None:
     if args.table:
         print(lightning_table(args.table), flush=True)
         return
+    if args.engine == "lightning" and args.profile == "measure":
+        raise SystemExit("--profile measure runs with --engine direct only: measure the profile there (or with"
+                         " `lightning-3d profile`) and pass its file to --engine lightning as --profile FILE")
     for v in args.variants:  # bad options fail on every rank before any process group exists
         parse_variant(v)
         steps_of(args, v)
