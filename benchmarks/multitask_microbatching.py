@@ -545,10 +545,11 @@ def lightning(args) -> list[dict]:
         """Wall time of every training step (synchronised on GPU); stops the variant, on every rank alike, when
         one more step would end past its deadline (rank 0's clock decides)."""
 
-        def __init__(self, start: float, deadline: float, steps: int) -> None:
+        def __init__(self, start: float, deadline: float, steps: int, warmup: int) -> None:
             self.times: list[float] = []
             self._start = 0.0
-            self.variant_start, self.deadline, self.steps = start, deadline, steps
+            self.variant_start, self.deadline, self.steps, self.warmup = start, deadline, steps, warmup
+            self.compiles_before_timed: int | None = None
             self.setup_s: float | None = None
             self.stopped = False
             self.microbatches: list[int] = []  # this replica's micro-batches per step (rank 0 reports its own)
@@ -583,6 +584,8 @@ def lightning(args) -> list[dict]:
                 self.new_shapes.append(len(keys - self._seen))
                 self._seen |= keys
             self._marks = (HeaderClock.count, HeaderClock.seconds, *self._allocator())
+            if len(self.times) == self.warmup:  # graphs compiled from here on were compiled inside the timed steps
+                self.compiles_before_timed = compiled_graphs()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             if torch.cuda.is_available():
@@ -641,7 +644,7 @@ def lightning(args) -> list[dict]:
                 print(json.dumps({"model": args.model, **results[-1]}), flush=True)
             continue
         own = budget_of(args, text)
-        clock = StepClock(begin, min(deadline, begin + own) if own else deadline, steps)
+        clock = StepClock(begin, min(deadline, begin + own) if own else deadline, steps, warmup)
         write_rows(args, results, row, final=False)
         trainer = None
         try:
@@ -692,7 +695,11 @@ def lightning(args) -> list[dict]:
                             "new_shapes_per_step": round(float(np.mean(clock.new_shapes[timed])), 1)
                             if clock.new_shapes else None,
                             "header_recvs_per_step": round(recvs, 1),
-                            "header_wait_ms_per_step": round(1000 * blocked, 1)})
+                            "header_wait_ms_per_step": round(1000 * blocked, 1),
+                            # torch.compile graphs built in the timed steps (FlexAttention per new shape; the
+                            # recipes' blocks are eager here): a recompile under changing shapes shows as > 0.
+                            "compiles_timed": compiled_graphs() - clock.compiles_before_timed
+                            if clock.compiles_before_timed is not None else None})
                 if torch.cuda.is_available():
                     row.update({"device_allocs_per_step": round(device_allocs, 1), "alloc_retries": int(retries)})
                 if len(clock.runs) == len(clock.times):
@@ -727,7 +734,8 @@ LIGHTNING_TABLE = [("model", "model", "{}"), ("pp", "pp", "{}"), ("dp", "dp", "{
                    ("pred s", "predicted_step_s_mean", "{:.3f}"), ("timed", "timed_steps", "{}"),
                    ("mb/step", "microbatches_per_step", "{}"), ("new shapes", "new_shapes_per_step", "{}"),
                    ("hdr/step", "header_recvs_per_step", "{}"), ("hdr ms", "header_wait_ms_per_step", "{}"),
-                   ("allocs", "device_allocs_per_step", "{}"), ("peak GB", "peak_memory_gb", "{}"),
+                   ("allocs", "device_allocs_per_step", "{}"), ("compiles", "compiles_timed", "{}"),
+                   ("peak GB", "peak_memory_gb", "{}"),
                    ("set-up s", "setup_s", "{}"), ("variant s", "variant_s", "{}")]
 
 
@@ -866,6 +874,8 @@ def main() -> None:
             dyn = r["useful_tokens_per_s"]
             summary[f"{key}_vs_padding"] = round(dyn / base, 2) if dyn and base else None
             summary[f"{key}_vs_best_packing"] = round(dyn / max(packed), 2) if dyn and packed else None
+            budgeted = [r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("token_budget")]
+            summary[f"{key}_vs_best_token_budget"] = round(dyn / max(budgeted), 2) if dyn and budgeted else None
             if dense and len(dense) < len(packed):
                 summary[f"{key}_vs_best_dense_packing"] = round(dyn / max(dense), 2) if dyn else None
     if int(os.environ.get("RANK", "0")) == 0:

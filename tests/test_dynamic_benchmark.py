@@ -100,3 +100,29 @@ def test_header_clock_counts_the_receives_it_wraps(monkeypatch):
     assert PipelineChannels.recv_header(None, 1) == [((2, 3), None)]
     assert PipelineChannels.recv_header(None, 0) == [((2, 3), None)]
     assert calls == [1, 0] and HeaderClock.count == 2 and HeaderClock.seconds >= 0.0
+
+
+def test_predicted_pipeline_time_is_the_simulated_1f1b():
+    """One micro-batch crosses the stages one after another (forward down, backward up): the sum of every stage's
+    cost; two equal ones on two stages overlap where 1F1B lets them, and an explicit schedule gives the same."""
+    import numpy as np
+
+    from benchmarks.multitask_microbatching import predicted_pipeline_s
+    from lightning_3d.costs import model_shape
+    from lightning_3d.dynamic import default_cost_model
+    from lightning_3d.dynamic.stage_costs import evaluate, stage_layers
+    from lightning_3d.pipeline.schedules import build_schedule
+    from lightning_3d.recipes import GPT
+
+    shape = model_shape(GPT("tiny", vocab_size=1000, seq_length=128).config, bytes_per_element=2)
+    cost = default_cost_model(shape)
+    c = evaluate(cost, stage_layers(shape, 2), np.array([4]), np.array([64]), None, recompute=False, tp=1)
+    (f0, f1), (b0, b1) = c.forward[:, 0], c.backward[:, 0]
+    one = predicted_pipeline_s(cost, shape, 2, [([(4, 64, None)], None)])
+    assert one == [pytest.approx(f0 + f1 + b1 + b0, rel=1e-12)]
+    orders = tuple(build_schedule("1f1b", 2, 1, 2, r) for r in range(2))
+    two = predicted_pipeline_s(cost, shape, 2, [([(4, 64, None)] * 2, None), ([(4, 64, None)] * 2, orders)])
+    # 1F1B on two stages: rank 0 runs F F B B, rank 1 F B F B. Rank 1's second forward starts when its first backward
+    # is done and rank 0's second forward has arrived; rank 0's first backward waits for rank 1's first backward.
+    start = max(f0 + f1 + b1, 2 * f0)
+    assert two == [pytest.approx(start + b0 + max(b0, f1 + b1), rel=1e-12)] * 2
