@@ -19,7 +19,12 @@ in DataLoader workers: ``benchmarks/dynamic_gpu.py`` measures that no step waits
 ``--engine lightning``: ``Trainer.fit`` with ``Compressed3DStrategy(pipeline_parallel_size=--pp)`` on ``--devices``
 processes per variant (start it with torchrun for several GPUs; rank 0 prints), the data module with
 ``--num-workers`` DataLoader workers; the dynamic variant reports its ``plan_waits``. Step times come from a
-synchronised per-step clock after ``--warmup`` steps.
+synchronised per-step clock after ``--warmup`` steps (``--steps-for padding=2/1``: fewer for a slow variant).
+``--deadline-at`` bounds the launch: a variant starts only with ``--min-variant-s`` left and stops before a step
+that would end past the deadline (or its ``--variant-budget-s``), on every rank alike; the result file is rewritten
+before and after every variant. Each row also carries the cost model's simulated pipeline time of the micro-batches
+the variant ran (``predicted_step_s_mean``), the pipeline's shape-header receives and the host time blocked in them,
+new shapes, device allocations and compiles per timed step; ``--table FILE ...`` prints the rows of result files.
 
     python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset 1.3b \
         --variants padding@4 packing@1 packing@2 packing@2:sdpa token_budget@16384 dynamic --out $OUT/multitask_gpt.json
@@ -621,7 +626,8 @@ def lightning(args) -> list[dict]:
     from lightning_3d.dynamic import default_cost_model
 
     shape = model_shape(build_model(args, probe).config, bytes_per_element=4 if "32" in args.precision else 2)
-    cost_model = ProfiledCostModel(args.profile) if args.profile not in ("none", "measure") else default_cost_model(shape)
+    analytic = default_cost_model(shape)
+    cost_model = ProfiledCostModel(args.profile) if args.profile not in ("none", "measure") else analytic
     results = []
     for text in args.variants:
         name, size = parse_variant(text)
@@ -704,7 +710,14 @@ def lightning(args) -> list[dict]:
                     row.update({"device_allocs_per_step": round(device_allocs, 1), "alloc_retries": int(retries)})
                 if len(clock.runs) == len(clock.times):
                     # The slowest replica's simulated time per timed step (every rank simulates its own replica).
-                    predicted = max_over_ranks(predicted_pipeline_s(cost_model, shape, args.pp, clock.runs[timed]))
+                    predicted = predicted_pipeline_s(cost_model, shape, args.pp, clock.runs[timed])
+                    row["predicted_by"] = "analytic" if cost_model is analytic else "profile"
+                    if max_over_ranks([0.0 if all(np.isfinite(predicted)) else 1.0])[0]:
+                        # A profile costs shapes outside its grid as infinite (the planner never picks them): the
+                        # analytic model's time for this variant, on every rank if on one (the max is over ranks).
+                        predicted = predicted_pipeline_s(analytic, shape, args.pp, clock.runs[timed])
+                        row["predicted_by"] = "analytic (shapes outside the profile's grid)"
+                    predicted = max_over_ranks(predicted)
                     row["predicted_step_s_mean"] = round(float(np.mean(predicted)), 4)
                     row["measured_over_predicted"] = round(row["step_s_mean"] / row["predicted_step_s_mean"], 2)
             if data.plan_waits is not None and name == "dynamic":
