@@ -727,7 +727,9 @@ def lightning(args) -> list[dict]:
                 # Killed by the launch's limit: its store or workers died under it, which is no error of the code.
                 row.update({"status": CUT, "error": f"{CUT} ({type(err).__name__} after SIGTERM)"})
             else:
-                row.update({"status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                # A worker's error arrives wrapped with the worker's traceback: its last line says what failed.
+                lines = [line for line in str(err).strip().splitlines() if line.strip()]
+                row.update({"status": "error", "error": f"{type(err).__name__}: {(lines[-1] if lines else '')[:300]}"})
         finally:
             # The process group stays: the next variant's Trainer reuses it (a new one after destroying it cannot
             # rendezvous again under torchrun).
@@ -778,7 +780,7 @@ def lightning_table(paths: list[Path]) -> str:
             ok = not r.get("error")
             cells = [fmt.format(r[key]) if ok and r.get(key) is not None or key in ("model", "pp", "dp", "variant")
                      else "" for _, key, fmt in LIGHTNING_TABLE]
-            status = "ok" if ok else str(r["error"])[:90]
+            status = "ok" if ok else " ".join(str(r["error"]).split()).replace("|", "/")[:120]
             if ok and r.get("stopped_by_budget"):
                 status = f"ok, stopped by budget after {r.get('timed_steps')} timed"
             lines.append("| " + " | ".join(cells) + f" | {status} |")
