@@ -11,7 +11,7 @@
 # finished timed steps count, the row says "stopped by budget"), and one that gets no timed step is a row
 # "skipped: budget" — never killed mid-run. The result JSON is rewritten before and after every variant (the one
 # running is written as "cut by the time limit"), so a launch killed by the safety timeout (LIMIT + 30 s) keeps
-# every finished row. Steps: 4 timed after 1 warm-up; padding (about 4x the others' step) 2 timed after 1.
+# every finished row. Steps: 4 timed after 1 warm-up; padding (several times the others' step) 2 timed after 1.
 # Total: data cache (~1 minute of CPU; none if $L3D_CACHE holds it for this Python version) + 2 x 135 + 2 x 105 s
 # + exits: at most ~9 minutes. PPS=2 or PPS=4, MODELS=gpt:1.3b:2048:512 or t5:770m:1024:256 run a part; NPROC=2 PPS=2 runs
 # pp = 2 alone (dp = 1) on two GPUs. SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models (about 2-3 minutes).
@@ -33,15 +33,16 @@ else
   SLOW="padding=2/1"
 fi
 # packing@N: N packed rows per micro-batch, the largest N that gives every replica at least 2·pp micro-batches in
-# every step (a filled pipeline; counts in docs/dynamic.md, "Baselines at pp > 1"): a global batch of 256 samples
-# packs into 14-18 GPT rows of 2,048 tokens and 34-46 T5 rows of 1,024 + 256. PACK=N overrides it everywhere.
+# every step (a filled pipeline; the counts per replica are in docs/dynamic.md, "Baselines at pp > 1"). PACK=N
+# overrides it everywhere.
 pack_for() {
   if [ -n "${PACK:-}" ]; then echo "$PACK"; return; fi
   case "$1:$2" in gpt:2) echo 2 ;; gpt:*) echo 1 ;; t5:*) echo 4 ;; *) echo 2 ;; esac
 }
-# GPT's dynamic plans with the measured GPT-1.3B profile of the one-GPU runs (per-micro-batch overhead and in-situ
-# host time included; the analytic model under-predicted micro-batch times by 18-70 % on an H100): PROFILE_GPT=none
-# plans with the analytic one, MORE=dynamic@analytic adds an analytic-planned run after the others. T5 has no profile.
+# GPT's dynamic plans with the measured GPT-1.3B profile kept in benchmarks/results (per-micro-batch overhead and
+# in-situ host time included; the analytic model under-predicts micro-batch times on these GPUs, docs/dynamic.md):
+# PROFILE_GPT=none plans with the analytic one, MORE=dynamic@analytic adds an analytic-planned run after the others.
+# T5 has no profile yet.
 PROFILE_GPT=${PROFILE_GPT-benchmarks/results/2026-11-27n_multitask_profile_gpt1.3b_1xh200.json}
 COMMON="--num-samples $NS --vocab-size $VOCAB --cache-dir $CACHE"
 start_all=$(date +%s)
@@ -67,7 +68,7 @@ for spec in $MODELS; do
       --profile "$profile" --out "$json" >"$log" 2>&1
     rc=$?
     echo "== $model pp=$pp rc=$rc $(($(date +%s) - start))s (deadline ${limit}s)"
-    grep '^{' "$log" | cut -c1-400
+    grep '^{' "$log" | cut -c1-200  # the full rows are in $json; the table below has the numbers
     [ "$rc" = 0 ] || grep -v '^{' "$log" | grep -v -i warn | tail -n 5
   done
 done
