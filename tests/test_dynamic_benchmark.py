@@ -1,0 +1,128 @@
+"""Issue 21's pipeline benchmark (benchmarks/dynamic_multi_gpu.sh -> benchmarks/multitask_microbatching.py
+--engine lightning) never loses a finished row: per-variant steps and budgets parse (bad ones fail with the fix
+named), the rows so far are on disk before and after every variant (the running one as cut by the time limit),
+the table shows skipped, stopped, cut and never-started variants, and the shape-header clock counts what it wraps.
+The launches themselves run in `SMOKE=1 bash benchmarks/dynamic_multi_gpu.sh` (two processes, a few minutes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+
+def opts(**kw) -> argparse.Namespace:
+    base = {"steps": 5, "warmup": 1, "steps_for": [], "variant_budget_s": []}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_steps_and_budgets_per_variant():
+    from benchmarks.multitask_microbatching import budget_of, steps_of
+
+    args = opts(steps_for=["padding=2/1", "packing@2=3/0"], variant_budget_s=["40", "padding=25"])
+    assert steps_of(args, "padding@4") == (3, 1)  # 2 timed after 1 warm-up
+    assert steps_of(args, "packing@2:flex") == (5, 1)  # a full text matches only itself
+    assert steps_of(args, "packing@2") == (3, 0)
+    assert steps_of(args, "dynamic") == (5, 1)  # --steps / --warmup
+    assert budget_of(args, "padding@4") == 25.0
+    assert budget_of(args, "dynamic") == 40.0  # the bare number is every other variant's
+    assert budget_of(opts(), "dynamic") is None
+    with pytest.raises(SystemExit, match=r"padding@4='2': give TIMED/WARMUP"):
+        steps_of(opts(steps_for=["padding=2"]), "padding@4")
+    with pytest.raises(SystemExit, match=r"TIMED >= 1"):
+        steps_of(opts(steps_for=["padding=0/1"]), "padding@4")
+    with pytest.raises(SystemExit, match=r"'pading=2/1'.*must be a variant"):
+        steps_of(opts(steps_for=["pading=2/1"]), "padding@4")
+    with pytest.raises(SystemExit, match=r"dynamic='soon'.*give seconds"):
+        budget_of(opts(variant_budget_s=["dynamic=soon"]), "dynamic")
+
+
+def test_decisions_without_a_process_group_are_this_ranks_own():
+    from benchmarks.multitask_microbatching import max_over_ranks, rank0_decides
+
+    assert rank0_decides(True) is True and rank0_decides(False) is False
+    assert max_over_ranks([1.5, 2.0]) == [1.5, 2.0]
+
+
+def test_rows_are_on_disk_before_and_after_each_variant(tmp_path, monkeypatch):
+    from benchmarks.multitask_microbatching import CUT, write_rows
+
+    monkeypatch.delenv("RANK", raising=False)
+    args = argparse.Namespace(out=tmp_path / "r.json", model="gpt", variants=["dynamic", "padding@4"])
+    done = [{"variant": "dynamic", "error": None, "useful_tokens_per_s": 10}]
+    write_rows(args, done, {"variant": "padding@4", "error": None}, final=False)
+    doc = json.loads(args.out.read_text())
+    assert doc["partial"] is True
+    assert [r["variant"] for r in doc["results"]] == ["dynamic", "padding@4"]
+    assert doc["results"][1]["status"] == CUT and doc["results"][1]["error"] == f"{CUT} (killed while running)"
+    write_rows(args, done, None, final=True, summary={"pp": 2})
+    doc = json.loads(args.out.read_text())
+    assert doc["partial"] is False and doc["summary"] == {"pp": 2} and len(doc["results"]) == 1
+    assert not (tmp_path / "r.tmp").exists()
+    monkeypatch.setenv("RANK", "1")  # only rank 0 writes
+    write_rows(args, [], None, final=True)
+    assert len(json.loads(args.out.read_text())["results"]) == 1
+
+
+def test_table_shows_every_outcome_and_the_ratios(tmp_path):
+    from benchmarks.multitask_microbatching import CUT, SKIPPED, lightning_table
+
+    rows = [
+        {"variant": "dynamic", "pp": 2, "dp": 2, "error": None, "useful_tokens_per_s": 30000, "step_s_mean": 1.0,
+         "timed_steps": 4, "stopped_by_budget": False},
+        {"variant": "packing@2", "pp": 2, "dp": 2, "error": None, "useful_tokens_per_s": 20000, "step_s_mean": 1.5,
+         "timed_steps": 2, "stopped_by_budget": True},
+        {"variant": "token_budget@16384", "pp": 2, "dp": 2, "error": f"{SKIPPED} (5 s left)"},
+    ]
+    doc = {"args": {"model": "gpt", "pp": "2", "variants": str(["dynamic", "packing@2", "token_budget@16384",
+                                                               "padding@4"])}, "results": rows}
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    out = lightning_table([tmp_path / "a.json", tmp_path / "missing.json"]).splitlines()
+    assert out[2].startswith("| gpt | 2 | 2 | dynamic | 30,000 | 1.000 |") and out[2].endswith("| ok |")
+    assert out[3].endswith("| ok, stopped by budget after 2 timed |")
+    assert out[4].endswith(f"| {SKIPPED} (5 s left) |") and "| 20,000 |" not in out[4]
+    assert out[5].startswith("| gpt | 2 | 2 | padding@4 |") and out[5].endswith(f"| {CUT} (not started) |")
+    assert out[6] == "| missing.json: no rows (FileNotFoundError) |"
+    assert out[7:] == ["gpt pp=2: dynamic / best packing = 1.50"]  # no token budget or padding row finished
+
+
+def test_header_clock_counts_the_receives_it_wraps(monkeypatch):
+    from benchmarks.multitask_microbatching import HeaderClock
+    from lightning_3d.pipeline.p2p import PipelineChannels
+
+    calls = []
+    monkeypatch.setattr(PipelineChannels, "recv_header", lambda self, pp_rank: calls.append(pp_rank) or [((2, 3), None)])
+    monkeypatch.setattr(HeaderClock, "count", 0)
+    monkeypatch.setattr(HeaderClock, "seconds", 0.0)
+    HeaderClock.install()
+    HeaderClock.install()  # once: a second install does not wrap the wrapper
+    assert PipelineChannels.recv_header(None, 1) == [((2, 3), None)]
+    assert PipelineChannels.recv_header(None, 0) == [((2, 3), None)]
+    assert calls == [1, 0] and HeaderClock.count == 2 and HeaderClock.seconds >= 0.0
+
+
+def test_predicted_pipeline_time_is_the_simulated_1f1b():
+    """One micro-batch crosses the stages one after another (forward down, backward up): the sum of every stage's
+    cost; two equal ones on two stages overlap where 1F1B lets them, and an explicit schedule gives the same."""
+    import numpy as np
+
+    from benchmarks.multitask_microbatching import predicted_pipeline_s
+    from lightning_3d.costs import model_shape
+    from lightning_3d.dynamic import default_cost_model
+    from lightning_3d.dynamic.stage_costs import evaluate, stage_layers
+    from lightning_3d.pipeline.schedules import build_schedule
+    from lightning_3d.recipes import GPT
+
+    shape = model_shape(GPT("tiny", vocab_size=1000, seq_length=128).config, bytes_per_element=2)
+    cost = default_cost_model(shape)
+    c = evaluate(cost, stage_layers(shape, 2), np.array([4]), np.array([64]), None, recompute=False, tp=1)
+    (f0, f1), (b0, b1) = c.forward[:, 0], c.backward[:, 0]
+    one = predicted_pipeline_s(cost, shape, 2, [([(4, 64, None)], None)])
+    assert one == [pytest.approx(f0 + f1 + b1 + b0, rel=1e-12)]
+    orders = tuple(build_schedule("1f1b", 2, 1, 2, r) for r in range(2))
+    two = predicted_pipeline_s(cost, shape, 2, [([(4, 64, None)] * 2, None), ([(4, 64, None)] * 2, orders)])
+    # 1F1B on two stages: rank 0 runs F F B B, rank 1 F B F B. Rank 1's second forward starts when its first backward
+    # is done and rank 0's second forward has arrived; rank 0's first backward waits for rank 1's first backward.
+    start = max(f0 + f1 + b1, 2 * f0)
+    assert two == [pytest.approx(start + b0 + max(b0, f1 + b1), rel=1e-12)] * 2
