@@ -46,6 +46,12 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
         hook(param)
 
 
+def dtensor_local_tensor(tensor: DTensor) -> torch.Tensor:
+    """A DTensor's local tensor, the one ``to_local`` returns with grad mode off, without the ``no_grad`` context and
+    the method call: tensor parallelism checks its parameters' local leaves once per layer call on the host."""
+    return tensor._local_tensor
+
+
 # torch's functional collectives (out of place, traced by torch.compile as graph ops). Compiled tensor-parallel blocks
 # use them instead of the in-place c10d calls: torch 2.11's compile of an in-place all-gather / reduce-scatter in a
 # custom backward lost its result (zero gradients under sequence parallelism, lightning_3d/tensor_parallel/mappings.py).
