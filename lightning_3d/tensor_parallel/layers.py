@@ -22,7 +22,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from lightning_3d.tensor_parallel.mappings import TensorParallel, column_parallel_linear, reduce_from_region
-from lightning_3d.utils.compat import dtensor_local_tensor, run_post_accumulate_grad_hooks, set_compiled_call
+from lightning_3d.utils.compat import (
+    dtensor_local_tensor,
+    dtensor_spec,
+    dtensor_with_spec,
+    run_post_accumulate_grad_hooks,
+    set_compiled_call,
+)
 
 _PARTIAL = (Partial(),)
 
@@ -58,7 +64,7 @@ class _LocalLeaf:
     them (the data-parallel synchronizer listens there). The leaf's own ``.grad`` is emptied every time, so no
     gradient stays behind it when the parameter's is cleared (``zero_grad``) between a forward and its backward."""
 
-    __slots__ = ("tensor", "placements", "param", "handle", "__weakref__")
+    __slots__ = ("tensor", "placements", "param", "handle", "spec", "__weakref__")
 
     def __init__(self, param: DTensor, placements: tuple[Placement, ...]) -> None:
         with torch.no_grad():
@@ -66,6 +72,8 @@ class _LocalLeaf:
         self.tensor = base.detach().requires_grad_(True)
         self.placements = tuple(placements)
         self.param = weakref.ref(param)
+        # The gradient's DTensor metadata, the same every step (the leaf is made again when the parameter changes).
+        self.spec = dtensor_spec(param.device_mesh, self.placements, param.shape, param.stride(), base.dtype)
         self.handle = self.tensor.register_post_accumulate_grad_hook(self._hand_over)
 
     @staticmethod
@@ -92,8 +100,12 @@ class _LocalLeaf:
             return
         with torch.no_grad():
             if param.grad is None:
-                param.grad = DTensor.from_local(grad, param.device_mesh, self.placements, run_check=False,
-                                                shape=param.shape, stride=param.stride())
+                # What DTensor.from_local(grad, mesh, placements, shape=, stride=) makes, without its host time.
+                if grad.dtype == self.spec.tensor_meta.dtype and not grad.requires_grad:
+                    param.grad = dtensor_with_spec(grad, self.spec)
+                else:
+                    param.grad = DTensor.from_local(grad, param.device_mesh, self.placements, run_check=False,
+                                                    shape=param.shape, stride=param.stride())
             elif tuple(param.grad.placements) == self.placements:
                 dtensor_local_tensor(param.grad).add_(grad)
             else:  # e.g. a partial gradient onto one already reduced (accumulation over several batches)
