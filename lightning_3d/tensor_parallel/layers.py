@@ -64,7 +64,7 @@ class _LocalLeaf:
     them (the data-parallel synchronizer listens there). The leaf's own ``.grad`` is emptied every time, so no
     gradient stays behind it when the parameter's is cleared (``zero_grad``) between a forward and its backward."""
 
-    __slots__ = ("tensor", "placements", "param", "handle", "spec", "__weakref__")
+    __slots__ = ("tensor", "placements", "param", "handle", "spec", "grad_dtype", "__weakref__")
 
     def __init__(self, param: DTensor, placements: tuple[Placement, ...]) -> None:
         with torch.no_grad():
@@ -73,6 +73,7 @@ class _LocalLeaf:
         self.placements = tuple(placements)
         self.param = weakref.ref(param)
         # The gradient's DTensor metadata, the same every step (the leaf is made again when the parameter changes).
+        self.grad_dtype = base.dtype
         self.spec = dtensor_spec(param.device_mesh, self.placements, param.shape, param.stride(), base.dtype)
         self.handle = self.tensor.register_post_accumulate_grad_hook(self._hand_over)
 
@@ -98,20 +99,28 @@ class _LocalLeaf:
         grad, tensor.grad = tensor.grad, None
         if param is None or grad is None:
             return
-        with torch.no_grad():
-            if param.grad is None:
-                # What DTensor.from_local(grad, mesh, placements, shape=, stride=) makes, without its host time.
-                if grad.dtype == self.spec.tensor_meta.dtype and not grad.requires_grad:
-                    param.grad = dtensor_with_spec(grad, self.spec)
-                else:
-                    param.grad = DTensor.from_local(grad, param.device_mesh, self.placements, run_check=False,
-                                                    shape=param.shape, stride=param.stride())
-            elif tuple(param.grad.placements) == self.placements:
-                dtensor_local_tensor(param.grad).add_(grad)
-            else:  # e.g. a partial gradient onto one already reduced (accumulation over several batches)
-                param.grad = param.grad + DTensor.from_local(grad, param.device_mesh, self.placements,
-                                                             run_check=False, shape=param.shape, stride=param.stride())
+        # Autograd runs the hook with grad mode off unless the backward builds a graph (create_graph=True); a no_grad
+        # context per parameter and micro-batch costs more host time than the rest of an accumulation.
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self._accumulate(param, grad)
+        else:
+            self._accumulate(param, grad)
         run_post_accumulate_grad_hooks(param)
+
+    def _accumulate(self, param: DTensor, grad: Tensor) -> None:
+        if param.grad is None:
+            # What DTensor.from_local(grad, mesh, placements, shape=, stride=) makes, without its host time.
+            if grad.dtype == self.grad_dtype and not grad.requires_grad:
+                param.grad = dtensor_with_spec(grad, self.spec)
+            else:
+                param.grad = DTensor.from_local(grad, param.device_mesh, self.placements, run_check=False,
+                                                shape=param.shape, stride=param.stride())
+        elif param.grad.placements == self.placements:
+            dtensor_local_tensor(param.grad).add_(grad)
+        else:  # e.g. a partial gradient onto one already reduced (accumulation over several batches)
+            param.grad = param.grad + DTensor.from_local(grad, param.device_mesh, self.placements,
+                                                         run_check=False, shape=param.shape, stride=param.stride())
 
 
 class _LocalTensorLayer:
