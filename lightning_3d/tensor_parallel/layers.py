@@ -142,9 +142,10 @@ class _LocalTensorLayer:
         param = getattr(self, name)
         return None if param is None else local_view(param, partial_grad)
 
-    def _stage_locals(self, grad_enabled: bool) -> None:
+    def _stage_locals(self, grad_enabled: bool, compiling: bool = False) -> None:
         """Put this layer's local tensors where the compiled graph reads them; ``grad_enabled``: torch's grad mode,
-        read once per block call by its wrapper."""
+        read once per block call by its wrapper; ``compiling``: the wrapper is traced by an outer compile, whose
+        graph takes ``local_view``'s ``to_local`` views (it cannot run the leaf cache)."""
         d = self.__dict__
         plan = d.get(_PLAN_ATTR)
         if plan is None or plan[0] is not self.tensor_parallel:
@@ -159,7 +160,7 @@ class _LocalTensorLayer:
             # A plain attribute, not a buffer: module traversals (``.to()``, state dicts, the strategy's buffer
             # handling) must not see it. Dynamo lifts it into the graph as an input, like a parameter.
             d[key] = (None if param is None else param if not isinstance(param, DTensor)
-                      else _eager_view(param, partial, grad_enabled))
+                      else local_view(param, partial) if compiling else _eager_view(param, partial, grad_enabled))
 
 
 # The attribute under which a compiled block finds a layer's local tensor of parameter ``name``.
@@ -190,9 +191,9 @@ def compile_on_local_tensors(module: nn.Module, **compile_kwargs) -> None:
         nonlocal layers
         if layers is None:
             layers = [m for m in module.modules() if isinstance(m, _LocalTensorLayer)]
-        grad_enabled = torch.is_grad_enabled()
+        grad_enabled, compiling = torch.is_grad_enabled(), torch.compiler.is_compiling()
         for layer in layers:
-            layer._stage_locals(grad_enabled)
+            layer._stage_locals(grad_enabled, compiling)
         return compiled(*args, **kwargs)
 
     set_compiled_call(module, call)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 
 import torch
 import torch.distributed as dist
@@ -550,6 +551,16 @@ def check_compiled_stage(world: int) -> dict[str, float | bool | int]:
                 inputs.extend(example_inputs)
                 return gm.forward
 
+            # And its guards (torch's guards log): none on a parameter other than one that is None (k has no bias).
+            guard_lines: list[str] = []
+
+            class Guards(logging.Handler):
+                def emit(self, record: logging.LogRecord) -> None:
+                    guard_lines.extend(record.getMessage().splitlines())
+
+            guards_logger, handler = logging.getLogger("torch._dynamo.guards.__guards"), Guards()
+            guards_logger.addHandler(handler)
+            torch._logging.set_logs(guards=True)
             torch._dynamo.reset()
             training.COMPILE_BACKEND = recording
             try:
@@ -559,6 +570,12 @@ def check_compiled_stage(world: int) -> dict[str, float | bool | int]:
                     summed_token_cross_entropy(stage(microbatch=microbatch), microbatch["labels"]).backward()
             finally:
                 training.COMPILE_BACKEND = "aot_eager"
+                torch._logging.set_logs()
+                guards_logger.removeHandler(handler)
+            result[f"sp{sp}_guard_lines"] = len(guard_lines)
+            result[f"sp{sp}_parameter_guards"] = [
+                line.strip()[:160] for line in guard_lines
+                if "_parameters[" in line and "NONE_MATCH" not in line and "NoneType" not in line]
             staged = []
             for layer in stage.layers["0"].modules():
                 if isinstance(layer, tp_layers._LocalTensorLayer):
