@@ -40,6 +40,11 @@ def test_operators_and_layers_match_their_definition(tmp_path: Path) -> None:
             # Compiled blocks hand their gradients over through the local leaves as eager ones do: 2 micro-batches
             # times the leaves the stage reads (a DTensor input to the graph would bypass them, fewer hand-overs).
             assert compiled[f"sp{sp}_handed_compiled"] == compiled[f"sp{sp}_handed_eager"] > 0, (rank, sp, compiled)
+            # The graph reads the staged local leaves and no DTensor parameter (the row bias's None test read one).
+            assert compiled[f"sp{sp}_dtensor_graph_inputs"] == 0, (rank, sp, compiled)
+            # Nor guards on one (the row bias's `self.bias is None` made its DTensor guarded on every call).
+            assert compiled[f"sp{sp}_guard_lines"] > 0 and compiled[f"sp{sp}_parameter_guards"] == [], compiled
+            assert compiled[f"sp{sp}_staged_are_leaves"] and compiled[f"sp{sp}_staged_are_graph_inputs"], compiled
         _check_t5(rank, result["t5"], result["t5_compiled"])
         _check_overlap(rank, result["overlap"])
 

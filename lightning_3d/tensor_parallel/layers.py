@@ -22,7 +22,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from lightning_3d.tensor_parallel.mappings import TensorParallel, column_parallel_linear, reduce_from_region
-from lightning_3d.utils.compat import run_post_accumulate_grad_hooks, set_compiled_call
+from lightning_3d.utils.compat import (
+    dtensor_local_tensor,
+    dtensor_spec,
+    dtensor_with_spec,
+    run_post_accumulate_grad_hooks,
+    set_compiled_call,
+)
 
 _PARTIAL = (Partial(),)
 
@@ -39,10 +45,16 @@ def local_view(param: Tensor, partial_grad: bool = False) -> Tensor:
     blocks compiled by :func:`compile_on_local_tensors` read the same leaves another way (see there)."""
     if not isinstance(param, DTensor):
         return param
-    placements = _PARTIAL if partial_grad else None
-    if torch.compiler.is_compiling() or not param.requires_grad or not torch.is_grad_enabled():
-        return param.to_local(grad_placements=placements)
-    return _LocalLeaf.of(param, placements or param.placements).tensor
+    if torch.compiler.is_compiling():
+        return param.to_local(grad_placements=_PARTIAL if partial_grad else None)
+    return _eager_view(param, partial_grad, torch.is_grad_enabled())
+
+
+def _eager_view(param: DTensor, partial_grad: bool, grad_enabled: bool) -> Tensor:
+    """:func:`local_view` outside compiled code, with grad mode given (the staging of a block reads it once)."""
+    if not grad_enabled or not param.requires_grad:
+        return param.to_local(grad_placements=_PARTIAL if partial_grad else None)
+    return _LocalLeaf.of(param, _PARTIAL if partial_grad else param.placements).tensor
 
 
 class _LocalLeaf:
@@ -52,7 +64,7 @@ class _LocalLeaf:
     them (the data-parallel synchronizer listens there). The leaf's own ``.grad`` is emptied every time, so no
     gradient stays behind it when the parameter's is cleared (``zero_grad``) between a forward and its backward."""
 
-    __slots__ = ("tensor", "placements", "param", "handle", "__weakref__")
+    __slots__ = ("tensor", "placements", "param", "handle", "spec", "grad_dtype", "__weakref__")
 
     def __init__(self, param: DTensor, placements: tuple[Placement, ...]) -> None:
         with torch.no_grad():
@@ -60,6 +72,9 @@ class _LocalLeaf:
         self.tensor = base.detach().requires_grad_(True)
         self.placements = tuple(placements)
         self.param = weakref.ref(param)
+        # The gradient's DTensor metadata, the same every step (the leaf is made again when the parameter changes).
+        self.grad_dtype = base.dtype
+        self.spec = dtensor_spec(param.device_mesh, self.placements, param.shape, param.stride(), base.dtype)
         self.handle = self.tensor.register_post_accumulate_grad_hook(self._hand_over)
 
     @staticmethod
@@ -67,9 +82,11 @@ class _LocalLeaf:
         """The parameter's leaf, made again when its storage moved (loading, ``to_empty``) or its placements of
         the gradient differ from the cached leaf's."""
         leaf = param.__dict__.get("_l3d_local_leaf")
-        with torch.no_grad():
-            base = param.to_local()
-        if (leaf is None or leaf.placements != tuple(placements) or leaf.tensor.data_ptr() != base.data_ptr()
+        # Checked on every layer call of every micro-batch, so read without to_local's no_grad context, which costs
+        # several times the comparisons (the local tensor is the object to_local returns with grad mode off).
+        base = dtensor_local_tensor(param)
+        placements = placements if type(placements) is tuple else tuple(placements)
+        if (leaf is None or leaf.placements != placements or leaf.tensor.data_ptr() != base.data_ptr()
                 or leaf.tensor.shape != base.shape or leaf.tensor.dtype != base.dtype):
             if leaf is not None:
                 leaf.handle.remove()
@@ -82,16 +99,28 @@ class _LocalLeaf:
         grad, tensor.grad = tensor.grad, None
         if param is None or grad is None:
             return
-        with torch.no_grad():
-            if param.grad is None:
+        # Autograd runs the hook with grad mode off unless the backward builds a graph (create_graph=True); a no_grad
+        # context per parameter and micro-batch costs more host time than the rest of an accumulation.
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self._accumulate(param, grad)
+        else:
+            self._accumulate(param, grad)
+        run_post_accumulate_grad_hooks(param)
+
+    def _accumulate(self, param: DTensor, grad: Tensor) -> None:
+        if param.grad is None:
+            # What DTensor.from_local(grad, mesh, placements, shape=, stride=) makes, without its host time.
+            if grad.dtype == self.grad_dtype and not grad.requires_grad:
+                param.grad = dtensor_with_spec(grad, self.spec)
+            else:
                 param.grad = DTensor.from_local(grad, param.device_mesh, self.placements, run_check=False,
                                                 shape=param.shape, stride=param.stride())
-            elif tuple(param.grad.placements) == self.placements:
-                param.grad.to_local().add_(grad)
-            else:  # e.g. a partial gradient onto one already reduced (accumulation over several batches)
-                param.grad = param.grad + DTensor.from_local(grad, param.device_mesh, self.placements,
-                                                             run_check=False, shape=param.shape, stride=param.stride())
-        run_post_accumulate_grad_hooks(param)
+        elif param.grad.placements == self.placements:
+            dtensor_local_tensor(param.grad).add_(grad)
+        else:  # e.g. a partial gradient onto one already reduced (accumulation over several batches)
+            param.grad = param.grad + DTensor.from_local(grad, param.device_mesh, self.placements,
+                                                         run_check=False, shape=param.shape, stride=param.stride())
 
 
 class _LocalTensorLayer:
@@ -113,16 +142,31 @@ class _LocalTensorLayer:
         param = getattr(self, name)
         return None if param is None else local_view(param, partial_grad)
 
-    def _stage_locals(self) -> None:
-        for name, partial in self._local_params():
+    def _stage_locals(self, grad_enabled: bool, compiling: bool = False) -> None:
+        """Put this layer's local tensors where the compiled graph reads them; ``grad_enabled``: torch's grad mode,
+        read once per block call by its wrapper; ``compiling``: the wrapper is traced by an outer compile, whose
+        graph takes ``local_view``'s ``to_local`` views (it cannot run the leaf cache)."""
+        d = self.__dict__
+        plan = d.get(_PLAN_ATTR)
+        if plan is None or plan[0] is not self.tensor_parallel:
+            # (attribute of the staged tensor, parameter name, partial): what _local_params says, kept because the
+            # layer's parameters and sequence parallelism are fixed once it is tensor-parallel, and the tuple is
+            # rebuilt (a named_parameters walk for ReplicatedNorm) on every call otherwise.
+            plan = (self.tensor_parallel, tuple((_STAGED_PREFIX + name, name, partial)
+                                                for name, partial in self._local_params()))
+            d[_PLAN_ATTR] = plan
+        for key, name, partial in plan[1]:
             param = getattr(self, name)
             # A plain attribute, not a buffer: module traversals (``.to()``, state dicts, the strategy's buffer
             # handling) must not see it. Dynamo lifts it into the graph as an input, like a parameter.
-            self.__dict__[_STAGED_PREFIX + name] = None if param is None else local_view(param, partial)
+            d[key] = (None if param is None else param if not isinstance(param, DTensor)
+                      else local_view(param, partial) if compiling else _eager_view(param, partial, grad_enabled))
 
 
 # The attribute under which a compiled block finds a layer's local tensor of parameter ``name``.
 _STAGED_PREFIX = "_l3d_local_"
+# The layer's staging plan (_LocalTensorLayer._stage_locals).
+_PLAN_ATTR = "_l3d_stage_plan"
 
 
 def compile_on_local_tensors(module: nn.Module, **compile_kwargs) -> None:
@@ -147,8 +191,9 @@ def compile_on_local_tensors(module: nn.Module, **compile_kwargs) -> None:
         nonlocal layers
         if layers is None:
             layers = [m for m in module.modules() if isinstance(m, _LocalTensorLayer)]
+        grad_enabled, compiling = torch.is_grad_enabled(), torch.compiler.is_compiling()
         for layer in layers:
-            layer._stage_locals()
+            layer._stage_locals(grad_enabled, compiling)
         return compiled(*args, **kwargs)
 
     set_compiled_call(module, call)
@@ -193,10 +238,11 @@ class RowParallelLinear(_LocalTensorLayer, nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tensor_parallel
+        # The bias through _local only, also to test for None: reading ``self.bias`` in a compiled block would make
+        # the DTensor parameter a graph input, guarded and unwrapped on every call for nothing.
+        bias = self._local("bias", partial_grad=tp.sequence_parallel)
         y = tp.exit(F.linear(x, self._local("weight")))
-        if self.bias is None:
-            return y
-        return y + self._local("bias", partial_grad=tp.sequence_parallel)
+        return y if bias is None else y + bias
 
 
 class VocabParallelEmbedding(_LocalTensorLayer, nn.Embedding):

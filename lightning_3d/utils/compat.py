@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 # Lightning's own helpers for the default process group, used as its DDP strategy uses them (environment variables,
@@ -44,6 +45,26 @@ def run_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     for hook in (hooks or {}).values():
         hook(param)
+
+
+def dtensor_local_tensor(tensor: DTensor) -> torch.Tensor:
+    """A DTensor's local tensor, the one ``to_local`` returns with grad mode off, without the ``no_grad`` context and
+    the method call: tensor parallelism checks its parameters' local leaves once per layer call on the host."""
+    return tensor._local_tensor
+
+
+def dtensor_spec(mesh: Any, placements: tuple, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> Any:
+    """The metadata ``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)`` gives a DTensor of
+    ``dtype``, made once for :func:`dtensor_with_spec`."""
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, tuple(stride), dtype))
+
+
+def dtensor_with_spec(local: torch.Tensor, spec: Any) -> DTensor:
+    """``DTensor.from_local(local, ..., run_check=False, shape=, stride=)`` of a tensor that needs no gradient, with
+    the metadata made beforehand (:func:`dtensor_spec`): ``from_local`` runs an autograd function and normalises
+    the placements on every call, an order of magnitude more host time, once per parameter and step for the
+    gradients that tensor parallelism's local leaves hand over."""
+    return DTensor(local, spec, requires_grad=False)
 
 
 # torch's functional collectives (out of place, traced by torch.compile as graph ops). Compiled tensor-parallel blocks

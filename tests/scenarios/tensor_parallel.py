@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 
 import torch
 import torch.distributed as dist
@@ -224,6 +225,15 @@ def check_autocast_and_optimizer(rank: int, world: int) -> dict[str, bool]:
     result["leaf_grads_accumulate"] = (
         "_l3d_local_leaf" in fc.weight.__dict__ and len(calls) == 2
         and scaled_error(fc.weight.grad.to_local(), rows(ref_fc.weight.grad, rank, world)) <= bound)
+    # The leaf wraps the first micro-batch's gradient with metadata made once (compat.dtensor_with_spec): the same
+    # DTensor as DTensor.from_local would make of it.
+    grad = fc.weight.grad
+    made = DTensor.from_local(grad.to_local(), mesh, (Shard(0),), run_check=False, shape=fc.weight.shape,
+                              stride=fc.weight.stride())
+    def meta(t: DTensor) -> tuple:
+        return t.placements, t.shape, t.stride(), t.dtype, t.device_mesh, t.requires_grad, t.to_local().stride()
+
+    result["leaf_grad_as_from_local"] = meta(grad) == meta(made) and torch.equal(grad.to_local(), made.to_local())
     y, y_ref = fc(inputs[2]).pow(2).sum(), ref_fc(inputs[2]).pow(2).sum()
     fc.weight.grad = fc.bias.grad = None  # as Lightning's zero_grad runs between the training step and backward
     ref_fc.zero_grad()
@@ -533,6 +543,50 @@ def check_compiled_stage(world: int) -> dict[str, float | bool | int]:
                 if compiled:
                     result[f"sp{sp}_graphs"] = int(counters["stats"]["unique_graphs"])
                     result[f"sp{sp}_graph_breaks"] = int(sum(counters["graph_break"].values()))
+            # What the graph takes as inputs (a backend that records them): the staged local leaves, no DTensor
+            # parameter (one would be guarded and unwrapped on every call), and each staged tensor is the leaf.
+            inputs: list = []
+
+            def recording(gm, example_inputs):
+                inputs.extend(example_inputs)
+                return gm.forward
+
+            # And its guards (torch's guards log): none on a parameter other than one that is None (k has no bias).
+            guard_lines: list[str] = []
+
+            class Guards(logging.Handler):
+                def emit(self, record: logging.LogRecord) -> None:
+                    guard_lines.extend(record.getMessage().splitlines())
+
+            guards_logger, handler = logging.getLogger("torch._dynamo.guards.__guards"), Guards()
+            guards_logger.addHandler(handler)
+            torch._logging.set_logs(guards=True)
+            torch._dynamo.reset()
+            training.COMPILE_BACKEND = recording
+            try:
+                _, stage = gpt_stage("local", mesh, sp, compile_first=True)
+                microbatch = {"input_ids": batches[0][:, :-1], "labels": batches[0][:, 1:]}
+                with loss_parallel():
+                    summed_token_cross_entropy(stage(microbatch=microbatch), microbatch["labels"]).backward()
+            finally:
+                training.COMPILE_BACKEND = "aot_eager"
+                torch._logging.set_logs()
+                guards_logger.removeHandler(handler)
+            result[f"sp{sp}_guard_lines"] = len(guard_lines)
+            result[f"sp{sp}_parameter_guards"] = [
+                line.strip()[:160] for line in guard_lines
+                if "_parameters[" in line and "NONE_MATCH" not in line and "NoneType" not in line]
+            staged = []
+            for layer in stage.layers["0"].modules():
+                if isinstance(layer, tp_layers._LocalTensorLayer):
+                    for name, _ in layer._local_params():
+                        param = getattr(layer, name)
+                        tensor = layer.__dict__[tp_layers._STAGED_PREFIX + name]
+                        staged.append((tensor, None if param is None else param.__dict__["_l3d_local_leaf"].tensor))
+            result[f"sp{sp}_dtensor_graph_inputs"] = sum(isinstance(x, DTensor) for x in inputs)
+            result[f"sp{sp}_staged_are_leaves"] = len(staged) > 0 and all(t is leaf for t, leaf in staged)
+            result[f"sp{sp}_staged_are_graph_inputs"] = all(
+                t is None or any(x is t for x in inputs) for t, _ in staged)
             (loss_e, grads_e, handed_e), (loss_c, grads_c, handed_c) = runs[False], runs[True]
             result[f"sp{sp}_loss"] = ((loss_c - loss_e).abs() / loss_e.abs()).max().item()
             result[f"sp{sp}_grads"] = max(scaled_error(grads_c[n], grads_e[n]) for n in grads_e)
