@@ -147,3 +147,33 @@ def test_flex_attention_device_check_answers_as_torch_would(monkeypatch) -> None
     assert compat.flex_attention_trains_on(torch.device("meta")) is None  # torch's check passed: flex trains there
     ((q, k, v),) = seen
     assert q is k is v and q.numel() == 0 and q.requires_grad and q.device.type == "meta"
+
+
+def test_dtensor_metadata_helpers_build_what_from_local_builds(tmp_path) -> None:
+    """Tensor parallelism's local leaves hand their first gradient over as ``DTensor(local, spec)`` with a spec made
+    once (``dtensor_spec`` / ``dtensor_with_spec``) and check leaves through ``_local_tensor``
+    (``dtensor_local_tensor``): both must stay what ``DTensor.from_local`` / ``to_local`` give, or gradients would
+    carry wrong metadata silently."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        local = torch.randn(4, 3)
+        for placements in ((Shard(0),), (Partial(),)):
+            shape, stride = torch.Size((4, 3)), (3, 1)
+            made = compat.dtensor_with_spec(local, compat.dtensor_spec(mesh, placements, shape, stride, local.dtype))
+            reference = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+            assert made._spec == reference._spec and made.placements == reference.placements
+            assert made.shape == reference.shape and made.stride() == reference.stride()
+            assert made.dtype == reference.dtype and not made.requires_grad
+            assert compat.dtensor_local_tensor(made) is local
+            with torch.no_grad():
+                assert compat.dtensor_local_tensor(reference) is reference.to_local()
+    finally:
+        if owned:
+            dist.destroy_process_group()
