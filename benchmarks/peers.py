@@ -80,7 +80,8 @@ def parse_system(text: str, gpus: int) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays whole stages without gradient-accumulation"
                                          " fusion; add +compile+stage+nofuse")
     if "torchsdpa" in suffixes and "explicit" in suffixes:
-        raise argparse.ArgumentTypeError(f"{text!r}: +torchsdpa picks SDPA's backends and +explicit runs no SDPA; drop one")
+        raise argparse.ArgumentTypeError(f"{text!r}: +torchsdpa picks SDPA's backends and +explicit runs no SDPA;"
+                                         " drop one")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []

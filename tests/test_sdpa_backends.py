@@ -30,8 +30,8 @@ NO_CUDNN = {"flash": True, "efficient": True, "cudnn": False, "math": True}
 
 
 def flags() -> dict[str, bool]:
-    return {"flash": torch.backends.cuda.flash_sdp_enabled(), "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
-            "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
+    return {"flash": torch.backends.cuda.flash_sdp_enabled(),
+            "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(), "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
 
 
 @pytest.fixture
@@ -149,6 +149,6 @@ def test_bad_value_names_it_and_the_choices():
                  lambda: GPT(sdpa_backends="cudnn"), lambda: T5(sdpa_backends="cudnn")):
         with pytest.raises(ValueError, match=message):
             make()
-    # The modules pass the option to the config (the YAML/CLI path: --model.sdpa_backends=torch); None keeps the default.
+    # The modules pass the option to the config (the YAML/CLI path, tests/test_cli.py); None keeps the default.
     assert GPT(sdpa_backends="torch").config.sdpa_backends == "torch" and GPT().config.sdpa_backends == "no_cudnn"
     assert T5(sdpa_backends="torch").config.sdpa_backends == "torch" and T5().config.sdpa_backends == "no_cudnn"

@@ -8,9 +8,10 @@ pay again and again (docs/dynamic.md, "Attention for changing shapes"). ``"torch
 The selection only removes a backend, with no priority order: torch then chooses among the rest by its fixed order
 (flash, efficient, math), the same in eager code, in compiled code and in activation checkpointing's recomputation, so
 a forward and its recomputation always run the same kernel (an explicit priority order skipped under compilation once
-made them differ, and torch's checkpoint refused the recomputed tensors). ``sdpa_kernel`` with a plain list traces into
-compiled graphs without a graph break on the torch versions we run; ``set_priority=True`` is newer in Dynamo and not
-needed here.
+made them differ, and torch's checkpoint refused the recomputed tensors). ``sdpa_kernel`` with a plain list, the form
+Dynamo has handled longest (``set_priority`` is the newer argument), traces into a compiled graph without a graph break
+and the graph then holds the kernel it allows (tests/test_sdpa_backends.py; benchmarks/peers.py reports graph breaks
+per system on the GPU's torch).
 """
 
 from __future__ import annotations
