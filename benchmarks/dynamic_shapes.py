@@ -126,10 +126,11 @@ MODEL_SHAPES = ("56x40,39x56,31x72,26x96,20x112,19x136,16x168,11x208,9x264,8x296
 
 
 def build_model(args):
-    """The preset's GPT, built on the device (fp32 weights), with positions for the shifted lengths."""
+    """The preset's GPT, built on the device (fp32 weights), with positions for the shifted lengths; its attention under
+    torch's backend choice (``sdpa_backends="torch"``), so that the orders named here are the orders that run."""
     from lightning_3d.recipes.gpt.model import GPTModel
 
-    config = preset(args.preset, vocab_size=32000, seq_length=args.max_len + 64 * 8)
+    config = preset(args.preset, vocab_size=32000, seq_length=args.max_len + 64 * 8, sdpa_backends="torch")
     with torch.device(args.device):
         return GPTModel(config)
 

@@ -6,7 +6,8 @@
 #      micro-batches (first call against repeat) under torch's order and flash first, with a profile of the slowest
 #   2. multitask_microbatching (direct engine): useful tokens/s of GPT-1.3B on the multi-task mix, padding, packing
 #      at 1 and 2 rows, token budget, dynamic (analytic cost model) and dynamic (measured profile, grid from length
-#      16), each under torch's order and flash first, every step timed twice (--repeat: shapes already seen)
+#      16), each under the recipe's sdpa_backends no_cudnn (its default) and torch, every step timed twice (--repeat:
+#      shapes already seen)
 # The data cache is built on the CPU in the background during part 1. Prints a table per part; logs and JSON in $OUT.
 #   SMOKE=1: tiny sizes on CPU (about 2 minutes on 2 busy cores).
 set -u
@@ -50,5 +51,5 @@ wait "$PREPARE"; echo "== prepare rc=$? $(tail -n 1 "$OUT/prepare.log" | cut -c1
 
 part multitask_gpt "$L2" '^(\||\{"summary)' python benchmarks/multitask_microbatching.py --engine direct --model gpt --preset "$GPT" $MT \
   --global-batch "$GB" --steps "$STEPS" --warmup "$WARM" --profile measure --profile-sizes "$PSIZES" \
-  --profile-lens "$PLENS" --sdpa torch flash_first --repeat \
+  --profile-lens "$PLENS" --sdpa no_cudnn torch --repeat \
   --variants padding@4 packing@1 packing@2 token_budget@$TB dynamic@analytic dynamic --out "$OUT/multitask_gpt.json"

@@ -33,7 +33,8 @@ def recipe_module(args: argparse.Namespace, system: dict, compile: bool | str | 
         compile = "max-autotune-no-cudagraphs" if system["autotune"] else system["compile"]
     common = dict(preset_name=args.preset, vocab_size=args.vocab_size, activation_checkpointing=system["ckpt"],
                   compile=compile, optimizer_fused=True, decay_steps=1000,
-                  compile_scope="stage" if system.get("stage") else "block")
+                  compile_scope="stage" if system.get("stage") else "block",
+                  sdpa_backends="torch" if system.get("torchsdpa") else None)
     if args.model == "t5":
         module = T5(attention="explicit" if system.get("explicit") else "sdpa", **common)
     else:

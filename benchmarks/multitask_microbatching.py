@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lightning_3d.recipes import GPT, T5  # noqa: E402
+from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, SDPA_BACKENDS  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
 from lightning_3d.recipes.data.multitask_batching import (  # noqa: E402
     StepCollator, sample_input_length, sample_lengths, sample_target_length)
@@ -130,16 +131,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def sdpa_context(name: str):
-    """``--sdpa``: ``torch`` runs the recipe's attention under torch's own backend order; ``flash_first`` runs the
-    whole variant (forward, loss, backward and any recomputation) under the order flash, efficient, cuDNN, math. An
-    experiment, not the recipe's setting: cuDNN's attention builds an execution graph per new shape, which changing
-    micro-batch shapes would pay again and again if torch's order chose it (docs/dynamic.md)."""
+SDPA_CHOICES = (*SDPA_BACKENDS, "flash_first")
 
-    if name == "torch":
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                        SDPBackend.MATH], set_priority=True)
+
+def sdpa_context(model: torch.nn.Module, name: str):
+    """``--sdpa``: ``no_cudnn`` / ``torch`` set the recipe's ``sdpa_backends`` to that value on every attention of
+    ``model`` (recipes/attention.py; ``no_cudnn`` is the recipe's default); ``flash_first`` runs the recipe under
+    ``torch`` inside the order flash, efficient, cuDNN, math for the whole variant (forward, loss, backward and any
+    recomputation), the earlier experiment. Leaving the context restores each attention's value."""
+    if name not in SDPA_CHOICES:
+        raise ValueError(f"--sdpa {name!r}: choose from {list(SDPA_CHOICES)}")
+    stack = contextlib.ExitStack()
+    attentions = [m for m in model.modules() if hasattr(m, "sdpa_backends")]
+    before = [m.sdpa_backends for m in attentions]
+    for m in attentions:
+        m.sdpa_backends = "torch" if name == "flash_first" else name
+
+    def restore() -> None:
+        for m, value in zip(attentions, before):
+            m.sdpa_backends = value
+
+    stack.callback(restore)
+    if name == "flash_first":
+        stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                         SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH], set_priority=True))
+    return stack
 
 
 class ProfiledData(MultiTaskDataModule):
@@ -269,7 +285,7 @@ def direct(args) -> list[dict]:
                                             module.config.head_dim)}
         backend_order = contextlib.ExitStack()
         try:
-            backend_order.enter_context(sdpa_context(sdpa))
+            backend_order.enter_context(sdpa_context(model, sdpa))
             if args.model == "gpt":
                 model.packed_attention = attention
             collator: StepCollator = data_module(args, name if name != "dynamic" else "padding", size).collator(1, 0)
@@ -820,9 +836,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="lightning engine: processes (torchrun's count)")
     parser.add_argument("--pp", type=int, default=1, help="lightning engine: pipeline stages")
     parser.add_argument("--num-workers", type=int, default=2, help="lightning engine: DataLoader workers")
-    parser.add_argument("--sdpa", nargs="+", choices=["torch", "flash_first"], default=["torch"],
-                        help="direct engine: attention's SDPA backend order, torch's own and/or flash first (an"
-                             " experiment: see sdpa_context); every variant runs under each")
+    parser.add_argument("--sdpa", nargs="+", choices=SDPA_CHOICES, default=[DEFAULT_SDPA_BACKENDS],
+                        help="direct engine: the recipe's sdpa_backends (no_cudnn, the default, or torch) and/or"
+                             " flash_first (an experiment: see sdpa_context); every variant runs under each")
     parser.add_argument("--plans-only", action="store_true",
                         help="print every variant's micro-batch shapes per step (and dynamic's predicted step time);"
                              " no model runs (CPU)")
@@ -876,9 +892,9 @@ def main() -> None:
     results = direct(args) if args.engine == "direct" else lightning(args)
     summary = {"model": args.model, "preset": args.preset, "engine": args.engine, "pp": args.pp,
                "seconds": round(time.perf_counter() - start, 1)}
-    for order in args.sdpa if args.engine == "direct" else ["torch"]:
+    for order in args.sdpa if args.engine == "direct" else [DEFAULT_SDPA_BACKENDS]:
         # Ratios within one SDPA order; with several orders each key names its order.
-        rows = [r for r in results if r.get("sdpa", "torch") == order and not r["error"]]
+        rows = [r for r in results if r.get("sdpa", DEFAULT_SDPA_BACKENDS) == order and not r["error"]]
         base = next((r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("padding")), None)
         packed = [r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("packing")]
         # The dense-mask packing alone: the baseline of the runs before FlexAttention packing existed.

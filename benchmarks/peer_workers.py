@@ -75,7 +75,8 @@ def make_gpt(args: argparse.Namespace, system: dict, cls: type[GPT] = GPT) -> GP
     return cls(preset_name=args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length,
                activation_checkpointing=system["ckpt"],
                compile="max-autotune-no-cudagraphs" if system["autotune"] else system["compile"], optimizer_fused=True,
-               decay_steps=1000, fp32_residual=system["fp32res"])
+               decay_steps=1000, fp32_residual=system["fp32res"],
+               sdpa_backends="torch" if system.get("torchsdpa") else None)
 
 
 # ----- plain loops: our model, or transformers' -----------------------------------------------------------------

@@ -14,7 +14,9 @@ chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
 value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per
 attention), ``+cudagraphs`` (plain with +whole: the compiled model and loss replayed as CUDA graphs,
-``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so, the loss compiled as usual). ``--model t5`` runs the T5 recipe (inputs of
+``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so, the loss compiled as usual),
+``+torchsdpa`` (our recipes' systems: ``sdpa_backends="torch"``, SDPA under torch's own backend choice, cuDNN
+included; without it the recipes' default, no cuDNN: recipes/attention.py). ``--model t5`` runs the T5 recipe (inputs of
 ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
@@ -45,13 +47,13 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
 SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage", "explicit",
-            "cudagraphs")
+            "cudagraphs", "torchsdpa")
 OURS_ONLY = ("cc", "nofuse")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
             "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
-            "fp32res": ("plain", "ddp", "fsdp", "ours")}
+            "fp32res": ("plain", "ddp", "fsdp", "ours"), "torchsdpa": ("plain", "ddp", "fsdp", "ours")}
 MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
 
 
@@ -77,6 +79,9 @@ def parse_system(text: str, gpus: int) -> dict:
         # The fused gradient op's Python body (the gradient slot's bookkeeping) would not run on a graph replay.
         raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays whole stages without gradient-accumulation"
                                          " fusion; add +compile+stage+nofuse")
+    if "torchsdpa" in suffixes and "explicit" in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +torchsdpa picks SDPA's backends and +explicit runs no SDPA;"
+                                         " drop one")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []

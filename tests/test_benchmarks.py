@@ -287,6 +287,18 @@ def test_peers_system_suffixes() -> None:
     assert parse_system("ours@1,1,1+compile+stage", gpus=1)["stage"]
     assert parse_system("plain+whole+explicit", gpus=1)["explicit"]
     assert not parse_system("plain+whole", gpus=1)["explicit"]
+    # +torchsdpa: our recipes under torch's SDPA backend choice (sdpa_backends="torch"); without it the recipes' default
+    from benchmarks.hf_peers import recipe_module
+
+    for model, preset in (("gpt", "tiny"), ("t5", "tiny")):
+        args = argparse.Namespace(model=model, preset=preset, vocab_size=300, seq_length=32)
+        for text, value in (("ours@1,1,1+compile+stage+torchsdpa", "torch"), ("plain+torchsdpa", "torch"),
+                            ("plain", "no_cudnn")):
+            assert recipe_module(args, parse_system(text, gpus=1)).config.sdpa_backends == value, (model, text)
+    from benchmarks.peer_workers import make_gpt
+
+    args = argparse.Namespace(model="gpt", preset="tiny", vocab_size=300, seq_length=32)
+    assert make_gpt(args, parse_system("fsdp@1,1+torchsdpa", gpus=1)).config.sdpa_backends == "torch"  # FSDP's GPT
     for bad, message in (("ours@1,1,1+whole", r"\+whole is for plain only, not ours"),
                          ("hf+ckpt", r"\+ckpt is for plain and ddp and fsdp and ours, not hf"),
                          ("ddp+fusedce", r"\+fusedce is for plain and ours, not ddp"),
@@ -294,6 +306,8 @@ def test_peers_system_suffixes() -> None:
                          ("ours@1,1,1+stage", r"\+stage sets what one compiled graph covers; add \+compile"),
                          ("plain+compile+stage", r"\+stage is for ours only, not plain"),
                          ("hf+explicit", r"\+explicit is for plain and ours, not hf"),
+                         ("hf+torchsdpa", r"\+torchsdpa is for plain and ddp and fsdp and ours, not hf"),
+                         ("plain+explicit+torchsdpa", r"\+torchsdpa picks SDPA's backends and \+explicit runs no SDPA"),
                          ("plain+compile+cudagraphs", r"\+cudagraphs replays the whole-model compile; add \+whole"),
                          ("ours@1,1,1+compile+stage+cudagraphs", r"without gradient-accumulation fusion; add \+comp")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):

@@ -74,8 +74,10 @@ def test_links_follow_the_data_module(tmp_path):
     assert type(cli.trainer.strategy).__name__ == "Compressed3DStrategy"
 
     synthetic = ["--data=lightning_3d.recipes.data.SyntheticLMDataModule", "--data.vocab_size=300", "--data.seq_length=32"]
-    cli = build_cli(["--model.preset_name=tiny", *synthetic, *quiet(tmp_path)], run=False)
+    cli = build_cli(["--model.preset_name=tiny", "--model.sdpa_backends=torch", *synthetic, *quiet(tmp_path)],
+                    run=False)
     assert (cli.model.config.vocab_size, cli.model.config.seq_length) == (300, 32)
+    assert cli.model.config.sdpa_backends == "torch"  # the model-config fields reach the CLI (recipes/attention.py)
 
 
 def test_any_lightning_module_without_links(tmp_path):

@@ -54,17 +54,22 @@ def test_multitask_benchmark_counts_shapes_and_runs_under_the_named_order():
     for bad in ("dynamic@3", "padding@0", "padding@x", "ring@2"):
         with pytest.raises(SystemExit, match="variant"):
             parse_variant(bad)
-    # Every backend stays enabled under either order (each input keeps a kernel); results do not depend on it on
-    # CPU (one kernel there); leaving the context restores the flags.
-    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    # --sdpa sets the recipe's sdpa_backends on every attention (flash_first: "torch" inside the flash-first order,
+    # every backend enabled); results do not depend on it on CPU (one kernel there); leaving the context restores the
+    # attentions' value and the flags.
+    model = tiny_model()
+    attentions = [m for m in model.modules() if hasattr(m, "sdpa_backends")]
+    assert len(attentions) == 2 and {m.sdpa_backends for m in attentions} == {"no_cudnn"}
+    ids = torch.randint(0, 97, (2, 8))
     before = flags()
-    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    for name in ("torch", "flash_first"):
-        with sdpa_context(name):
-            assert all(flags().values())
-            torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), reference,
-                                       rtol=0, atol=0)
-        assert flags() == before
+    reference = model(ids)
+    for name, value in (("torch", "torch"), ("flash_first", "torch"), ("no_cudnn", "no_cudnn")):
+        with sdpa_context(model, name):
+            assert {m.sdpa_backends for m in attentions} == {value}
+            torch.testing.assert_close(model(ids), reference, rtol=0, atol=0)
+        assert flags() == before and {m.sdpa_backends for m in attentions} == {"no_cudnn"}
+    with pytest.raises(ValueError, match=r"--sdpa 'cudnn': choose from \['no_cudnn', 'torch', 'flash_first'\]"):
+        sdpa_context(model, "cudnn")
     rows = [{"variant": "dynamic", "sdpa": "flash_first", "attention": "sdpa causal", "error": None,
              "useful_tokens_per_s": 12345, "step_s_mean": 0.5, "padding_fraction": 0.095, "compiles_timed": 0},
             {"variant": "padding@4", "sdpa": "torch", "attention": "sdpa causal", "error": "out of memory: x"}]

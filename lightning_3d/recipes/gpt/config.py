@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, check_sdpa_backends
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -27,6 +29,11 @@ class GPTConfig:
     fp32_residual: bool = False
     init_std: float = 0.02
     vocab_multiple: int = 128
+    # Which SDPA backends attention may run: "no_cudnn" or "torch" (recipes/attention.py, docs/dynamic.md).
+    sdpa_backends: str = DEFAULT_SDPA_BACKENDS
+
+    def __post_init__(self) -> None:
+        check_sdpa_backends(self.sdpa_backends)
 
     @property
     def ffn_size(self) -> int:

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.context import ring_attention, ulysses_attention
 from lightning_3d.recipes import training
+from lightning_3d.recipes.attention import scaled_dot_product_attention
 from lightning_3d.recipes.gpt.config import GPTConfig
 # Re-exported for the modules that import them from here (T5, the Hugging Face interop); defined in training.py, which
 # must not import this module (this one reads training.COMPILE_BACKEND).
@@ -52,6 +53,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(h, h)
         self.head_dim = config.head_dim
         self.dropout = config.dropout
+        self.sdpa_backends = config.sdpa_backends
         # Context parallelism (GPT.enable_context_parallel): (cp group, layout, "ring" | "ulysses"); the tokens are
         # then this rank's slice of the sequence, and attention spans the whole sequence (docs/context_parallel.md).
         self.context: tuple | None = None
@@ -86,11 +88,12 @@ class Attention(nn.Module):
             y = flex_document_attention(q, k, v, mask)
         elif self.training and self.dropout > 0 and is_seeded():
             # The probabilities of this rank's own heads: their masks come from its tensor-parallel stream.
-            y = in_tensor_parallel_region(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=causal,
-                                          dropout_p=self.dropout, device=x.device)
+            y = in_tensor_parallel_region(scaled_dot_product_attention, q, k, v, self.sdpa_backends, attn_mask=mask,
+                                          is_causal=causal, dropout_p=self.dropout, device=x.device)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                               dropout_p=self.dropout if self.training else 0.0)
+            # The same backend selection in eager, compiled and recomputed code (recipes/attention.py).
+            y = scaled_dot_product_attention(q, k, v, self.sdpa_backends, attn_mask=mask, is_causal=causal,
+                                             dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -37,7 +37,8 @@ class GPT(pl.LightningModule):
     ``"flex"`` (FlexAttention with a causal same-document block mask: skips the blocks across documents; CUDA for
     training, no attention dropout), ``"sdpa"`` (SDPA with a dense block-diagonal causal mask: every block of the
     row computed) or ``"auto"`` (flex on CUDA without dropout and with heads of at least 16, sdpa otherwise). Plain rows
-    ignore it.
+    ignore it. ``sdpa_backends``: ``"no_cudnn"`` (the default: SDPA never picks cuDNN, whose per-shape plans changing
+    micro-batch shapes pay again and again) or ``"torch"`` (torch's own choice); see ``recipes/attention.py``.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class GPT(pl.LightningModule):
         tie_embeddings: bool | None = None,
         key_bias: bool | None = None,
         fp32_residual: bool | None = None,
+        sdpa_backends: str | None = None,
         activation_checkpointing: bool = False,
         compile: bool | str = False,
         fused_head_loss: bool = False,
@@ -74,7 +76,7 @@ class GPT(pl.LightningModule):
         self.config: GPTConfig = preset(
             preset_name, vocab_size=vocab_size, seq_length=seq_length, num_layers=num_layers, hidden_size=hidden_size,
             num_heads=num_heads, ffn_hidden_size=ffn_hidden_size, dropout=dropout, tie_embeddings=tie_embeddings,
-            key_bias=key_bias, fp32_residual=fp32_residual,
+            key_bias=key_bias, fp32_residual=fp32_residual, sdpa_backends=sdpa_backends,
         )
         if self.config.hidden_size % self.config.num_heads != 0:
             raise ValueError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, check_sdpa_backends
+
 FEED_FORWARD = ("relu", "gated-gelu")
 
 
@@ -36,8 +38,11 @@ class T5Config:
     eos_token_id: int = 1
     decoder_start_token_id: int | None = None
     vocab_multiple: int = 128
+    # Which SDPA backends attention="sdpa" may run: "no_cudnn" or "torch" (recipes/attention.py, docs/dynamic.md).
+    sdpa_backends: str = DEFAULT_SDPA_BACKENDS
 
     def __post_init__(self) -> None:
+        check_sdpa_backends(self.sdpa_backends)
         if self.feed_forward not in FEED_FORWARD:
             raise ValueError(f"feed_forward={self.feed_forward!r} is not supported; choose one of {list(FEED_FORWARD)}.")
         for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size",

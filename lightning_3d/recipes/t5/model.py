@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, scaled_dot_product_attention
 from lightning_3d.recipes.gpt.model import LMHead, copy_full_into, seed_for
 from lightning_3d.recipes.t5.config import T5Config
 from lightning_3d.recipes.training import IGNORE_INDEX
@@ -76,6 +77,7 @@ class Attention(nn.Module):
         super().__init__()
         check_attention(implementation)
         self.implementation = implementation
+        self.sdpa_backends = config.sdpa_backends
         h, inner = config.hidden_size, config.inner_size
         # Separate q/k/v so that column sharding hands every tensor-parallel rank whole heads.
         self.q = nn.Linear(h, inner, bias=False)
@@ -109,7 +111,7 @@ class Attention(nn.Module):
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.project(x, memory))
         b, s = q.shape[0], q.shape[2]
         if self.implementation == "sdpa" and not (self.training and self.drop.p > 0):
-            y = self._fused(q, k, v, bias, key_bias)
+            y = self._fused(q, k, v, bias, key_bias, self.sdpa_backends)
         else:
             scores = q @ k.transpose(-1, -2)
             if bias is not None:
@@ -121,7 +123,8 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
     @staticmethod
-    def _fused(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, key_bias: Tensor | None) -> Tensor:
+    def _fused(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, key_bias: Tensor | None,
+               sdpa_backends: str = DEFAULT_SDPA_BACKENDS) -> Tensor:
         """The same attention in one SDPA call: the bias and mask as its additive ``attn_mask`` (whose gradient the
         memory-efficient CUDA kernel computes, so the relative-bias tables still train), no 1/sqrt(d) (``scale=1``).
 
@@ -133,7 +136,8 @@ class Attention(nn.Module):
         mask = bias if key_bias is None else key_bias if bias is None else bias + key_bias
         if mask is not None:
             mask = mask.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        # sdpa_backends: flash takes no additive mask, so "no_cudnn" leaves the memory-efficient kernel (or math).
+        return scaled_dot_product_attention(q, k, v, sdpa_backends, attn_mask=mask, scale=1.0)
 
 
 class FeedForward(nn.Module):

@@ -40,6 +40,9 @@ class T5(pl.LightningModule):
     ``attention="explicit"`` (default) runs each attention as scores, fp32 softmax and value mix; ``"sdpa"`` as one
     ``scaled_dot_product_attention`` call with the relative position bias as its additive mask (the same function;
     with dropout > 0 training always takes the explicit path, whose dropout draws from the tensor-parallel stream).
+    ``sdpa_backends`` (with ``attention="sdpa"``): ``"no_cudnn"`` (the default: SDPA never picks cuDNN, whose per-shape
+    plans changing micro-batch shapes pay again and again) or ``"torch"`` (torch's own choice); see
+    ``recipes/attention.py``.
     """
 
     # Tells ThroughputMFUMonitor that a batch's tokens are its inputs plus its targets (`labels`), see flops_per_token.
@@ -64,6 +67,7 @@ class T5(pl.LightningModule):
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
         decoder_start_token_id: int | None = None,
+        sdpa_backends: str | None = None,
         activation_checkpointing: bool = False,
         compile: bool | str = False,
         compile_scope: str = "block",
@@ -88,7 +92,7 @@ class T5(pl.LightningModule):
             relative_attention_num_buckets=relative_attention_num_buckets,
             relative_attention_max_distance=relative_attention_max_distance, dropout=dropout,
             layer_norm_eps=layer_norm_eps, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-            decoder_start_token_id=decoder_start_token_id,
+            decoder_start_token_id=decoder_start_token_id, sdpa_backends=sdpa_backends,
         )
         check_speed_options(compile, optimizer_foreach, optimizer_fused, compile_scope)
         check_attention(attention)
