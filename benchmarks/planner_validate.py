@@ -203,6 +203,13 @@ def predict_both(m: Model, c: Config, doc: dict, cluster: ClusterSpec, cm: Profi
     return p, simulate_candidate(cand, w0) if cand.pp > 1 else predict(cand, w0)
 
 
+def runahead_prediction(m: Model, c: Config, cm: ProfiledCostModel, cluster: ClusterSpec):
+    """The prediction with ``Workload(host_runahead=True)``: the simulator times each pipeline rank's device and host
+    apart, the host one action ahead (docs/planner.md); the rows record it beside the default's for pp > 1."""
+    w = Workload(cm.shape, m.seq, m.batch, cm, cluster, target_len=m.target, host_runahead=True)
+    return simulate_candidate(candidate(m, c, cm), w)
+
+
 def tp_grid_lines(m: Model, doc: dict, cluster: ClusterSpec) -> list[str]:
     """Per measured tp degree and micro-batch size: one block's forward + backward ms as measured across the GPUs
     (device span, host time) against the derivation from tp = 1 (its compute ratio plus the modelled all-reduces)."""
@@ -257,6 +264,11 @@ def summarize(rows: list[dict]) -> dict:
         derived = [r.get("derived_step_s", r["predicted_step_s"]) for r in ok]
         out["derived_time_mape"] = sum(abs(d / r["step_s"] - 1) for d, r in zip(derived, ok)) / len(ok)
         out["derived_spearman"] = spearman(derived, [r["step_s"] for r in ok])
+    if any("runahead_step_s" in r for r in ok):
+        # The host run-ahead variant: the same rows with the pipelined configurations' run-ahead predictions.
+        ahead = [r.get("runahead_step_s", r["predicted_step_s"]) for r in ok]
+        out["runahead_time_mape"] = sum(abs(a / r["step_s"] - 1) for a, r in zip(ahead, ok)) / len(ok)
+        out["runahead_spearman"] = spearman(ahead, [r["step_s"] for r in ok])
     chosen = min(ok, key=lambda r: r["predicted_step_s"])
     best = min(ok, key=lambda r: r["step_s"])
     out["planner_choice"], out["best_measured"] = chosen["config"], best["config"]
@@ -344,6 +356,8 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
                     "predicted_overhead_s": p.overhead_time, "predicted_dp_s": p.exposed_dp_time})
         if derived is not None:  # the same configuration priced as before the tp grids were measured
             row.update(derived_step_s=derived.step_time, derived_peak_bytes=derived.peak_memory)
+        if candidate(m, c, cm).pp > 1:  # the model variant under test: each rank's host issuing one action ahead
+            row["runahead_step_s"] = runahead_prediction(m, c, cm, clusters[name]).step_time
         budget = left()
         # What a run takes: the launch (processes, NCCL, the model; the runs so far tell it) and the steps at up to
         # three times the prediction; a configuration that cannot finish in what is left is skipped for a later,
@@ -425,6 +439,7 @@ def _line(name: str, r: dict) -> str:
            if r.get("memory_error") is not None else "")
     again = f" again {r['repeat_step_s'] * 1e3:.1f}" if "repeat_step_s" in r else ""
     again += f" derived {r['derived_step_s'] * 1e3:.1f}" if "derived_step_s" in r else ""
+    again += f" runahead {r['runahead_step_s'] * 1e3:.1f}" if "runahead_step_s" in r else ""
     again += f" run {r['run_s']:.0f} s" if "run_s" in r else ""
     return (head + f" meas {r['step_s'] * 1e3:8.1f} [{r['step_p10_s'] * 1e3:.1f}-{r['step_p90_s'] * 1e3:.1f}]{again}"
             f" ({100 * r['time_error']:+6.1f} %)" + mem)
@@ -443,6 +458,9 @@ def _print_summary(report: dict) -> None:
               f"  choice/best {fmt(s.get('choice_vs_best_measured') and 100 * s['choice_vs_best_measured'], '.1f')} %"
               + (f" ({s['planner_choice']} vs {s['best_measured']})" if s.get("planner_choice") else "")
               + (f"  profile {s['profile_seconds']} s" if "profile_seconds" in s else ""))
+        if s.get("runahead_time_mape") is not None:
+            print(f"  {name:9s} with the host one action ahead in pipelines (Workload.host_runahead): MAPE"
+                  f" {100 * s['runahead_time_mape']:.1f} %  spearman {fmt(s.get('runahead_spearman'), '.3f')}")
         if s.get("derived_time_mape") is not None:
             print(f"  {name:9s} with tp derived from tp = 1 (as before the measured tp grids): MAPE"
                   f" {100 * s['derived_time_mape']:.1f} %  spearman {fmt(s.get('derived_spearman'), '.3f')}")
@@ -457,7 +475,7 @@ def breakdown(c: Candidate, w: Workload) -> dict:
     return {k: round(v * 1e3, 3) for k, v in out.items()}
 
 
-def recompute(report_path: str, profiles: dict[str, str]) -> dict:
+def recompute(report_path: str, profiles: dict[str, str], host_runahead: bool = False) -> dict:
     """The predictions of a saved report's configurations rebuilt from its saved profiles with the current model,
     against the measured steps: per configuration old and new prediction, error, and the new one's breakdown."""
     report = json.loads(Path(report_path).read_text())
@@ -477,7 +495,8 @@ def recompute(report_path: str, profiles: dict[str, str]) -> dict:
                 continue
             c = next(c for c in m.configs if c.label() == row["config"])
             cm = ProfiledCostModel(doc, derive_tp=True, compiled=c.compile)
-            w = Workload(cm.shape, m.seq, m.batch, cm, ClusterSpec(1, gpus, cm.device, intra, intra), target_len=m.target)
+            w = Workload(cm.shape, m.seq, m.batch, cm, ClusterSpec(1, gpus, cm.device, intra, intra), target_len=m.target,
+                         host_runahead=host_runahead)
             cand = candidate(m, c, cm)
             p = simulate_candidate(cand, w) if cand.pp > 1 else predict(cand, w)
             new = dict(row, predicted_step_s=p.step_time, time_error=p.step_time / row["step_s"] - 1)
@@ -522,13 +541,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recompute", default=None, metavar="REPORT", help="no measurement: rebuild a saved report's"
                         " predictions from its saved profiles (--profiles) with the current model, with a breakdown")
     parser.add_argument("--profiles", nargs="+", default=[], metavar="NAME=PATH", help="with --recompute")
+    parser.add_argument("--host-runahead", action="store_true", help="with --recompute: predict with"
+                        " Workload(host_runahead=True) (pipelines: each rank's host one action ahead of its device)")
     ns = parser.parse_args(argv)
     if ns.recompute:
         try:
             profiles = dict(p.split("=", 1) for p in ns.profiles)
         except ValueError:
             parser.error(f"--profiles takes NAME=PATH pairs, got {ns.profiles}")
-        return recompute(ns.recompute, profiles)
+        return recompute(ns.recompute, profiles, host_runahead=ns.host_runahead)
     warnings.simplefilter("ignore")
     if ns.out is None:
         ns.out = os.path.join(os.environ.get("OUT", "."), f"planner_validate_{ns.suite}.json")

@@ -108,3 +108,26 @@ def test_compression_shrinks_gradient_sends_and_slow_dp_links_only() -> None:
     ar_off = dp_allreduce(c, fast, [1e8, 1e8], [[0], [1]])
     ar_on = dp_allreduce(on, fast, [1e8, 1e8], [[0], [1]])
     assert ar_on == ar_off  # NVLink: SC stays off
+
+
+def test_host_runahead_times_device_and_host_apart_in_the_simulator() -> None:
+    # Workload(host_runahead=True): the simulator gets each stage's device seconds as durations and its host seconds
+    # (the per-micro-batch overhead's halves included) as issue times; the default takes max(device, host) + overhead.
+    from lightning_3d.planner.model import stage_device_host
+
+    w = _workload()
+    ahead = replace(w, host_runahead=True, _cache={})
+    c = Candidate(1, 2, 1, 2, 4, "1f1b", 1, (5, 3), (False, True), False)
+    df, db, hf, hb = stage_device_host(c, ahead)
+    fwd, bwd = stage_costs(c, w)[:2]
+    ovh = w.cost_model.microbatch_overhead_seconds
+    assert fwd == pytest.approx([max(d, h - ovh / 2) + ovh / 2 for d, h in zip(df, hf)], rel=1e-12)
+    assert bwd == pytest.approx([max(d, h - ovh / 2) + ovh / 2 for d, h in zip(db, hb)], rel=1e-12)
+    fsend, bsend = send_times(c, w)
+    orders = [build_schedule("1f1b", 2, 1, 4, r) for r in range(2)]
+    t = simulate(orders, 2, lambda a: df[a.stage] if a.kind == "F" else db[a.stage],
+                 latency=lambda a: fsend[a.stage] if a.kind == "F" else bsend[a.stage - 1],
+                 host=lambda a: hf[a.stage] if a.kind == "F" else hb[a.stage])
+    p, q = simulate_candidate(c, ahead), simulate_candidate(c, w)
+    assert p.pipeline_time == pytest.approx(t.makespan, rel=1e-12)
+    assert p.pipeline_time <= q.pipeline_time <= pipeline_time("1f1b", 2, 1, 4, fwd, bwd, fsend, bsend) * (1 + 1e-12)

@@ -207,3 +207,21 @@ def test_a_noisy_chains_single_timing_loses_the_median_fixed_cost() -> None:
     untouched = {"forward": [[1.0e-3]], "backward": [[2.0e-3]]}
     _subtract_fixed(untouched, [(0, 0)], {"forward": [], "backward": []})  # no consistent chain: nothing known
     assert untouched == {"forward": [[1.0e-3]], "backward": [[2.0e-3]]}
+
+
+def test_validation_reports_the_host_runahead_prediction_of_pipelines() -> None:
+    from lightning_3d.planner.model import simulate_candidate
+
+    v = _validate_module()
+    doc = _doc(False)
+    cm = _model(doc)
+    m = v.Model("gpt", "synthetic", 32768, SEQ, None, 8, [])
+    cluster = ClusterSpec(1, 4, device_spec("h100"), 300e9, 300e9)
+    piped = v.Config(2, 4, layout=(1, 2, 1))
+    ref = simulate_candidate(v.candidate(m, piped, cm), Workload(cm.shape, SEQ, 8, cm, cluster, host_runahead=True))
+    assert v.runahead_prediction(m, piped, cm, cluster).step_time == ref.step_time
+    rows = [{"config": "a", "predicted_step_s": 1.0, "step_s": 1.0, "time_error": 0.0, "runahead_step_s": 0.8},
+            {"config": "b", "predicted_step_s": 2.0, "step_s": 2.5, "time_error": -0.2}]
+    s = v.summarize(rows)
+    assert s["runahead_time_mape"] == pytest.approx((0.2 + 0.2) / 2)
+    assert s["runahead_spearman"] is None  # fewer than three rows

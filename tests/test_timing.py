@@ -62,3 +62,47 @@ def test_an_invalid_order_raises_the_simulator_message() -> None:
     bad = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("B", 1, 0), Action("F", 1, 0)]]
     with pytest.raises(ValueError, match="runs before its forward"):
         simulate(bad, 2, _cost(1, 1))
+
+
+def test_host_issues_the_next_action_while_the_device_runs_this_one() -> None:
+    # One rank, F0 B0 F1 B1: forwards host-bound (device 1, host 3), backwards device-bound (device 3, host 1). The
+    # host issues F1 (4..7) while the device runs B0 (3..6): 10, where max(device, host) per action gives 12.
+    order = [build_schedule("1f1b", 1, 1, 2, 0)]
+    dev = lambda a: 1.0 if a.kind == "F" else 3.0  # noqa: E731
+    host = lambda a: 3.0 if a.kind == "F" else 1.0  # noqa: E731
+    assert simulate(order, 1, dev, host=host).makespan == 10.0
+    assert simulate(order, 1, lambda a: max(dev(a), host(a))).makespan == 12.0
+    assert simulate(order, 1, dev, host=host).rank_busy == (8.0,)  # the device's sum
+    # A host of no cost leaves the timeline as it was.
+    assert simulate(order, 1, dev, host=lambda a: 0.0).end == simulate(order, 1, dev).end
+
+
+def test_host_runs_at_most_one_action_ahead() -> None:
+    # GPipe on one rank, F0 F1 B0 B1. F0 keeps the device busy (10) while its host is done at 1: the host issues F1
+    # (1..2) but not B0 before the device starts F1 (10), so B0's slow issue (host 5) ends at 15, B1 at 16. A host
+    # running arbitrarily far ahead would end at 13; waiting for the device at every action, at 17.
+    order = [build_schedule("gpipe", 1, 1, 2, 0)]
+    dev = {("F", 0): 10.0, ("F", 1): 1.0, ("B", 0): 1.0, ("B", 1): 1.0}
+    host = {("F", 0): 1.0, ("F", 1): 1.0, ("B", 0): 5.0, ("B", 1): 1.0}
+    t = simulate(order, 1, lambda a: dev[a.kind, a.microbatch], host=lambda a: host[a.kind, a.microbatch])
+    assert t.end == {("F", 0, 0): 10.0, ("F", 0, 1): 11.0, ("B", 0, 0): 15.0, ("B", 0, 1): 16.0}
+    assert simulate(order, 1, lambda a: max(dev[a.kind, a.microbatch], host[a.kind, a.microbatch])).makespan == 17.0
+
+
+@pytest.mark.parametrize("name,pp,v,m", [("gpipe", 3, 1, 5), ("1f1b", 4, 1, 8), ("interleaved_1f1b", 2, 2, 4)])
+def test_host_ahead_never_slower_than_max_per_action_nor_faster_than_either_alone(name, pp, v, m) -> None:
+    # Between two bounds: each action taking max(device, host) (the host waiting for the device at every action),
+    # and the device alone or the host alone (a rank cannot finish before it has issued everything).
+    import random
+
+    rng = random.Random(pp * 100 + m)
+    stages = pp * v
+    dev = {(k, s): rng.uniform(0.5, 3.0) for k in "FB" for s in range(stages)}
+    host = {(k, s): rng.uniform(0.5, 3.0) for k in "FB" for s in range(stages)}
+    orders = [build_schedule(name, pp, v, m, r) for r in range(pp)]
+    ahead = simulate(orders, stages, lambda a: dev[a.kind, a.stage], host=lambda a: host[a.kind, a.stage], latency=0.2)
+    both = simulate(orders, stages, lambda a: max(dev[a.kind, a.stage], host[a.kind, a.stage]), latency=0.2)
+    alone = simulate(orders, stages, lambda a: dev[a.kind, a.stage], latency=0.2)
+    assert alone.makespan <= ahead.makespan <= both.makespan
+    for r, order in enumerate(orders):
+        assert ahead.rank_end[r] >= sum(host[a.kind, a.stage] for a in order) - 1e-12

@@ -8,6 +8,14 @@ the runtime: a rank executes its list in order; F(s, m) of a stage s > 0 needs F
 output to have arrived (``latency``); B(s, m) needs F(s, m), and unless s is the last stage, B(s + 1, m) plus the
 gradient's arrival. Sends are asynchronous (a rank does not wait for its own sends), as in the runtime.
 
+Host and device (``host``): eager PyTorch issues an action's kernels from the host, and a rank's host does not wait
+for the device or for a received message (the runtime's waits on NCCL receives are stream waits), so it issues the
+next action while its device runs the current one or waits for data; it runs no further ahead than that (the next
+issue starts no earlier than the current action starts on the device: the launch queue holds about one stage's
+pass). An action starts on the device no earlier than its issue starts, and ends no earlier than its issue ends:
+``end = max(device start + duration, host issue end)``. Without ``host`` every action is timed by ``duration``
+alone (the host never the bound).
+
 Memory per rank is counted in the order the rank runs its actions: a forward's ``stored`` bytes are held from its
 start until its backward ends; while an action runs, its ``transient`` bytes come on top. Forward-only schedules
 (evaluation) keep nothing.
@@ -51,6 +59,7 @@ def simulate(
     transient: ActionCost | None = None,
     check: bool = True,
     num_microbatches: int | None = None,
+    host: ActionCost | None = None,
 ) -> Timeline:
     """Simulate ``orders`` (one action list per pipeline rank, looped placement: stage s on rank s % pp).
 
@@ -59,7 +68,8 @@ def simulate(
     ``stored(action)``: for a forward, the activation bytes it keeps until its backward (ignored for backwards).
     ``transient(action)``: working memory on top while the action runs. ``check``: validate the orders with the
     schedule simulator first (``num_microbatches`` defaults to the largest micro-batch index + 1), so that an
-    invalid order raises the simulator's message instead of a wrong timeline.
+    invalid order raises the simulator's message instead of a wrong timeline. ``host(action)``: the host's seconds
+    to issue the action (module docstring); ``rank_busy`` stays the device's sum.
     """
     pp = len(orders)
     train = any(a.kind == "B" for order in orders for a in order)
@@ -72,6 +82,7 @@ def simulate(
     free = [0.0] * pp
     position = [0] * pp
     busy = [0.0] * pp
+    issued = [0.0] * pp  # each rank's host clock: when it has issued its actions so far
     total = sum(len(o) for o in orders)
     done = 0
     # Each pass advances every rank as far as its dependencies allow; a valid schedule completes (checked above).
@@ -83,11 +94,18 @@ def simulate(
                 ready = _ready(a, num_stages, pp, end, lat)
                 if ready is None:
                     break
-                begin = max(free[rank], ready)
+                begin = max(free[rank], ready, issued[rank])
                 took = float(duration(a))
+                finish = begin + took
+                if host is not None:
+                    issued[rank] += float(host(a))
+                    finish = max(finish, issued[rank])
+                    # The host runs at most one action ahead: it issues the next action's kernels while the device
+                    # runs this one, not further (the device's launch queue is bounded, about one stage's pass).
+                    issued[rank] = max(issued[rank], begin)
                 key = (a.kind, a.stage, a.microbatch)
-                start[key], end[key] = begin, begin + took
-                free[rank] = begin + took
+                start[key], end[key] = begin, finish
+                free[rank] = finish
                 busy[rank] += took
                 position[rank] += 1
                 done += 1

@@ -51,7 +51,8 @@ class Candidate:
 class Workload:
     """What is trained and where: the model shape and lengths, the global batch (sequences per optimizer step),
     the cost model, the cluster, and the training state's bytes per parameter (fp32 weights, gradients and Adam's
-    two moments: 16)."""
+    two moments: 16). ``host_runahead``: ``simulate_candidate`` times each pipeline rank's device and host apart, the
+    host issuing one action ahead of the device (pipeline/timing.py; docs/planner.md says why it is off by default)."""
 
     shape: ModelShape
     seq_len: int
@@ -65,6 +66,7 @@ class Workload:
     cb_rank: int = 16
     sc_rank: int = 128
     sc_max_link_gbps: float = 50.0
+    host_runahead: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -183,7 +185,19 @@ def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], li
     A stage's pass over a micro-batch takes max(its layers' device seconds, their host seconds): the host issues the
     next layers' kernels while the device runs the earlier ones, so the two overlap across the stage's layers, not
     only within each (a per-layer max would charge every layer the slower of the two)."""
+    return stage_terms(c, w)[:5]
+
+
+def stage_device_host(c: Candidate, w: Workload) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per stage: the device's forward and backward seconds and the host's (its issue time, the per-micro-batch
+    overhead's half on each pass included): what the simulator times with the host running ahead of the device."""
+    return stage_terms(c, w)[5:]
+
+
+def stage_terms(c: Candidate, w: Workload) -> tuple[list[float], ...]:
+    """``stage_costs``' five lists, then the device's forward and backward and the host's forward and backward."""
     fwd, bwd, stored, peak, params = [], [], [], [], []
+    dev_f, dev_b, host_f, host_b = [], [], [], []
     start = 0
     mb_overhead = float(getattr(w.cost_model, "microbatch_overhead_seconds", 0.0) or 0.0)
     for s, (n, ckpt) in enumerate(zip(c.layer_split, c.stage_checkpointing)):
@@ -202,7 +216,9 @@ def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], li
         # strategy's engine, the autograd engine's start) the profiler measured as one total: half on each pass.
         f, b = max(df, hf) + mb_overhead / 2, max(db, hb) + mb_overhead / 2
         fwd.append(float(f)), bwd.append(float(b)), stored.append(float(st)), peak.append(pk), params.append(float(p))
-    return fwd, bwd, stored, peak, params
+        dev_f.append(float(df)), dev_b.append(float(db))
+        host_f.append(float(hf) + mb_overhead / 2), host_b.append(float(hb) + mb_overhead / 2)
+    return fwd, bwd, stored, peak, params, dev_f, dev_b, host_f, host_b
 
 
 def layer_terms(mbs: int, tp: int, recompute: bool, w: Workload) -> dict[str, float]:
@@ -338,12 +354,19 @@ def simulate_candidate(c: Candidate, w: Workload) -> Prediction:
     from lightning_3d.pipeline.schedules import build_schedule
     from lightning_3d.pipeline.timing import simulate
 
-    fwd, bwd, stored, peak, _ = stage_costs(c, w)
+    fwd, bwd, stored, peak, _, dev_f, dev_b, host_f, host_b = stage_terms(c, w)
     fsend, bsend = send_times(c, w)
     orders = [build_schedule(c.schedule, c.pp, c.virtual_stages, c.num_microbatches, r) for r in range(c.pp)]
     lat = lambda a: fsend[a.stage] if a.kind == "F" else bsend[a.stage - 1]  # noqa: E731
-    t = simulate(orders, c.num_stages, lambda a: fwd[a.stage] if a.kind == "F" else bwd[a.stage], latency=lat,
-                 stored=lambda a: stored[a.stage], transient=lambda a: peak[a.stage], check=False)
+    if w.host_runahead:
+        # The device's seconds, each rank's host issuing one action ahead (pipeline/timing.py): a stage waiting for a
+        # message has its next kernels queued already, and a host-bound pass overlaps the device's previous one.
+        duration = lambda a: dev_f[a.stage] if a.kind == "F" else dev_b[a.stage]  # noqa: E731
+        host = lambda a: host_f[a.stage] if a.kind == "F" else host_b[a.stage]  # noqa: E731
+    else:  # each action takes max(device, host): the host waits for the device at every action
+        duration, host = (lambda a: fwd[a.stage] if a.kind == "F" else bwd[a.stage]), None
+    t = simulate(orders, c.num_stages, duration, latency=lat, stored=lambda a: stored[a.stage],
+                 transient=lambda a: peak[a.stage], check=False, host=host)
     pred = predict(c, w, timeline=(t.makespan, list(t.rank_end)))
     # Memory from the simulated order (exact in-flight counts), with the weights and optimizer state added.
     closed = predict(c, w)
