@@ -51,7 +51,8 @@ SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "
             "cudagraphs", "pygc", "gc1")
 OURS_ONLY = ("cc", "nofuse", "pygc", "gc1")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
-ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",), "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
+ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",),
+            "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
             "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
             "fp32res": ("plain", "ddp", "fsdp", "ours")}

@@ -154,7 +154,8 @@ def test_evaluation_batches_are_counted_and_validation_refreezes(monkeypatch) ->
     # validate / test alone: collections every 2nd batch, the first one freezes.
     calls, seen_in = [], []
     collect, freeze = gc.collect, gc.freeze
-    monkeypatch.setattr(gc, "collect", lambda *a: (calls.append("collect") if module.val_enabled else None) or collect(*a))
+    monkeypatch.setattr(gc, "collect",
+                        lambda *a: (calls.append("collect") if module.val_enabled else None) or collect(*a))
     monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze") or freeze())
     for run, limit in (("validate", "limit_val_batches"), ("test", "limit_test_batches")):
         module, strategy = Probe(), Compressed3DStrategy(gc_interval=2)
@@ -162,7 +163,8 @@ def test_evaluation_batches_are_counted_and_validation_refreezes(monkeypatch) ->
         getattr(make_trainer(strategy, 6, **{limit: 5 if run == "validate" else 3}), run)(module, verbose=False)
         seen_in.append(calls[:])
         calls.clear()
-        assert module.val_enabled == [False] * (5 if run == "validate" else 3) and not strategy.garbage_collection.active
+        assert module.val_enabled == [False] * (5 if run == "validate" else 3)
+        assert not strategy.garbage_collection.active
     assert seen_in == [["collect", "freeze", "collect"], ["collect", "freeze"]]
 
 

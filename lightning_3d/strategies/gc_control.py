@@ -18,7 +18,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 def check_gc_options(gc_interval: object, gc_freeze: object) -> None:
     """Raise on a bad value (on every rank, from the strategy's constructor, before any process group exists)."""
-    if gc_interval is not None and (isinstance(gc_interval, bool) or not isinstance(gc_interval, int) or gc_interval < 1):
+    bad_type = isinstance(gc_interval, bool) or not isinstance(gc_interval, int)
+    if gc_interval is not None and (bad_type or gc_interval < 1):
         raise ValueError(
             f"`gc_interval={gc_interval!r}` must be a positive number of optimizer steps between the strategy's garbage"
             " collections (e.g. 50), or None to leave Python's automatic collection as it is."
