@@ -11,6 +11,12 @@ in-graph accumulations), and with ``--profile`` the top host operators of one ex
     python benchmarks/host_time_t5.py                                # 24+24 blocks, aot_eager, fusion on and off
     python benchmarks/host_time_t5.py --backend inductor --profile   # Inductor's C++ kernels (slow cold compile)
     python benchmarks/host_time_t5.py --layers 2 --steps 2 --warmup 1 --fusion on   # smoke (tests/test_benchmarks.py)
+    python benchmarks/host_time_t5.py --fusion on --gc-report   # + the full collection's pause, frozen or not
+
+``--gc-report`` (the strategy's garbage collection: docs/speed.md, "Garbage collection"): after each timed step (out
+of its timing) a full collection counts the cyclic garbage the step left (objects, and tensors among them), and after
+the fit, with the compiled model, the strategy and the trainer still alive, it times full collections of the heap as
+it is and after ``gc.freeze()`` (median of 3 each), with the number of tracked objects.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps before timing (the first compiles)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--profile", action="store_true", help="profile one extra step: top host ops by self CPU time")
+    p.add_argument("--gc-report", action="store_true", help="cyclic garbage per step; full-collection pause with and"
+                   " without gc.freeze after the fit")
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     return p.parse_args(argv)
 
@@ -81,6 +89,7 @@ def run_one(args: argparse.Namespace, fusion: bool) -> dict:
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
     trainer.fit(module, train_dataloaders=data)
+    gc_report = _gc_pauses(timer.garbage) if args.gc_report else None
     wall, cpu = timer.wall_ms, timer.cpu_ms
     return {
         "fusion": fusion, "backend": args.backend,
@@ -88,8 +97,35 @@ def run_one(args: argparse.Namespace, fusion: bool) -> dict:
         "cpu_ms": statistics.median(cpu), "cpu_range_ms": [min(cpu), max(cpu)],
         "fused_accumulations_per_step": timer.accumulations,
         "per_microbatch_cpu_ms": statistics.median(cpu) / args.num_microbatches,
-        "losses": timer.losses, "profile": timer.profile, "profiled_op_calls": timer.op_calls,
+        "losses": timer.losses, "profile": timer.profile, "profiled_op_calls": timer.op_calls, "gc": gc_report,
     }
+
+
+def _gc_pauses(garbage: list[dict]) -> dict:
+    """Full collections of the heap after the fit (everything the run built still alive), as it is and frozen."""
+    import gc
+
+    def pause_ms() -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            gc.collect()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        tracked = len(gc.get_objects())
+        full_ms = pause_ms()
+        gc.freeze()
+        frozen_ms, frozen = pause_ms(), gc.get_freeze_count()
+        gc.unfreeze()
+    finally:
+        if enabled:
+            gc.enable()
+    return {"tracked_objects": tracked, "full_collection_ms": full_ms, "frozen_objects": frozen,
+            "full_collection_after_freeze_ms": frozen_ms, "garbage_per_step": garbage}
 
 
 def _data(args: argparse.Namespace, samples: int):
@@ -117,6 +153,7 @@ class _Timer:
                 self.accumulations = 0
                 self.profile: list[dict] = []
                 self.op_calls: dict[str, int] = {}
+                self.garbage: list[dict] = []
                 self._prof = None
 
             def on_train_batch_start(self, trainer, module, batch, idx) -> None:
@@ -142,8 +179,26 @@ class _Timer:
                 elif args.warmup <= idx < args.warmup + args.steps:
                     self.wall_ms.append(wall * 1e3)
                     self.cpu_ms.append(cpu * 1e3)
+                    if args.gc_report:
+                        self.garbage.append(_step_garbage())
 
         return Timer()
+
+
+def _step_garbage() -> dict:
+    """The cyclic garbage left since the last full collection: objects found unreachable, and tensors among them."""
+    import gc
+
+    import torch
+
+    gc.set_debug(gc.DEBUG_SAVEALL)  # keep what it finds in gc.garbage, to look at
+    try:
+        found = gc.collect()
+        tensors = sum(issubclass(type(o), torch.Tensor) for o in gc.garbage)  # type(): proxies too
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    return {"objects": found, "tensors": tensors}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,6 +218,13 @@ def main(argv: list[str] | None = None) -> None:
               f"  cpu {r['cpu_ms']:.1f} ms ({r['per_microbatch_cpu_ms']:.2f} per micro-batch)"
               f"  fused accumulations/step {r['fused_accumulations_per_step']}  last loss {r['losses'][-1]:.4f}",
               flush=True)
+        if r["gc"]:
+            g = r["gc"]
+            per_step = " ".join(f"{x['objects']}/{x['tensors']}" for x in g["garbage_per_step"])
+            print(f"    gc: full collection after the fit {g['full_collection_ms']:.1f} ms over {g['tracked_objects']}"
+                  f" tracked objects; after gc.freeze() ({g['frozen_objects']} frozen)"
+                  f" {g['full_collection_after_freeze_ms']:.2f} ms; cyclic garbage per timed step (objects/tensors):"
+                  f" {per_step}", flush=True)
         if r["profiled_op_calls"]:
             print(f"    profiled step: {r['profiled_op_calls']['aten']} aten ops,"
                   f" {r['profiled_op_calls']['accumulate_weight_grad']} {OP} calls; top host ops by self CPU time:")

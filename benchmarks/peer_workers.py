@@ -200,7 +200,9 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
         strategy = Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=m,
                                         schedule=args.schedule if system["pp"] > 1 else "1f1b",
                                         compression=system["cc"], fused_embedding_sync=system["cc"],
-                                        gradient_accumulation_fusion=not system["nofuse"])
+                                        gradient_accumulation_fusion=not system["nofuse"],
+                                        **({"gc_interval": None} if system["pygc"]
+                                           else {"gc_interval": 1} if system["gc1"] else {}))
         module, batch, accumulate = recipe_module(args, system), mb * m, 1
     elif name == "ddp":
         strategy = DDPStrategy(gradient_as_bucket_view=True)

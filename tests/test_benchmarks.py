@@ -285,6 +285,8 @@ def test_peers_system_suffixes() -> None:
     assert (hf["name"], hf["world"], hf["compile"], hf["whole"]) == ("hf", 1, True, False)
     assert parse_system("plain+whole", gpus=1)["whole"] and parse_system("ours@1,1,1+fusedce", gpus=1)["fusedce"]
     assert parse_system("ours@1,1,1+compile+stage", gpus=1)["stage"]
+    gc_rows = [parse_system(t, gpus=1) for t in ("ours@1,1,1", "ours@1,1,1+pygc", "ours@1,1,1+compile+gc1")]
+    assert [(r["pygc"], r["gc1"]) for r in gc_rows] == [(False, False), (True, False), (False, True)]
     assert parse_system("plain+whole+explicit", gpus=1)["explicit"]
     assert not parse_system("plain+whole", gpus=1)["explicit"]
     # +torchsdpa: our recipes under torch's SDPA backend choice (sdpa_backends="torch"); without it the recipes' default
@@ -308,6 +310,8 @@ def test_peers_system_suffixes() -> None:
                          ("hf+explicit", r"\+explicit is for plain and ours, not hf"),
                          ("hf+torchsdpa", r"\+torchsdpa is for plain and ddp and fsdp and ours, not hf"),
                          ("plain+explicit+torchsdpa", r"\+torchsdpa picks SDPA's backends and \+explicit runs no SDPA"),
+                         ("plain+pygc", r"\+pygc is for ours only, not plain"),
+                         ("ours@1,1,1+pygc+gc1", r"\+pygc and \+gc1 are two garbage-collection settings; pick one"),
                          ("plain+compile+cudagraphs", r"\+cudagraphs replays the whole-model compile; add \+whole"),
                          ("ours@1,1,1+compile+stage+cudagraphs", r"without gradient-accumulation fusion; add \+comp")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
@@ -383,7 +387,7 @@ def test_host_time_t5_counts_the_fused_accumulations(tmp_path: Path) -> None:
     calls in the profiled one; without it none does; both train the same (fp32: summation order only)."""
     out = tmp_path / "host.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/host_time_t5.py"), "--layers", "1", "--num-microbatches", "2",
-           "--steps", "1", "--warmup", "1", "--profile", "--out", str(out)]
+           "--steps", "1", "--warmup", "1", "--profile", "--gc-report", "--out", str(out)]
     run = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "fusion on - off:" in run.stdout
     on, off = json.loads(out.read_text())["results"]
@@ -393,3 +397,8 @@ def test_host_time_t5_counts_the_fused_accumulations(tmp_path: Path) -> None:
     assert off["profiled_op_calls"]["accumulate_weight_grad"] == 0 and off["profiled_op_calls"]["aten"] > 0
     assert on["wall_ms"] > 0 and on["cpu_ms"] > 0 and on["profile"] and off["profile"]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(on["losses"], off["losses"], strict=True))
+    # --gc-report: one garbage count per timed step; the freeze holds what was tracked (a few objects may be born or
+    # die between the two counts, so only its order of magnitude is checked).
+    for r in (on, off):
+        assert len(r["gc"]["garbage_per_step"]) == 1 and r["gc"]["garbage_per_step"][0]["objects"] >= 0
+        assert r["gc"]["frozen_objects"] > r["gc"]["tracked_objects"] // 2 > 0

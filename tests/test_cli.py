@@ -208,6 +208,10 @@ def test_cli_errors_are_short_with_did_you_mean(tmp_path):
     assert first.startswith("lightning-3d fit: error: lightning_3d.Compressed3DStrategy: The 1F1B schedule with"
                             " num_microbatches=1"), err
     assert "Traceback" not in err and len(err.splitlines()) <= 2, err
+    # gc_interval (YAML / CLI like every strategy option): refused with the strategy's own message.
+    err = lightning_3d("fit", "--config", "gpt_tiny", "--trainer.strategy.init_args.gc_interval=0", cwd=tmp_path,
+                       expect=2).stderr
+    assert "lightning_3d.Compressed3DStrategy: `gc_interval=0` must be a positive number of optimizer steps" in err, err
 
 
 @pytest.mark.parametrize("message,options,expected", [

@@ -214,7 +214,10 @@ def test_every_rank_stops_with_the_same_message(tmp_path) -> None:
         assert seen["large"] == {"error": None, "warnings": [], "estimate": True}
         assert seen["own_model"] == {"error": None, "warnings": [], "estimate": False}  # not a model it knows
         assert seen["validate"] == {"estimate": False}
-        assert len(seen["healthy_losses"]) == 2
+        assert len(seen["healthy_losses"]) == 5
+        # gc_interval=2: full collections before steps 2 and 4 on every rank, automatic collection off, all given back.
+        assert seen["gc"] == {"steps": [2, 4], "enabled_in_batches": [False] * 5, "enabled_after": True,
+                              "frozen_after": 0}
     assert ranks[0]["too_small"]["error"] == ranks[1]["too_small"]["error"]
     # "warn": the same message as a warning, once (on rank 0).
     assert ranks[0]["too_small_warn"]["warnings"] == [ranks[0]["too_small"]["error"].removeprefix("DoesNotFitError: ")]

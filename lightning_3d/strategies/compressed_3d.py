@@ -37,6 +37,7 @@ from lightning_3d.strategies import checkpoint as ckpt
 from lightning_3d.strategies.comm_metrics import log_job_communication
 from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.fit_check import check_fit, check_memory_option, read_workload
+from lightning_3d.strategies.gc_control import GarbageCollection
 from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
 from lightning_3d.strategies.options import resolve_options
 from lightning_3d.strategies.parallel_dims import ParallelDims, resolve_sizes
@@ -103,6 +104,16 @@ class Compressed3DStrategy(ParallelStrategy):
             memory by more than the model's error margin (and warns below that); ``"warn"`` only warns; ``"off"``
             skips it. ``$LIGHTNING_3D_DEVICE_MEMORY_GIB`` replaces the card's memory (CPU runs have none).
             docs/context_parallel.md, "Will it fit?".
+        gc_interval: Python's automatic garbage collection is off from ``setup`` to ``teardown`` (restored then, also
+            when the run raises) and every rank runs a full collection before the first batch of every
+            ``gc_interval``-th optimizer step, all at the same step (and before every ``gc_interval``-th batch of an
+            evaluation loop), as Megatron-LM's ``--manual-gc``: an automatic collection pauses one rank at a random
+            point and every collective waits for it. ``None`` leaves Python's collector alone. docs/speed.md,
+            "Garbage collection".
+        gc_freeze: after the first of those collections in a fit (and the first after each validation), move what
+            survived it (compiled graphs, the model, the optimizer) to Python's permanent generation
+            (``gc.freeze()``), so later full collections walk only what was allocated since; cyclic garbage still
+            reachable at that moment is never collected. Undone at ``teardown``.
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
@@ -150,6 +161,8 @@ class Compressed3DStrategy(ParallelStrategy):
         context_parallel_attention: Literal["ring", "ulysses"] = "ring",
         shard_optimizer_state: bool = False,
         memory_check: Literal["error", "warn", "off"] = "error",
+        gc_interval: int | None = 50,
+        gc_freeze: bool = True,
     ) -> None:
         # Every check here runs on every rank before any process group exists.
         options = resolve_options(
@@ -163,6 +176,7 @@ class Compressed3DStrategy(ParallelStrategy):
             shard_optimizer_state=shard_optimizer_state,
         )
         check_memory_option(memory_check)
+        self.garbage_collection = GarbageCollection(gc_interval, gc_freeze)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.compression = CompressionConfig(
             compression, compressed_backprop, cb_rank, cb_epilogue_only, cb_min_compression_ratio, cb_lazy_error_propagation, sc_rank,
@@ -321,6 +335,7 @@ class Compressed3DStrategy(ParallelStrategy):
             self.engine.shard_optimizer_state(self.optimizers, module)
             self.engine.setup_selective_compression(trainer)
         self.setup_precision_plugin()
+        self.garbage_collection.start(trainer.state.fn)  # stopped in teardown, which Lightning runs on errors too
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
         self.precision_plugin.clip_grad_by_norm = self.engine.clip_grad_by_norm
 
@@ -376,6 +391,10 @@ class Compressed3DStrategy(ParallelStrategy):
             moved.orders = batch.orders
         return moved
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.garbage_collection.before_train_batch(self.lightning_module.trainer.global_step)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         log_job_communication(self.lightning_module, self.comm_stats, self.groups, self.root_device, self.world_size)
         if self.engine.runtime is None:
@@ -404,16 +423,19 @@ class Compressed3DStrategy(ParallelStrategy):
         self.engine.end_backward()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.garbage_collection.before_eval_batch()
         if self.engine.runtime is None:
             return super().validation_step(*args, **kwargs)
         return self.engine.eval_step(self.lightning_module, args[0], "val")
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.garbage_collection.before_eval_batch()
         if self.engine.runtime is None:
             return super().test_step(*args, **kwargs)
         return self.engine.eval_step(self.lightning_module, args[0], "test")
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.garbage_collection.before_eval_batch()
         if self.engine.runtime is not None and self.dims.pp > 1:
             raise RuntimeError(
                 "trainer.predict is not available with pipeline_parallel_size > 1 (outputs live on the last stage"
@@ -501,6 +523,7 @@ class Compressed3DStrategy(ParallelStrategy):
 
     # ----- teardown ----------------------------------------------------------------------------------------------
     def teardown(self) -> None:
+        self.garbage_collection.stop()  # first: whatever fails below, the process gets its collector back
         self.engine.teardown()  # the synchronizer's hooks would keep this run's parameters alive (see the engine)
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -8,6 +8,7 @@ itself (it is tiny), so a rank can compare its own shard of every parameter with
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -286,3 +287,35 @@ def trainer(strategy, steps: int, callbacks=(), accumulate: int = 1, **overrides
 def write_report(path: Path, report: dict) -> None:
     if dist.get_rank() == 0:
         path.write_text(json.dumps(report, indent=1))
+
+
+class FullCollections(pl.Callback):
+    """The ``global_step`` at every full (generation-2) garbage collection during a fit, and whether automatic
+    collection was on at the end of each training batch (read through ``gc.callbacks`` and ``gc.isenabled``)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.enabled_in_batches: list[bool] = []
+        self._trainer = None
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2 and self._trainer is not None:
+            self.steps.append(self._trainer.global_step)
+
+    def on_fit_start(self, trainer, module) -> None:
+        self._trainer = trainer
+        gc.callbacks.append(self._seen)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.enabled_in_batches.append(gc.isenabled())
+
+    def on_fit_end(self, trainer, module) -> None:
+        self.detach()
+
+    def on_exception(self, trainer, module, exception) -> None:
+        self.detach()
+
+    def detach(self) -> None:
+        if self._seen in gc.callbacks:
+            gc.callbacks.remove(self._seen)
+        self._trainer = None

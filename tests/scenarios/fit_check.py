@@ -1,12 +1,14 @@
 """The fit check on every rank: a layout that cannot fit the (injected) device memory stops on every rank with the
 same message before any collective; "warn" trains with a warning; a layout that fits trains; a module the memory
-model does not know is not checked, nor is validation. A healthy fit at the end proves no rank was left inside a collective.
+model does not know is not checked, nor is validation. A healthy fit at the end proves no rank was left inside a collective
+(and records the steps of its garbage collections on each rank).
 
 Each rank writes what it saw to ``<report>.rank<r>.json`` (the test compares the ranks' messages).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import warnings
@@ -15,7 +17,8 @@ import torch.distributed as dist
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.strategies.fit_check import CAPACITY_ENV, RESERVE, GIB
-from tests.scenarios.common import LossRecorder, TestData, make_model, parse_args, trainer, write_report
+from tests.scenarios.common import (FullCollections, LossRecorder, TestData, make_model, parse_args, trainer,
+                                    write_report)
 from tests.scenarios.errors import PlainModule
 
 TINY_GIB = (RESERVE + 2**20) / GIB  # 1 MiB above the reserve: the tiny GPT's weights alone are more
@@ -53,9 +56,13 @@ def main() -> None:
     trainer(strategy, 1, limit_val_batches=1).validate(make_model(), datamodule=TestData(8))
     seen["validate"] = {"estimate": strategy.memory_estimate is not None}
     del os.environ[CAPACITY_ENV]
-    recorder = LossRecorder()  # the group still works after all of the above
-    trainer(pipeline(), 2, [recorder]).fit(make_model(), datamodule=TestData(8))
+    # The group still works after all of the above; the strategy's garbage collections (gc_interval) run on every
+    # rank at the same steps, with automatic collection off throughout (tests/test_gc_control.py compares the ranks).
+    recorder, collections = LossRecorder(), FullCollections()
+    trainer(pipeline(gc_interval=2), 5, [recorder, collections]).fit(make_model(), datamodule=TestData(8))
     seen["healthy_losses"] = recorder.losses
+    seen["gc"] = {"steps": collections.steps, "enabled_in_batches": collections.enabled_in_batches,
+                  "enabled_after": gc.isenabled(), "frozen_after": gc.get_freeze_count()}
     rank = dist.get_rank()
     args.report.with_suffix(f".rank{rank}.json").write_text(json.dumps(seen, indent=1))
     dist.barrier()
