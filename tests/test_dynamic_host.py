@@ -84,7 +84,8 @@ def test_a_stage_costs_the_larger_of_its_device_and_host_sums_plus_the_overhead(
             dev = [sum(np.asarray(cm.layer_time(k, sizes, lengths)[i]) for k in layers) for i in (0, 1)]
             host = [sum(np.asarray(cm.layer_host_time(k, sizes, lengths)[i]) for k in layers) for i in (0, 1)]
             blocks = layers.count("block")
-            assert np.array_equal(host[0], np.full(4, blocks * HOST_F)) and np.array_equal(host[1], np.full(4, blocks * HOST_B))
+            assert np.array_equal(host[0], np.full(4, blocks * HOST_F))
+            assert np.array_equal(host[1], np.full(4, blocks * HOST_B))
             assert np.allclose(c.forward[st], np.maximum(dev[0], host[0]) + OVERHEAD / 2, rtol=1e-12, atol=0)
             assert np.allclose(c.backward[st], np.maximum(dev[1], host[1]) + OVERHEAD / 2, rtol=1e-12, atol=0)
             # both sides of the max are reached: one 16-token sample is host-bound, 16 x 256 tokens is not
