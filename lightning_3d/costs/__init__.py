@@ -9,6 +9,7 @@ docs/planner.md.
 
 from lightning_3d.costs.analytic import AnalyticCostModel, layer_parameters, weight_matrices
 from lightning_3d.costs.devices import KNOWN_DEVICES, ClusterSpec, device_spec
+from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_pass_seconds
 from lightning_3d.costs.model import CostModel, DeviceSpec, LayerKind, ModelShape
 from lightning_3d.costs.profiled import (PROFILE_FORMAT, PROFILE_VERSION, READABLE_VERSIONS, ProfiledCostModel, check_profile,
                                         new_profile)
@@ -16,6 +17,7 @@ from lightning_3d.costs.shapes import RECIPES, RecipeCosts, model_shape, recipe_
 
 __all__ = [
     "AnalyticCostModel", "ClusterSpec", "CostModel", "DeviceSpec", "KNOWN_DEVICES", "LayerKind", "ModelShape",
+    "layer_host_time", "microbatch_overhead", "stage_pass_seconds",
     "PROFILE_FORMAT", "PROFILE_VERSION", "READABLE_VERSIONS", "ProfiledCostModel", "check_profile", "device_spec", "layer_parameters",
     "model_shape", "new_profile", "RECIPES", "RecipeCosts", "recipe_costs", "register_recipe", "weight_matrices",
 ]

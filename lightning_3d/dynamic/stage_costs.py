@@ -2,9 +2,12 @@
 stage, for many shapes at once (NumPy arrays), as the partitioner and the schedule search need them.
 
 A stage holds a contiguous run of the model's blocks (the same even split as the strategy's ``split_layers``, or a
-given ``layer_split``); stage 0 also holds the embedding, the last stage the head. Its forward/backward time and its
-stored activation bytes are sums over its layers; its transient bytes are the largest of its layers' peaks (layers
-run one after the other, so their working sets do not add up). See docs/dynamic.md.
+given ``layer_split``); stage 0 also holds the embedding, the last stage the head. Its forward/backward time is the
+planner's rule (``lightning_3d.costs.host.stage_pass_seconds``): the larger of its layers' summed device seconds and
+their summed host seconds, plus the measured per-micro-batch overhead, so that a micro-batch costs at least the
+host's time to issue it (docs/dynamic.md, "The host floor"). Its stored activation bytes are sums over its layers;
+its transient bytes are the largest of its layers' peaks (layers run one after the other, so their working sets do
+not add up).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_pass_seconds
 from lightning_3d.costs.model import CostModel, LayerKind, ModelShape
 
 
@@ -66,7 +70,9 @@ def evaluate(
     cost_model: CostModel, stages: list[list[LayerKind]], microbatch_size: np.ndarray, seq_len: np.ndarray,
     target_len: np.ndarray | None, *, recompute: bool, tp: int,
 ) -> StageCosts:
-    """Every stage's cost for every queried (size, length[, target length]); one cost-model call per layer kind."""
+    """Every stage's cost for every queried (size, length[, target length]); one cost-model call per layer kind and
+    question (device time, host time, memory). Models without host times (the analytic one, version-1 profiles)
+    give the device's sums exactly."""
     shape = np.broadcast_shapes(np.shape(microbatch_size), np.shape(seq_len),
                                 np.shape(target_len) if target_len is not None else ())
     per_kind: dict[str, tuple[np.ndarray, ...]] = {}
@@ -74,14 +80,20 @@ def evaluate(
         kw = dict(target_len=target_len, recompute=recompute, tp=tp)
         fwd, bwd = cost_model.layer_time(kind, microbatch_size, seq_len, **kw)
         stored, peak = cost_model.layer_memory(kind, microbatch_size, seq_len, **kw)
-        per_kind[kind] = tuple(np.broadcast_to(np.asarray(a, dtype=np.float64), shape) for a in (fwd, bwd, stored, peak))
-    out = [np.zeros((len(stages), *shape)) for _ in range(4)]
+        host_fwd, host_bwd = layer_host_time(cost_model, kind, microbatch_size, seq_len, **kw)
+        per_kind[kind] = tuple(np.broadcast_to(np.asarray(a, dtype=np.float64), shape)
+                               for a in (fwd, bwd, stored, peak, host_fwd, host_bwd))
+    # forward, backward, stored, transient, host forward, host backward
+    out = [np.zeros((len(stages), *shape)) for _ in range(6)]
     for s, layers in enumerate(stages):
         counts = Counter(layers)
         for kind, n in counts.items():
-            fwd, bwd, stored, peak = per_kind[kind]
+            fwd, bwd, stored, peak, host_fwd, host_bwd = per_kind[kind]
             out[0][s] += n * fwd
             out[1][s] += n * bwd
             out[2][s] += n * stored
             out[3][s] = np.maximum(out[3][s], peak)
-    return StageCosts(*out)
+            out[4][s] += n * host_fwd
+            out[5][s] += n * host_bwd
+    forward, backward = stage_pass_seconds(out[0], out[1], out[4], out[5], microbatch_overhead(cost_model))
+    return StageCosts(forward, backward, out[2], out[3])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_3d.costs import ClusterSpec, CostModel, ModelShape, layer_parameters, weight_matrices
+from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_pass_seconds
 # The memory terms per rank are shared with the strategy's fit check (costs/memory.py: the strategies may not import
 # the planner); re-exported here for the planner's users.
 from lightning_3d.costs.memory import in_flight, rank_memory
@@ -85,14 +86,11 @@ class Workload:
             for kind in {*self.block_kinds(), "embedding", "head"}:
                 kw = dict(target_len=self.target_len, recompute=recompute and kind not in ("embedding", "head"), tp=tp)
                 f, b = self.cost_model.layer_time(kind, mbs, self.seq_len, **kw)
-                hf = hb = 0.0
-                host = getattr(self.cost_model, "layer_host_time", None)
-                if host is not None:
-                    # A layer takes at least the host's time to issue its kernels (eager PyTorch launches each from
-                    # Python): the floor that holds where the measured span does not already show it (a tp shard
-                    # the profile lacks, whose compute is scaled down but whose launches are not; the host's time
-                    # inside the training loop, which the isolated span does not hold).
-                    hf, hb = host(kind, mbs, self.seq_len, **kw)
+                # A layer takes at least the host's time to issue its kernels (eager PyTorch launches each from
+                # Python): the floor that holds where the measured span does not already show it (a tp shard the
+                # profile lacks, whose compute is scaled down but whose launches are not; the host's time inside
+                # the training loop, which the isolated span does not hold). Zeros for models without host times.
+                hf, hb = layer_host_time(self.cost_model, kind, mbs, self.seq_len, **kw)
                 st, pk = self.cost_model.layer_memory(kind, mbs, self.seq_len, **kw)
                 measured = getattr(self.cost_model, "includes_tp_collectives", None)
                 kind_rc = recompute and kind not in ("embedding", "head")
@@ -199,7 +197,7 @@ def stage_terms(c: Candidate, w: Workload) -> tuple[list[float], ...]:
     fwd, bwd, stored, peak, params = [], [], [], [], []
     dev_f, dev_b, host_f, host_b = [], [], [], []
     start = 0
-    mb_overhead = float(getattr(w.cost_model, "microbatch_overhead_seconds", 0.0) or 0.0)
+    mb_overhead = microbatch_overhead(w.cost_model)
     for s, (n, ckpt) in enumerate(zip(c.layer_split, c.stage_checkpointing)):
         blocks, emb, head = w.layer_costs(c.microbatch_size, c.tp, ckpt)
         _, _, pst, pp_, pdf, pdb, phf, phb = w.prefix_sums(c.microbatch_size, c.tp, ckpt)
@@ -212,9 +210,9 @@ def stage_terms(c: Candidate, w: Workload) -> tuple[list[float], ...]:
             if is_end:
                 st, pk, p = st + x[2], max(pk, x[3]), p + x[4]
                 df, db, hf, hb = df + x[5], db + x[6], hf + x[7], hb + x[8]
-        # Each stage (chunk) runs one forward and one backward call per micro-batch, whose fixed host costs (the
-        # strategy's engine, the autograd engine's start) the profiler measured as one total: half on each pass.
-        f, b = max(df, hf) + mb_overhead / 2, max(db, hb) + mb_overhead / 2
+        # The rule dynamic micro-batching prices its micro-batches by too (costs/host.py): max(device, host) per
+        # pass, plus half the per-micro-batch overhead on each (one forward and one backward call per stage).
+        f, b = stage_pass_seconds(df, db, hf, hb, mb_overhead)
         fwd.append(float(f)), bwd.append(float(b)), stored.append(float(st)), peak.append(pk), params.append(float(p))
         dev_f.append(float(df)), dev_b.append(float(db))
         host_f.append(float(hf) + mb_overhead / 2), host_b.append(float(hb) + mb_overhead / 2)
@@ -229,7 +227,7 @@ def layer_terms(mbs: int, tp: int, recompute: bool, w: Workload) -> dict[str, fl
            "blocks_host_f": float(blocks[7].sum()), "blocks_host_b": float(blocks[8].sum()),
            "embedding_device": emb[5] + emb[6], "embedding_host": emb[7] + emb[8],
            "head_device": head[5] + head[6], "head_host": head[7] + head[8],
-           "microbatch_overhead": float(getattr(w.cost_model, "microbatch_overhead_seconds", 0.0) or 0.0)}
+           "microbatch_overhead": microbatch_overhead(w.cost_model)}
     return out
 
 
