@@ -49,6 +49,11 @@ class TensorParallel:
     # Whether column-parallel layers overlap the backward's collective of their input gradient with their weight
     # gradient's GEMM (``column_parallel_linear``); off only to measure what the overlap buys.
     overlap: bool = field(default_factory=lambda: overlap_from_environment())
+    # Under SP with the overlap: whether the column-parallel GEMM saves only this rank's sequence chunk of its input and
+    # all-gathers it again in the backward (less activation memory), instead of the gathered input (the memory of the
+    # synchronous path, no second all-gather). Off by default: on GPUs the re-gather made the backward slower than the
+    # synchronous path (docs/tensor_parallel.md, "Overlapping the backward collectives").
+    regather: bool = field(default_factory=lambda: regather_from_environment())
 
     # Looked up per layer and micro-batch, so resolved once here. Not ``functools.cached_property``: before Python 3.12
     # it takes an RLock, a context manager torch.compile cannot trace (a graph break per lookup in a compiled block).
@@ -89,6 +94,21 @@ def overlap_from_environment() -> bool:
         raise ValueError(f"{OVERLAP_VARIABLE}={value!r} is not a switch: set it to 1 (overlap the tensor-parallel"
                          " backward collectives with the weight-gradient GEMM, the default) or 0 (synchronous"
                          " collectives, for comparison), or unset it.")
+    return value == "1"
+
+
+REGATHER_VARIABLE = "L3D_TP_SP_REGATHER"
+
+
+def regather_from_environment() -> bool:
+    """``L3D_TP_SP_REGATHER``: 0 (or unset) saves the gathered input of each column-parallel GEMM under sequence
+    parallelism; 1 saves this rank's chunk and all-gathers it again in the backward, (tp - 1)/tp of that input's
+    memory less for one all-gather more. No effect without SP or with ``L3D_TP_OVERLAP=0``."""
+    value = os.environ.get(REGATHER_VARIABLE, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{REGATHER_VARIABLE}={value!r} is not a switch: set it to 0 (save the gathered input of"
+                         " column-parallel layers under sequence parallelism, the default) or 1 (save this rank's"
+                         " sequence chunk and all-gather it again in the backward: less memory), or unset it.")
     return value == "1"
 
 
@@ -265,53 +285,57 @@ class _ColumnParallelLinear(torch.autograd.Function):
     Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` does: the input gradient (dgrad) first, its
     all-reduce (reduce-scatter under SP) launched without waiting, the weight and bias gradients computed while it
     runs, the wait last. Through ``copy_to_region`` and ``F.linear`` autograd ran the GEMM's whole backward and only
-    then the collective, with nothing left to overlap it with. Under SP only this rank's sequence chunk of the input
-    is saved, and the backward gathers the full input again while the dgrad GEMM runs (the forward's gathered copy,
-    tp times the chunk, is freed after the forward). The operations are the ones autograd runs for ``F.linear``
-    (``mm`` for both gradients, ``sum`` over tokens for the bias), so the gradients are those of the synchronous path
-    to the bit."""
+    then the collective, with nothing left to overlap it with. Under SP the forward saves the gathered input, as
+    ``F.linear`` did, or with ``regather`` only this rank's sequence chunk, and the backward gathers the full input
+    again while the dgrad GEMM runs (the forward's gathered copy, tp times the chunk, is freed after the forward). The
+    operations are the ones autograd runs for ``F.linear`` (``mm`` for both gradients, ``sum`` over tokens for the
+    bias), so the gradients are those of the synchronous path to the bit."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, group,  # type: ignore[override]
-                sequence_parallel: bool) -> Tensor:
+                sequence_parallel: bool, regather: bool) -> Tensor:
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Saved as autograd saves for F.linear: the input where the weight needs a gradient, the weight where the input
-        # does.
-        ctx.save_for_backward(x if need_weight else None, weight if need_x else None)
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
         total = _all_gather_seq(x, group) if sequence_parallel else x
+        ctx.regather = sequence_parallel and regather
+        # Saved as autograd saves for F.linear: the input where the weight needs a gradient (under SP with regather
+        # this rank's chunk of it), the weight where the input does.
+        saved_x = (x if ctx.regather else total) if need_weight else None
+        ctx.save_for_backward(saved_x, weight if need_x else None)
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
         return F.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        group, sp = ctx.group, ctx.sequence_parallel
+        group, sp, regather = ctx.group, ctx.sequence_parallel, ctx.regather
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        if need_weight and sp:  # in flight while the dgrad GEMM runs
+        if need_weight and regather:  # in flight while the dgrad GEMM runs
             gathered, gather_handle = _launch_all_gather(x, group)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_x = handle = None
         if need_x:
             dgrad = grad_2d.mm(weight).view(*grad.shape[:-1], weight.shape[1])
+            # Launched before the all-gather's wait (Megatron waits first): both run in order on the collectives'
+            # stream either way, and the reduce-scatter's layout copy then runs on the compute stream while the
+            # all-gather may still be in flight.
             grad_x, handle = (_launch_reduce_scatter_seq if sp else _launch_all_reduce)(dgrad, group)
         grad_weight = grad_bias = None
         if need_weight:
-            if sp:
-                total = _sequence_from_gathered(_finish(gathered, gather_handle), dist.get_world_size(group))
-            else:
-                total = x
+            total = _sequence_from_gathered(_finish(gathered, gather_handle), dist.get_world_size(group)) \
+                if regather else x
             grad_weight = grad_2d.t().mm(total.reshape(-1, total.shape[-1]))
         if need_bias:
             grad_bias = grad_2d.sum(0)
         if need_x:
             grad_x = _finish(grad_x, handle)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp: TensorParallel) -> Tensor:
     """``F.linear(tp.enter(x), weight, bias)`` for this rank's rows ``weight`` of a column-parallel layer: the same
     result and gradients, with the backward's collective of the input gradient overlapped with the weight-gradient
-    GEMM (``_ColumnParallelLinear``; docs/tensor_parallel.md). ``tp.overlap`` False (``L3D_TP_OVERLAP=0``) runs
+    GEMM (``_ColumnParallelLinear``; docs/tensor_parallel.md); under SP ``tp.regather`` saves this rank's chunk of the
+    input instead of the gathered input and all-gathers it again in the backward. ``tp.overlap`` False (``L3D_TP_OVERLAP=0``) runs
     ``tp.enter`` and ``F.linear`` as separate autograd nodes instead, the synchronous path, for comparison.
 
     Under autocast the input, weight and bias are cast to the autocast dtype here, as autocast's ``linear`` casts
@@ -322,4 +346,4 @@ def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp: T
     if dtype is not None:
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    return _ColumnParallelLinear.apply(x, weight, bias, tp.group, tp.sequence_parallel)
+    return _ColumnParallelLinear.apply(x, weight, bias, tp.group, tp.sequence_parallel, tp.regather)
