@@ -3,12 +3,12 @@ of ``column_parallel_linear`` (docs/tensor_parallel.md): the input gradient's al
 sequence parallelism) launched after the dgrad GEMM and waited for after the wgrad GEMM, against the synchronous
 path (``copy_to_region`` / ``gather_sequence`` then ``F.linear``, what ``L3D_TP_OVERLAP=0`` runs).
 
-For each layer shape of the GPT preset (q/k/v fused: hidden -> 3 x hidden; the MLP's first layer: hidden -> 4 x
-hidden), with sequence parallelism off and on (and under SP the overlapped path a second time with
-``regather``: this rank's chunk of the input saved, all-gathered again in the backward), each rank times ``--iters`` forward and backward passes after
-``--warmup`` (CUDA events on GPUs, wall clock between barriers on CPU), counts the bytes the forward saves for the
-backward (``saved_tensors_hooks``, exact), and checks that both paths give the same output and gradients (bitwise:
-the same operations in another order). Rank 0 prints one row per run and writes JSON.
+For each layer shape of the GPT preset (q/k/v fused: hidden -> 3 x hidden; the MLP's first layer: hidden -> 4 x hidden),
+with sequence parallelism off and on (and under SP the overlapped path a second time with ``regather``: this rank's
+chunk of the input saved, all-gathered again in the backward), each rank times ``--iters`` forward and backward passes
+after ``--warmup`` (CUDA events on GPUs, wall clock between barriers on CPU), counts the bytes the forward saves for the
+backward (``saved_tensors_hooks``, exact), and checks that both paths give the same output and gradients (bitwise: the
+same operations in another order). Rank 0 prints one row per run and writes JSON.
 
     python benchmarks/tp_overlap.py                                  # 2 GPUs, GPT-1.3B shapes, 8 x 2048 tokens
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/tp_overlap.py    # kernels started in issue order (Megatron's)

@@ -178,3 +178,16 @@ def test_overlap_benchmark_compares_both_paths(tmp_path: Path) -> None:
         tokens = r["tokens"] // world if r["regather"] else r["tokens"]
         weight = r["out_features"] // world * r["in_features"]
         assert r["saved_bytes"] == (tokens * r["in_features"] + weight) * 4, r  # fp32 on CPU
+
+
+def test_async_tp_needs_compiled_blocks(monkeypatch) -> None:
+    """``L3D_TP_ASYNC=1`` with ``compile=False`` is refused when the recipe's module is built, naming both fixes; with
+    compile it passes this check (its SP, CUDA and NCCL checks are tests/scenarios/async_tp.py's)."""
+    from lightning_3d.recipes.training import check_speed_options
+
+    monkeypatch.setenv("L3D_TP_ASYNC", "1")
+    with pytest.raises(ValueError, match=r"L3D_TP_ASYNC=1 .* compile=False: set compile=True, or unset L3D_TP_ASYNC"):
+        check_speed_options(False, None, None)
+    check_speed_options(True, None, None)
+    monkeypatch.setenv("L3D_TP_ASYNC", "0")
+    check_speed_options(False, None, None)

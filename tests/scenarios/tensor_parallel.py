@@ -391,8 +391,8 @@ def check_overlap(rank: int, world: int) -> dict[str, bool | int | str]:
 def _compiled_overlap_order(mesh, world: int) -> dict[str, bool | str]:
     """Compiled, ``column_parallel_linear``'s backward graph keeps the eager order with explicit waits: the dgrad
     GEMM, the collective's launch, the wgrad GEMM, then the wait (under SP the input's all-gather launched before the
-    dgrad GEMM, its wait before the wgrad GEMM, with ``regather``); and the compiled layer equals the eager one to the bit (aot_eager:
-    the same kernels, the same collectives)."""
+    dgrad GEMM, its wait before the wgrad GEMM, with ``regather``); and the compiled layer equals the eager one to
+    the bit (aot_eager: the same kernels, the same collectives)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
