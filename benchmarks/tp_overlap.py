@@ -3,11 +3,12 @@ of ``column_parallel_linear`` (docs/tensor_parallel.md): the input gradient's al
 sequence parallelism) launched after the dgrad GEMM and waited for after the wgrad GEMM, against the synchronous
 path (``copy_to_region`` / ``gather_sequence`` then ``F.linear``, what ``L3D_TP_OVERLAP=0`` runs).
 
-For each layer shape of the GPT preset (q/k/v fused: hidden -> 3 x hidden; the MLP's first layer: hidden -> 4 x
-hidden), with sequence parallelism off and on, each rank times ``--iters`` forward and backward passes after
-``--warmup`` (CUDA events on GPUs, wall clock between barriers on CPU), counts the bytes the forward saves for the
-backward (``saved_tensors_hooks``, exact), and checks that both paths give the same output and gradients (bitwise:
-the same operations in another order). Rank 0 prints one row per run and writes JSON.
+For each layer shape of the GPT preset (q/k/v fused: hidden -> 3 x hidden; the MLP's first layer: hidden -> 4 x hidden),
+with sequence parallelism off and on (and under SP the overlapped path a second time with ``regather``: this rank's
+chunk of the input saved, all-gathered again in the backward), each rank times ``--iters`` forward and backward passes
+after ``--warmup`` (CUDA events on GPUs, wall clock between barriers on CPU), counts the bytes the forward saves for the
+backward (``saved_tensors_hooks``, exact), and checks that both paths give the same output and gradients (bitwise: the
+same operations in another order). Rank 0 prints one row per run and writes JSON.
 
     python benchmarks/tp_overlap.py                                  # 2 GPUs, GPT-1.3B shapes, 8 x 2048 tokens
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/tp_overlap.py    # kernels started in issue order (Megatron's)
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_one(layer: str, out_features: int, sp: bool, overlap: bool, args: argparse.Namespace, mesh,
-            hidden: int) -> tuple[dict, list[torch.Tensor]]:
+            hidden: int, regather: bool = False) -> tuple[dict, list[torch.Tensor]]:
     from torch.autograd.graph import saved_tensors_hooks
 
     from lightning_3d.tensor_parallel import TensorParallel, column_parallel_linear
@@ -55,7 +56,7 @@ def run_one(layer: str, out_features: int, sp: bool, overlap: bool, args: argpar
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp = TensorParallel(mesh, sp, overlap=overlap)
+    tp = TensorParallel(mesh, sp, overlap=overlap, regather=regather)
     b, s = args.micro_batch_size, args.seq_length
     # The same tensors for both paths; every rank its own (its shard of the weight, its chunk of the sequence).
     g = torch.Generator(device).manual_seed(1000 + rank)
@@ -98,7 +99,7 @@ def run_one(layer: str, out_features: int, sp: bool, overlap: bool, args: argpar
             forward_ms.append(times[0])
             backward_ms.append(times[1])
     result = {"layer": layer, "in_features": hidden, "out_features": out_features, "sequence_parallel": sp,
-              "overlap": overlap, "tokens": b * s, "dtype": str(dtype).removeprefix("torch."),
+              "overlap": overlap, "regather": regather, "tokens": b * s, "dtype": str(dtype).removeprefix("torch."),
               "forward_ms": statistics.median(forward_ms), "backward_ms": statistics.median(backward_ms),
               "backward_ms_min": min(backward_ms), "saved_bytes": saved[0]}
     return result, [y.detach()] + [t.grad for t in leaves]
@@ -117,24 +118,25 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     hidden = preset(args.preset).hidden_size
     results = []
     if rank == 0:
-        print(f"{'layer':<5} {'SP':<3} {'overlap':<7} {'fwd ms':>8} {'bwd ms':>8} {'bwd vs sync':>11} {'saved MiB':>9}"
+        print(f"{'layer':<5} {'SP':<3} {'overlap':<8} {'fwd ms':>8} {'bwd ms':>8} {'bwd vs sync':>11} {'saved MiB':>9}"
               f"  same output and gradients as sync", flush=True)
     for layer, out_features in (("qkv", 3 * hidden), ("fc", 4 * hidden)):
         for sp in (False, True):
-            runs = {}
-            for overlap in (False, True):
-                runs[overlap] = run_one(layer, out_features, sp, overlap, args, mesh, hidden)
-            (sync, sync_tensors), (fused, fused_tensors) = runs[False], runs[True]
-            equal = all(torch.equal(a, b) for a, b in zip(sync_tensors, fused_tensors))
-            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(sync_tensors, fused_tensors))
-            # Every rank's verdict: a difference on any rank counts.
-            verdict = torch.tensor([0.0 if equal else 1.0, diff], device=sync_tensors[0].device)
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-            for r in (sync, fused):
+            variants = [(False, False), (True, False)] + ([(True, True)] if sp else [])
+            runs = [run_one(layer, out_features, sp, overlap, args, mesh, hidden, regather)
+                    for overlap, regather in variants]
+            sync, sync_tensors = runs[0]
+            for r, tensors in runs:
+                equal = all(torch.equal(a, b) for a, b in zip(sync_tensors, tensors))
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(sync_tensors, tensors))
+                # Every rank's verdict: a difference on any rank counts.
+                verdict = torch.tensor([0.0 if equal else 1.0, diff], device=sync_tensors[0].device)
+                dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
                 r["equal_to_sync"], r["max_abs_diff_to_sync"] = bool(verdict[0].item() == 0), verdict[1].item()
                 results.append(r)
                 if rank == 0:
-                    print(f"{layer:<5} {'on' if sp else 'off':<3} {'on' if r['overlap'] else 'off':<7}"
+                    mode = ("regather" if r["regather"] else "on") if r["overlap"] else "off"
+                    print(f"{layer:<5} {'on' if sp else 'off':<3} {mode:<8}"
                           f" {r['forward_ms']:8.3f} {r['backward_ms']:8.3f}"
                           f" {r['backward_ms'] / sync['backward_ms']:10.2f}x {r['saved_bytes'] / 2**20:9.3f}"
                           f"  {r['equal_to_sync']} (max abs diff {r['max_abs_diff_to_sync']:.3g})", flush=True)

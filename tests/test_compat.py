@@ -177,3 +177,23 @@ def test_dtensor_metadata_helpers_build_what_from_local_builds(tmp_path) -> None
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def test_async_tp_patterns_are_what_inductor_fuses(tmp_path) -> None:
+    """tests/scenarios/async_tp.py: in a compiled sequence-parallel GPT block, inductor's micro-pipeline TP matchers
+    find every tensor-parallel collective next to its GEMM, along the sequence (dim 1): forward, the all-gathers
+    feeding the fused q/k/v and MLP-up GEMMs and the attention-out and MLP-down GEMMs feeding the reduce-scatters;
+    backward, the all-gathers of the output gradients feeding those two row-parallel layers' dgrad GEMMs and the two
+    column-parallel dgrad GEMMs feeding the reduce-scatters. And async TP is refused without SP and on gloo, naming
+    the fix."""
+    from tests.launch import run_scenario
+
+    report = run_scenario(2, "async_tp", [], tmp_path / "report.json", timeout=300)
+    for rank, result in enumerate(report["ranks"]):
+        fused = [["all_gather", 1, 1]] * 2 + [["reduce_scatter", 1, 1]] * 2
+        assert result["patterns"] == [fused, fused], (rank, result["patterns"])  # one graph forward, one backward
+        refused = result["refusals"]
+        assert "sequence_parallel=False" in refused["no_sp"] and "set sequence_parallel=True" in refused["no_sp"]
+        assert "'cpu' with 'gloo'" in refused["cpu"] and "unset L3D_TP_ASYNC" in refused["cpu"], refused
+        assert "L3D_TP_ASYNC='on'" in refused["bad_value"] and "or 0" in refused["bad_value"], refused
+        assert refused["default_off"] == "False", refused

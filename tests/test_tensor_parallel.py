@@ -53,28 +53,32 @@ def _check_overlap(rank: int, overlap: dict) -> None:
     """tests/scenarios/tensor_parallel.py check_overlap: column_parallel_linear against the synchronous path."""
     from tests.scenarios.tensor_parallel import B, H, S
 
-    for sp in (False, True):
+    for sp, regather in ((False, False), (True, False), (True, True)):
         for autocast in (False, True):
             for layer in ("fc", "qkv"):
-                key = f"sp{sp}_autocast{autocast}_{layer}"
+                key = f"sp{sp}{'_regather' if regather else ''}_autocast{autocast}_{layer}"
                 # The same operations in another order: outputs and every gradient equal to the bit.
                 assert overlap[f"{key}_equal"], (rank, key, overlap)
-                # dgrad GEMM, collective launched, wgrad GEMM and bias sum while it runs, then its wait (under SP
-                # the input's all-gather in flight during the dgrad GEMM); the synchronous path after both GEMMs.
+                # dgrad GEMM, collective launched, wgrad GEMM and bias sum while it runs, then its wait (with
+                # regather the input's all-gather in flight during the dgrad GEMM); the synchronous path after both.
                 assert overlap[f"{key}_overlap_order"], (rank, key, overlap[f"{key}_events"])
                 assert overlap[f"{key}_sync_order"], (rank, key, overlap)
                 assert overlap[f"{key}_saved_bytes"] and overlap[f"{key}_saved_bytes_sync"], (rank, key, overlap)
-                # Under SP the saved input is this rank's chunk, not the gathered sequence: (tp - 1) / tp of
-                # B x S x H elements fewer (world 2), in the GEMM's dtype (bf16 under autocast).
+                # With regather the saved input is this rank's chunk, not the gathered sequence: (tp - 1) / tp of
+                # B x S x H elements fewer (world 2), in the GEMM's dtype (bf16 under autocast); by default the
+                # gathered input, the synchronous path's bytes.
                 elem = 2 if autocast else 4
-                assert overlap[f"{key}_saved_bytes_saving"] == (B * S * H * elem // 2 if sp else 0), (rank, key)
-    for sp in (False, True):
+                assert overlap[f"{key}_saved_bytes_saving"] == (B * S * H * elem // 2 if regather else 0), (rank, key)
+    for key in ("compiled_spFalse", "compiled_spTrue", "compiled_spTrue_regather"):
         # Compiled: the same order in the backward graph, the waits graph ops of their own after the work they
         # overlap; aot_eager runs the same kernels and collectives, so equal to the bit.
-        assert overlap[f"compiled_sp{sp}_order"], (rank, sp, overlap[f"compiled_sp{sp}_events"])
-        assert overlap[f"compiled_sp{sp}_equal"], (rank, sp, overlap)
+        assert overlap[f"{key}_order"], (rank, key, overlap[f"{key}_events"])
+        assert overlap[f"{key}_equal"], (rank, key, overlap)
     assert overlap["default_on"] and overlap["zero_off"], (rank, overlap)
     assert "L3D_TP_OVERLAP='yes'" in overlap["bad_value_error"] and "or 0" in overlap["bad_value_error"], overlap
+    assert overlap["regather_default_off"] and overlap["regather_one_on"], (rank, overlap)
+    error = overlap["regather_bad_value_error"]
+    assert "L3D_TP_SP_REGATHER='chunk'" in error and "or 1" in error, overlap
 
 
 def _check_t5(rank: int, t5: dict, compiled: dict) -> None:
@@ -151,8 +155,8 @@ def test_host_time_benchmark_compiles_blocks_both_ways(tmp_path: Path) -> None:
 
 def test_overlap_benchmark_compares_both_paths(tmp_path: Path) -> None:
     """benchmarks/tp_overlap.py on CPU (gloo): every layer shape with SP off and on through both paths, the same output
-    and gradients to the bit, and the bytes each forward saves: under SP the overlapped path keeps this rank's
-    sequence chunk of the input where the synchronous one keeps the gathered input."""
+    and gradients to the bit, and the bytes each forward saves: under SP the overlapped path with regather keeps this
+    rank's sequence chunk of the input where the synchronous one and the default keep the gathered input."""
     import json
     import subprocess
     import sys
@@ -166,10 +170,24 @@ def test_overlap_benchmark_compares_both_paths(tmp_path: Path) -> None:
     subprocess.run(cmd, check=True, env=clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True)
     report = json.loads(out.read_text())
     results, world = report["results"], report["world"]
-    assert [(r["layer"], r["sequence_parallel"], r["overlap"]) for r in results] == [
-        (layer, sp, overlap) for layer in ("qkv", "fc") for sp in (False, True) for overlap in (False, True)]
+    assert [(r["layer"], r["sequence_parallel"], r["overlap"], r["regather"]) for r in results] == [
+        (layer, sp, overlap, regather) for layer in ("qkv", "fc") for sp in (False, True)
+        for overlap, regather in ((False, False), (True, False)) + (((True, True),) if sp else ())]
     for r in results:
         assert r["equal_to_sync"] and r["max_abs_diff_to_sync"] == 0.0, r
-        tokens = r["tokens"] // world if r["sequence_parallel"] and r["overlap"] else r["tokens"]
+        tokens = r["tokens"] // world if r["regather"] else r["tokens"]
         weight = r["out_features"] // world * r["in_features"]
         assert r["saved_bytes"] == (tokens * r["in_features"] + weight) * 4, r  # fp32 on CPU
+
+
+def test_async_tp_needs_compiled_blocks(monkeypatch) -> None:
+    """``L3D_TP_ASYNC=1`` with ``compile=False`` is refused when the recipe's module is built, naming both fixes; with
+    compile it passes this check (its SP, CUDA and NCCL checks are tests/scenarios/async_tp.py's)."""
+    from lightning_3d.recipes.training import check_speed_options
+
+    monkeypatch.setenv("L3D_TP_ASYNC", "1")
+    with pytest.raises(ValueError, match=r"L3D_TP_ASYNC=1 .* compile=False: set compile=True, or unset L3D_TP_ASYNC"):
+        check_speed_options(False, None, None)
+    check_speed_options(True, None, None)
+    monkeypatch.setenv("L3D_TP_ASYNC", "0")
+    check_speed_options(False, None, None)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_3d.tensor_parallel import compile_on_local_tensors
+from lightning_3d.tensor_parallel.mappings import ASYNC_TP_VARIABLE, async_tp_from_environment
 
 IGNORE_INDEX = -100
 # What ``compile=True`` hands to torch.compile, and what GPT's FlexAttention and its block-mask builder are compiled
@@ -111,6 +112,9 @@ def check_speed_options(compile: bool | str, optimizer_foreach: bool | None, opt
         raise ValueError("optimizer_foreach=True and optimizer_fused=True exclude each other; set one of them.")
     if compile not in (False, True, *COMPILE_MODES):
         raise ValueError(f"compile={compile!r}: use False, True or one of {COMPILE_MODES} (a torch.compile mode).")
+    if compile is False and async_tp_from_environment():
+        raise ValueError(f"{ASYNC_TP_VARIABLE}=1 fuses collectives with GEMMs inside compiled blocks (inductor), but"
+                         f" compile=False: set compile=True, or unset {ASYNC_TP_VARIABLE}.")
 
 
 def count_target_tokens(labels: Tensor) -> Tensor:

@@ -92,6 +92,32 @@ def functional_wait(x: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(x)
 
 
+# Async tensor parallelism (torchtitan's ``maybe_enable_async_tp``): inductor's micro-pipeline TP pass rewrites a
+# compiled graph's all-gather -> mm into ``symm_mem.fused_all_gather_matmul`` and mm -> reduce-scatter into
+# ``symm_mem.fused_matmul_reduce_scatter`` (the GEMM cut into chunks, each computed while the next chunk's transfer
+# runs), for groups with symmetric memory enabled. Both switches are private; the pass is global to the process.
+def enable_async_tensor_parallel(group: Any) -> None:
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(group.group_name)
+
+
+def micro_pipeline_tp_matches(graph: torch.fx.Graph) -> list[tuple[str, int, int]]:
+    """What the micro-pipeline TP pass would fuse in a post-grad graph, found by its own pattern matchers: one
+    ("all_gather", gather dim, matmuls consuming it) or ("reduce_scatter", scatter dim, 1 if a matmul produces its
+    input else 0) per collective it recognises. (Its fusion itself also needs NCCL and symmetric memory.)"""
+    from torch._inductor.fx_passes import micro_pipeline_tp as pass_
+
+    found: list[tuple[str, int, int]] = [
+        ("all_gather", m.gather_dim, len(pass_._find_consumer_matmuls(m.res_node)))
+        for m in pass_.find_all_gather_patterns(graph)]
+    found += [("reduce_scatter", m.scatter_dim, int(pass_._find_producer_matmul(m.input_node) is not None))
+              for m in pass_.find_reduce_scatter_patterns(graph)]
+    return found
+
+
 def flex_attention_trains_on(device: torch.device) -> str | None:
     """None where torch's FlexAttention can run its backward on ``device``, else torch's reason. Asks torch's own
     device check (private) with an input that needs gradients, so a check made before the step agrees with the one

@@ -258,8 +258,9 @@ def check_overlap(rank: int, world: int) -> dict[str, bool | int | str]:
     outputs and gradients as the synchronous path (the same operations in another order, so equal to the bit), with
     and without sequence parallelism and autocast, for a ``ColumnParallelLinear`` and the fused q/k/v; the backward
     launches the input gradient's collective between the dgrad and the wgrad GEMM and waits for it after the wgrad
-    (under SP the input's all-gather is launched before the dgrad GEMM and waited for before the wgrad one); under SP
-    it saves this rank's sequence chunk of the input instead of the gathered input (exact bytes)."""
+    (under SP with ``regather`` the input's all-gather is launched before the dgrad GEMM and waited for before the
+    wgrad one); under SP it saves the gathered input, as the synchronous path, or with ``regather`` this rank's
+    sequence chunk of it (exact bytes). ``L3D_TP_SP_REGATHER``: default off, 1 on, anything else refused."""
     import os
 
     from torch.autograd.graph import saved_tensors_hooks
@@ -293,9 +294,9 @@ def check_overlap(rank: int, world: int) -> dict[str, bool | int | str]:
             return Waited(work, name) if kwargs.get("async_op") else work
         return call
 
-    def run(overlap: bool, sp: bool, autocast: bool, fused: bool):
+    def run(overlap: bool, sp: bool, autocast: bool, fused: bool, regather: bool = False):
         torch.manual_seed(0)  # the same layers, inputs and upstream gradients on every call
-        tp = TensorParallel(mesh, sp, overlap=overlap)
+        tp = TensorParallel(mesh, sp, overlap=overlap, regather=regather)
         module, memo = (QKV() if fused else MLP()), {}
         linears = (module.q, module.k, module.v) if fused else (module.fc,)
         for linear in linears:
@@ -323,11 +324,11 @@ def check_overlap(rank: int, world: int) -> dict[str, bool | int | str]:
         grads = [x.grad] + [p.grad.to_local() for linear in linears for p in linear.parameters()]
         return out.detach(), grads, list(events), packed[0]
 
-    for sp in (False, True):
+    for sp, regather in ((False, False), (True, False), (True, True)):
         for autocast in (False, True):
             for fused in (False, True):
-                key = f"sp{sp}_autocast{autocast}_{'qkv' if fused else 'fc'}"
-                out_on, grads_on, events_on, bytes_on = run(True, sp, autocast, fused)
+                key = f"sp{sp}{'_regather' if regather else ''}_autocast{autocast}_{'qkv' if fused else 'fc'}"
+                out_on, grads_on, events_on, bytes_on = run(True, sp, autocast, fused, regather)
                 out_off, grads_off, events_off, bytes_off = run(False, sp, autocast, fused)
                 result[f"{key}_equal"] = torch.equal(out_on, out_off) and len(grads_on) == len(grads_off) and all(
                     torch.equal(a, b) for a, b in zip(grads_on, grads_off))
@@ -335,7 +336,7 @@ def check_overlap(rank: int, world: int) -> dict[str, bool | int | str]:
                 # gradient's collective, the wgrad mm and the bias sum); both layers have a bias (fused: q's and v's).
                 collective = "reduce_scatter" if sp else "all_reduce"
                 want = ["mm", f"launch:{collective}", "mm", "sum", f"wait:{collective}"]
-                if sp:
+                if regather:
                     want = ["launch:all_gather", "mm", f"launch:{collective}", "wait:all_gather", "mm", "sum",
                             f"wait:{collective}"]
                 result[f"{key}_overlap_order"] = events_on == want
@@ -343,12 +344,12 @@ def check_overlap(rank: int, world: int) -> dict[str, bool | int | str]:
                 # The synchronous path: the collective only after both GEMMs of the layer's backward.
                 last_mm = max(i for i, e in enumerate(events_off) if e == "mm")
                 result[f"{key}_sync_order"] = events_off.index(f"launch:{collective}") > last_mm
-                # Saved: the input (this rank's chunk with overlap under SP; the gathered input without) and the
+                # Saved: the input (this rank's chunk with regather under SP; the gathered input otherwise) and the
                 # weight, in the GEMM's dtype; nothing else.
                 elem = 2 if autocast else 4
                 out_features = (3 * H if fused else 4 * H) // world  # this rank's rows of q, k, v (or of fc)
                 weight_bytes = out_features * H * elem
-                local_tokens = B * (S // world if sp else S)
+                local_tokens = B * (S // world if regather else S)
                 result[f"{key}_saved_bytes"] = bytes_on == (local_tokens * H * elem + weight_bytes)
                 result[f"{key}_saved_bytes_sync"] = bytes_off == (B * S * H * elem + weight_bytes)
                 result[f"{key}_saved_bytes_saving"] = bytes_off - bytes_on
@@ -369,14 +370,29 @@ def check_overlap(rank: int, world: int) -> dict[str, bool | int | str]:
         os.environ.pop(mappings.OVERLAP_VARIABLE, None)
         if saved is not None:
             os.environ[mappings.OVERLAP_VARIABLE] = saved
+    saved = os.environ.pop(mappings.REGATHER_VARIABLE, None)
+    try:
+        result["regather_default_off"] = TensorParallel(mesh, True).regather is False
+        os.environ[mappings.REGATHER_VARIABLE] = "1"
+        result["regather_one_on"] = TensorParallel(mesh, True).regather is True
+        os.environ[mappings.REGATHER_VARIABLE] = "chunk"
+        try:
+            TensorParallel(mesh, True)
+            result["regather_bad_value_error"] = ""
+        except ValueError as e:
+            result["regather_bad_value_error"] = str(e)
+    finally:
+        os.environ.pop(mappings.REGATHER_VARIABLE, None)
+        if saved is not None:
+            os.environ[mappings.REGATHER_VARIABLE] = saved
     return result
 
 
 def _compiled_overlap_order(mesh, world: int) -> dict[str, bool | str]:
     """Compiled, ``column_parallel_linear``'s backward graph keeps the eager order with explicit waits: the dgrad
     GEMM, the collective's launch, the wgrad GEMM, then the wait (under SP the input's all-gather launched before the
-    dgrad GEMM, its wait before the wgrad GEMM); and the compiled layer equals the eager one to the bit (aot_eager:
-    the same kernels, the same collectives)."""
+    dgrad GEMM, its wait before the wgrad GEMM, with ``regather``); and the compiled layer equals the eager one to
+    the bit (aot_eager: the same kernels, the same collectives)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -385,8 +401,8 @@ def _compiled_overlap_order(mesh, world: int) -> dict[str, bool | str]:
     names = {"mm": "mm", "all_reduce": "launch:all_reduce", "all_gather_into_tensor": "launch:all_gather",
              "reduce_scatter_tensor": "launch:reduce_scatter", "wait_tensor": "wait"}
     result: dict[str, bool | str] = {}
-    for sp in (False, True):
-        tp = TensorParallel(mesh, sp, overlap=True)
+    for sp, regather in ((False, False), (True, False), (True, True)):
+        tp = TensorParallel(mesh, sp, overlap=True, regather=regather)
         graphs: list = []
 
         def keep(gm, _inputs):
@@ -410,11 +426,12 @@ def _compiled_overlap_order(mesh, world: int) -> dict[str, bool | str]:
                   if n.op == "call_function" and getattr(n.target, "_opname", None) in names]
         collective = "reduce_scatter" if sp else "all_reduce"
         want = ["mm", f"launch:{collective}", "mm", "wait"]
-        if sp:
+        if regather:
             want = ["launch:all_gather", "mm", f"launch:{collective}", "wait", "mm", "wait"]
-        result[f"compiled_sp{sp}_order"] = events == want
-        result[f"compiled_sp{sp}_events"] = " ".join(events)
-        result[f"compiled_sp{sp}_equal"] = all(torch.equal(a, b) for a, b in zip(*runs))
+        key = f"compiled_sp{sp}{'_regather' if regather else ''}"
+        result[f"{key}_order"] = events == want
+        result[f"{key}_events"] = " ".join(events)
+        result[f"{key}_equal"] = all(torch.equal(a, b) for a, b in zip(*runs))
     torch._dynamo.reset()
     return result
 
