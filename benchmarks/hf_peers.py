@@ -25,6 +25,12 @@ from lightning_3d.recipes.training import COMPILE_BACKEND, summed_token_cross_en
 Batch = dict[str, Tensor]
 
 
+def sdpa_backends_of(system: dict) -> str | None:
+    """The recipes' ``sdpa_backends`` for a system: +torchsdpa "torch", +nocudnn "no_cudnn", else the default (None:
+    "auto", which on the peers' fixed shapes resolves to "torch")."""
+    return "torch" if system.get("torchsdpa") else "no_cudnn" if system.get("nocudnn") else None
+
+
 def recipe_module(args: argparse.Namespace, system: dict, compile: bool | str | None = None) -> Any:
     """The recipe's LightningModule (GPT or T5) with the system's options; ``compile`` overrides the system's."""
     from lightning_3d.recipes import GPT, T5
@@ -34,7 +40,7 @@ def recipe_module(args: argparse.Namespace, system: dict, compile: bool | str | 
     common = dict(preset_name=args.preset, vocab_size=args.vocab_size, activation_checkpointing=system["ckpt"],
                   compile=compile, optimizer_fused=True, decay_steps=1000,
                   compile_scope="stage" if system.get("stage") else "block",
-                  sdpa_backends="torch" if system.get("torchsdpa") else None)
+                  sdpa_backends=sdpa_backends_of(system))
     if args.model == "t5":
         module = T5(attention="explicit" if system.get("explicit") else "sdpa", **common)
     else:

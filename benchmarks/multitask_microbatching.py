@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lightning_3d.recipes import GPT, T5  # noqa: E402
-from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, SDPA_BACKENDS  # noqa: E402
+from lightning_3d.recipes.attention import SDPA_BACKENDS  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
 from lightning_3d.recipes.data.multitask_batching import (  # noqa: E402
     StepCollator, sample_input_length, sample_lengths, sample_target_length)
@@ -132,13 +132,17 @@ def table(rows: list[dict]) -> str:
 
 
 SDPA_CHOICES = (*SDPA_BACKENDS, "flash_first")
+# The direct engine's --sdpa default: its model is built outside a Trainer (where the recipes' "auto" means "torch"),
+# and most of its variants change shapes, so it names the value those need (recipes/attention.py).
+DIRECT_SDPA = "no_cudnn"
 
 
 def sdpa_context(model: torch.nn.Module, name: str):
     """``--sdpa``: ``no_cudnn`` / ``torch`` set the recipe's ``sdpa_backends`` to that value on every attention of
-    ``model`` (recipes/attention.py; ``no_cudnn`` is the recipe's default); ``flash_first`` runs the recipe under
-    ``torch`` inside the order flash, efficient, cuDNN, math for the whole variant (forward, loss, backward and any
-    recomputation), the earlier experiment. Leaving the context restores each attention's value."""
+    ``model`` (recipes/attention.py; ``no_cudnn`` is what the recipes' ``"auto"`` picks for changing shapes);
+    ``flash_first`` runs the recipe under ``torch`` inside the order flash, efficient, cuDNN, math for the whole
+    variant (forward, loss, backward and any recomputation), the earlier experiment. Leaving the context restores each
+    attention's value."""
     if name not in SDPA_CHOICES:
         raise ValueError(f"--sdpa {name!r}: choose from {list(SDPA_CHOICES)}")
     stack = contextlib.ExitStack()
@@ -681,6 +685,7 @@ def lightning(args) -> list[dict]:
                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
                                  limit_val_batches=0)
             trainer.fit(model, datamodule=data)
+            row["sdpa_backends"] = model.model.config.sdpa_backends  # what the recipe's "auto" resolved to for this data
             if _received_sigterm:
                 raise RuntimeError("SIGTERM during the variant")
             # Every variant's step k trains the same global batch: its useful tokens, from the sampler's order.
@@ -836,9 +841,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="lightning engine: processes (torchrun's count)")
     parser.add_argument("--pp", type=int, default=1, help="lightning engine: pipeline stages")
     parser.add_argument("--num-workers", type=int, default=2, help="lightning engine: DataLoader workers")
-    parser.add_argument("--sdpa", nargs="+", choices=SDPA_CHOICES, default=[DEFAULT_SDPA_BACKENDS],
+    parser.add_argument("--sdpa", nargs="+", choices=SDPA_CHOICES, default=[DIRECT_SDPA],
                         help="direct engine: the recipe's sdpa_backends (no_cudnn, the default, or torch) and/or"
-                             " flash_first (an experiment: see sdpa_context); every variant runs under each")
+                             " flash_first (an experiment: see sdpa_context); every variant runs under each (the"
+                             " lightning engine runs the recipes' 'auto': no_cudnn for padding, token_budget and"
+                             " dynamic, torch for packing; its rows' sdpa_backends)")
     parser.add_argument("--plans-only", action="store_true",
                         help="print every variant's micro-batch shapes per step (and dynamic's predicted step time);"
                              " no model runs (CPU)")
@@ -892,9 +899,9 @@ def main() -> None:
     results = direct(args) if args.engine == "direct" else lightning(args)
     summary = {"model": args.model, "preset": args.preset, "engine": args.engine, "pp": args.pp,
                "seconds": round(time.perf_counter() - start, 1)}
-    for order in args.sdpa if args.engine == "direct" else [DEFAULT_SDPA_BACKENDS]:
+    for order in args.sdpa if args.engine == "direct" else [DIRECT_SDPA]:
         # Ratios within one SDPA order; with several orders each key names its order.
-        rows = [r for r in results if r.get("sdpa", DEFAULT_SDPA_BACKENDS) == order and not r["error"]]
+        rows = [r for r in results if r.get("sdpa", DIRECT_SDPA) == order and not r["error"]]
         base = next((r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("padding")), None)
         packed = [r["useful_tokens_per_s"] for r in rows if r["variant"].startswith("packing")]
         # The dense-mask packing alone: the baseline of the runs before FlexAttention packing existed.

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from benchmarks.hf_peers import compile_counters, plain_peer, recipe_module, synthetic_data, synthetic_datamodule
+from benchmarks.hf_peers import (compile_counters, plain_peer, recipe_module, sdpa_backends_of, synthetic_data,
+                                 synthetic_datamodule)
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.gpt.model import GPTModel
 from lightning_3d.recipes.training import compile_blocks, count_target_tokens
@@ -76,7 +77,7 @@ def make_gpt(args: argparse.Namespace, system: dict, cls: type[GPT] = GPT) -> GP
                activation_checkpointing=system["ckpt"],
                compile="max-autotune-no-cudagraphs" if system["autotune"] else system["compile"], optimizer_fused=True,
                decay_steps=1000, fp32_residual=system["fp32res"],
-               sdpa_backends="torch" if system.get("torchsdpa") else None)
+               sdpa_backends=sdpa_backends_of(system))
 
 
 # ----- plain loops: our model, or transformers' -----------------------------------------------------------------

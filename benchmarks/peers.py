@@ -15,12 +15,13 @@ per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and our
 value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per
 attention), ``+cudagraphs`` (plain with +whole: the compiled model and loss replayed as CUDA graphs,
 ``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so, the loss compiled as usual),
-``+torchsdpa`` (our recipes' systems: ``sdpa_backends="torch"``, SDPA under torch's own backend choice, cuDNN
-included; without it the recipes' default, no cuDNN: recipes/attention.py), ``+pygc`` (ours only: ``gc_interval=None``,
-Python's automatic garbage collection as the peers have it; without it ours runs the strategy's default, automatic
-collection off and a full collection every 50 steps), ``+gc1`` (ours only: ``gc_interval=1``, a full collection before
-every step after the first, frozen after the first: its cost per step). ``--model t5`` runs the T5 recipe (inputs of
-``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
+``+torchsdpa`` (our recipes' systems: ``sdpa_backends="torch"``, SDPA under torch's own backend choice, cuDNN included),
+``+nocudnn`` (our recipes' systems: ``sdpa_backends="no_cudnn"``, never cuDNN's attention); without either the recipes'
+default ``"auto"``, which on these fixed shapes is ``"torch"`` (recipes/attention.py), ``+pygc`` (ours only:
+``gc_interval=None``, Python's automatic garbage collection as the peers have it; without it ours runs the strategy's
+default, automatic collection off and a full collection every 50 steps), ``+gc1`` (ours only: ``gc_interval=1``, a full
+collection before every step after the first, frozen after the first: its cost per step). ``--model t5`` runs the T5
+recipe (inputs of ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
 
@@ -50,14 +51,15 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
 SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage", "explicit",
-            "cudagraphs", "torchsdpa", "pygc", "gc1")
+            "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1")
 OURS_ONLY = ("cc", "nofuse", "pygc", "gc1")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",),
             "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
             "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
-            "fp32res": ("plain", "ddp", "fsdp", "ours"), "torchsdpa": ("plain", "ddp", "fsdp", "ours")}
+            "fp32res": ("plain", "ddp", "fsdp", "ours"), "torchsdpa": ("plain", "ddp", "fsdp", "ours"),
+            "nocudnn": ("plain", "ddp", "fsdp", "ours")}
 MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
 
 
@@ -83,9 +85,12 @@ def parse_system(text: str, gpus: int) -> dict:
         # The fused gradient op's Python body (the gradient slot's bookkeeping) would not run on a graph replay.
         raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays whole stages without gradient-accumulation"
                                          " fusion; add +compile+stage+nofuse")
-    if "torchsdpa" in suffixes and "explicit" in suffixes:
-        raise argparse.ArgumentTypeError(f"{text!r}: +torchsdpa picks SDPA's backends and +explicit runs no SDPA;"
-                                         " drop one")
+    for backends in ("torchsdpa", "nocudnn"):
+        if backends in suffixes and "explicit" in suffixes:
+            raise argparse.ArgumentTypeError(f"{text!r}: +{backends} picks SDPA's backends and +explicit runs no SDPA;"
+                                             " drop one")
+    if "torchsdpa" in suffixes and "nocudnn" in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +torchsdpa and +nocudnn are two SDPA backend choices; pick one")
     if "pygc" in suffixes and "gc1" in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +pygc and +gc1 are two garbage-collection settings; pick one")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):

@@ -289,18 +289,22 @@ def test_peers_system_suffixes() -> None:
     assert [(r["pygc"], r["gc1"]) for r in gc_rows] == [(False, False), (True, False), (False, True)]
     assert parse_system("plain+whole+explicit", gpus=1)["explicit"]
     assert not parse_system("plain+whole", gpus=1)["explicit"]
-    # +torchsdpa: our recipes under torch's SDPA backend choice (sdpa_backends="torch"); without it the recipes' default
-    from benchmarks.hf_peers import recipe_module
+    # +torchsdpa / +nocudnn: our recipes under sdpa_backends="torch" / "no_cudnn"; without them the recipes' default
+    # "auto", resolved when the model is built (static here: "torch")
+    from benchmarks.hf_peers import build_recipe_model, recipe_module
 
     for model, preset in (("gpt", "tiny"), ("t5", "tiny")):
         args = argparse.Namespace(model=model, preset=preset, vocab_size=300, seq_length=32)
         for text, value in (("ours@1,1,1+compile+stage+torchsdpa", "torch"), ("plain+torchsdpa", "torch"),
-                            ("plain", "no_cudnn")):
+                            ("ours@1,1,1+nocudnn", "no_cudnn"), ("plain+nocudnn", "no_cudnn"), ("plain", "auto")):
             assert recipe_module(args, parse_system(text, gpus=1)).config.sdpa_backends == value, (model, text)
+        built = build_recipe_model(args, parse_system("plain", gpus=1), "cpu")
+        assert {m.sdpa_backends for m in built.model.modules() if hasattr(m, "sdpa_backends")} == {"torch"}
     from benchmarks.peer_workers import make_gpt
 
     args = argparse.Namespace(model="gpt", preset="tiny", vocab_size=300, seq_length=32)
     assert make_gpt(args, parse_system("fsdp@1,1+torchsdpa", gpus=1)).config.sdpa_backends == "torch"  # FSDP's GPT
+    assert make_gpt(args, parse_system("fsdp@1,1+nocudnn", gpus=1)).config.sdpa_backends == "no_cudnn"
     for bad, message in (("ours@1,1,1+whole", r"\+whole is for plain only, not ours"),
                          ("hf+ckpt", r"\+ckpt is for plain and ddp and fsdp and ours, not hf"),
                          ("ddp+fusedce", r"\+fusedce is for plain and ours, not ddp"),
@@ -310,6 +314,9 @@ def test_peers_system_suffixes() -> None:
                          ("hf+explicit", r"\+explicit is for plain and ours, not hf"),
                          ("hf+torchsdpa", r"\+torchsdpa is for plain and ddp and fsdp and ours, not hf"),
                          ("plain+explicit+torchsdpa", r"\+torchsdpa picks SDPA's backends and \+explicit runs no SDPA"),
+                         ("plain+explicit+nocudnn", r"\+nocudnn picks SDPA's backends and \+explicit runs no SDPA"),
+                         ("plain+torchsdpa+nocudnn", r"\+torchsdpa and \+nocudnn are two SDPA backend choices"),
+                         ("hf+nocudnn", r"\+nocudnn is for plain and ddp and fsdp and ours, not hf"),
                          ("plain+pygc", r"\+pygc is for ours only, not plain"),
                          ("ours@1,1,1+pygc+gc1", r"\+pygc and \+gc1 are two garbage-collection settings; pick one"),
                          ("plain+compile+cudagraphs", r"\+cudagraphs replays the whole-model compile; add \+whole"),

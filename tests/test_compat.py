@@ -45,6 +45,25 @@ def test_device_mesh_and_logger_connector_reach_what_lightning_reads() -> None:
     assert hasattr(connector, "should_update_logs") and _params(connector.log_metrics) == ["metrics", "step"]
 
 
+def test_fit_train_dataloaders_is_the_loader_given_to_fit_as_configure_model_sees_it() -> None:
+    """The loader passed as ``train_dataloaders`` (the same object, before Lightning wraps it); None with a data module
+    or the module's own ``train_dataloader``."""
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    class Seen(BoringModel):
+        def configure_model(self) -> None:
+            self.seen.append(compat.fit_train_dataloaders(self.trainer))
+
+    loader = BoringModel().train_dataloader()
+    seen: list = []
+    for data in ({"train_dataloaders": loader}, {"datamodule": BoringDataModule()}, {}):
+        module = Seen()
+        module.seen = seen
+        pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, limit_val_batches=0).fit(module, **data)
+    assert seen[0] is loader and seen[1:] == [None, None]
+
+
 def test_dcp_read_items_cover_one_entry() -> None:
     md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]),
                                [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 3]))])

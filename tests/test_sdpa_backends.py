@@ -1,13 +1,19 @@
 """The recipes' ``sdpa_backends`` option (recipes/attention.py): which SDPA backends GPT's and T5's attention may run.
 
-The default, ``"no_cudnn"``, must hold in every place a kernel is chosen: the eager forward, activation checkpointing's
-recomputation (which must pick the kernel the forward picked, or torch's checkpoint refuses the recomputed tensors) and
-compiled graphs (where the choice is made once, at trace time, and baked into the graph). CPU has no cuDNN, so what the
-tests observe is the backend flags SDPA sees when it is called (eager and recomputation) and, in compiled graphs, the
-kernel traced into the graph with the selection narrowed to math alone (on CPU the default selection and torch's pick
-the same flash kernel, so only a narrower selection shows in a graph). Results: on CPU both values run the same kernel
-on the same inputs, so loss and gradients are bitwise equal. Which kernel a GPU picks is measured by
-benchmarks/peers.py (+torchsdpa) and benchmarks/multitask_microbatching.py (--sdpa), docs/dynamic.md.
+The default, ``"auto"``, is resolved once, in ``configure_model`` before the model exists: ``"no_cudnn"`` when the
+training data declares changing micro-batch shapes (MultiTaskDataModule's padding, token budget and dynamic
+micro-batching), ``"torch"`` for fixed shapes (packing, the fixed-length data modules, no declaration, no Trainer);
+real single-process fits check it from the flags at every SDPA call, the first forward's included.
+
+A resolved value, ``"no_cudnn"``, must hold in every place a kernel is chosen: the eager forward, activation
+checkpointing's recomputation (which must pick the kernel the forward picked, or torch's checkpoint refuses the
+recomputed tensors) and compiled graphs (where the choice is made once, at trace time, and baked into the graph). CPU
+has no cuDNN, so what the tests observe is the backend flags SDPA sees when it is called (eager and recomputation) and,
+in compiled graphs, the kernel traced into the graph with the selection narrowed to math alone (on CPU the default
+selection and torch's pick the same flash kernel, so only a narrower selection shows in a graph). Results: on CPU both
+values run the same kernel on the same inputs, so loss and gradients are bitwise equal. Which kernel a GPU picks is
+measured by benchmarks/peers.py (+torchsdpa, +nocudnn) and benchmarks/multitask_microbatching.py (--sdpa),
+docs/dynamic.md.
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+import lightning.pytorch as pl
+from pathlib import Path
+
+from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import GPT, T5, attention
+from lightning_3d.recipes.data import SyntheticLMDataModule
+from lightning_3d.recipes.data.multitask import MultiTaskDataModule
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.recipes.gpt.config import preset as gpt_preset
 from lightning_3d.recipes.gpt.model import GPTModel
@@ -79,8 +91,9 @@ def t5_loss(model: T5Model) -> torch.Tensor:
     return F.cross_entropy(run_stage(model, (), batch)[..., :97].flatten(0, 1), labels.flatten())
 
 
-def test_default_excludes_only_cudnn():
-    assert GPTConfig().sdpa_backends == T5Config().sdpa_backends == attention.DEFAULT_SDPA_BACKENDS == "no_cudnn"
+def test_default_is_auto_and_no_cudnn_excludes_only_cudnn():
+    assert GPTConfig().sdpa_backends == T5Config().sdpa_backends == attention.DEFAULT_SDPA_BACKENDS == "auto"
+    assert attention.SDPA_BACKENDS_CHOICES == ("auto", "no_cudnn", "torch")
     assert set(attention.SDPA_BACKENDS["no_cudnn"]) == {SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                                        SDPBackend.MATH}
     assert attention.SDPA_BACKENDS["torch"] is None
@@ -144,11 +157,114 @@ def test_loss_and_gradients_equal_torchs_choice(build, loss_of):
 
 
 def test_bad_value_names_it_and_the_choices():
-    message = r"sdpa_backends='cudnn' is not supported; choose one of \['no_cudnn', 'torch'\]"
+    message = r"sdpa_backends='cudnn' is not supported; choose one of \['auto', 'no_cudnn', 'torch'\]"
     for make in (lambda: GPTConfig(sdpa_backends="cudnn"), lambda: T5Config(sdpa_backends="cudnn"),
                  lambda: GPT(sdpa_backends="cudnn"), lambda: T5(sdpa_backends="cudnn")):
         with pytest.raises(ValueError, match=message):
             make()
     # The modules pass the option to the config (the YAML/CLI path, tests/test_cli.py); None keeps the default.
-    assert GPT(sdpa_backends="torch").config.sdpa_backends == "torch" and GPT().config.sdpa_backends == "no_cudnn"
-    assert T5(sdpa_backends="torch").config.sdpa_backends == "torch" and T5().config.sdpa_backends == "no_cudnn"
+    assert GPT(sdpa_backends="torch").config.sdpa_backends == "torch" and GPT().config.sdpa_backends == "auto"
+    assert T5(sdpa_backends="torch").config.sdpa_backends == "torch" and T5().config.sdpa_backends == "auto"
+    with pytest.raises(ValueError, match=message):
+        attention.resolve_sdpa_backends("cudnn", varies_microbatch_shapes=True)
+
+
+def test_auto_resolves_by_the_declared_shapes_and_explicit_values_stay():
+    resolve = attention.resolve_sdpa_backends
+    assert [resolve("auto", True), resolve("auto", False)] == ["no_cudnn", "torch"]
+    assert [resolve(v, s) for v in ("no_cudnn", "torch") for s in (True, False)] == ["no_cudnn"] * 2 + ["torch"] * 2
+
+    class Declares:
+        def __init__(self, varies):
+            self.varies_microbatch_shapes = varies
+
+    class Loader:  # a loader answers through its collate_fn, then its dataset
+        def __init__(self, collate_fn=None, dataset=None):
+            self.collate_fn, self.dataset = collate_fn, dataset
+
+    varies = attention.data_varies_microbatch_shapes
+    assert varies() is False and varies(None, object()) is False  # nothing declared: fixed shapes
+    assert varies(None, Declares(True)) is True and varies(Declares(False), Declares(True)) is False  # the first says
+    assert varies(Loader(collate_fn=Declares(True))) is True and varies(Loader(dataset=Declares(True))) is True
+    assert varies(Loader(collate_fn=Declares(False), dataset=Declares(True))) is False
+
+
+@pytest.mark.parametrize("build", [gpt, t5], ids=["gpt", "t5"])
+def test_auto_outside_a_trainer_is_torchs_choice(recorded, build):
+    """A model built from a config without a Trainer (a plain loop, the benchmarks' direct engine): no data says
+    that shapes vary, so torch's own choice, as the recipes' modules resolve it without a trainer."""
+    model = build("auto")
+    assert {m.sdpa_backends for m in model.modules() if hasattr(m, "sdpa_backends")} == {"torch"}
+    (gpt_loss if build is gpt else t5_loss)(model)
+    assert recorded and recorded == [ALL_ON] * len(recorded)
+    module = GPT("tiny", vocab_size=97, seq_length=32, num_layers=1)
+    module.configure_model()
+    assert module.model.config.sdpa_backends == "torch" and module.config.sdpa_backends == "auto"
+
+
+FLAN = Path(__file__).parent / "data" / "multitask" / "flan_tiny.jsonl"
+
+
+@pytest.fixture(scope="module")
+def multitask_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("multitask_cache"))
+
+
+def multitask(cache: str, model_type: str, microbatching: str) -> MultiTaskDataModule:
+    extra = {"memory_budget_gb": 0.02} if microbatching == "dynamic" else {}
+    return MultiTaskDataModule(model_type=model_type, data_files=str(FLAN), tokenizer="bytes", seq_length=64,
+                               target_length=32, global_batch_size=4, microbatching=microbatching, micro_batch_size=2,
+                               token_budget=128, val_fraction=0.0, cache_dir=cache, **extra)
+
+
+def fit_recording(module: pl.LightningModule, recorded: list, **data) -> None:
+    """One training step of ``module`` under Compressed3DStrategy (one CPU process), SDPA's flags recorded at every
+    call. ``module.model is None`` before the fit: its configure_model builds it, resolving "auto" first."""
+    assert module.model is None
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, **data)
+    assert recorded
+
+
+CASES = [("padding", "auto", NO_CUDNN), ("token_budget", "auto", NO_CUDNN), ("dynamic", "auto", NO_CUDNN),
+         ("packing", "auto", ALL_ON), ("dynamic", "torch", ALL_ON), ("packing", "no_cudnn", NO_CUDNN)]
+
+
+@pytest.mark.parametrize("microbatching, value, expected", CASES, ids=[f"{m}-{v}" for m, v, _ in CASES])
+def test_auto_in_a_fit_follows_the_multitask_microbatching(recorded, multitask_cache, microbatching, value,
+                                                           expected):
+    """GPT on the multi-task data: every SDPA call of the step, from the first forward on, runs under the value
+    resolved from the data module (explicit values kept whatever the data)."""
+    dm = multitask(multitask_cache, "gpt", microbatching)
+    module = GPT("tiny", vocab_size=dm.vocab_size, seq_length=64, num_layers=1, hidden_size=32, num_heads=2,
+                 sdpa_backends=value, packed_attention="sdpa")
+    fit_recording(module, recorded, datamodule=dm)
+    assert recorded == [expected] * len(recorded)
+    assert module.model.config.sdpa_backends == ("no_cudnn" if expected == NO_CUDNN else "torch")
+    assert module.config.sdpa_backends == value  # the module keeps what was asked for
+    assert dm.varies_microbatch_shapes is (microbatching != "packing")
+
+
+def test_auto_in_fits_of_fixed_shapes_t5_and_a_loader_without_its_module(recorded, multitask_cache):
+    """The fixed-length data module (torch's choice); T5 with attention="sdpa" on padded multi-task pairs (no cuDNN);
+    a multi-task loader handed to fit without its data module (its collate function declares the shapes)."""
+    module = GPT("tiny", vocab_size=97, seq_length=32, num_layers=1, hidden_size=32, num_heads=2)
+    fit_recording(module, recorded, datamodule=SyntheticLMDataModule(vocab_size=97, seq_length=32, batch_size=2,
+                                                                     num_samples=8))
+    assert recorded == [ALL_ON] * len(recorded) and module.model.config.sdpa_backends == "torch"
+    recorded.clear()
+
+    dm = multitask(multitask_cache, "t5", "padding")
+    module = T5("tiny", vocab_size=dm.vocab_size, pad_token_id=dm.pad_token_id, eos_token_id=dm.eos_token_id,
+                decoder_start_token_id=dm.pad_token_id, num_layers=1, num_decoder_layers=1, attention="sdpa")
+    fit_recording(module, recorded, datamodule=dm)
+    assert recorded == [NO_CUDNN] * len(recorded) and module.model.config.sdpa_backends == "no_cudnn"
+    recorded.clear()
+
+    dm = multitask(multitask_cache, "gpt", "token_budget")
+    dm.setup("fit")
+    module = GPT("tiny", vocab_size=dm.vocab_size, seq_length=64, num_layers=1, hidden_size=32, num_heads=2)
+    fit_recording(module, recorded, train_dataloaders=dm.train_dataloader())
+    assert recorded == [NO_CUDNN] * len(recorded) and module.model.config.sdpa_backends == "no_cudnn"

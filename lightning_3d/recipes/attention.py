@@ -1,9 +1,13 @@
 """Which SDPA backends the GPT and T5 recipes' attention may run (the models' ``sdpa_backends`` option).
 
-``"no_cudnn"`` (the default) lets SDPA pick among flash attention, the memory-efficient kernel and math, never cuDNN:
-recent torch prefers cuDNN's attention on Hopper, and cuDNN builds an execution plan for every new (batch, heads,
-length) shape before it runs, which micro-batches whose shapes change (padding, token budgets, dynamic micro-batching)
-pay again and again (docs/dynamic.md, "Attention for changing shapes"). ``"torch"`` leaves torch's own choice.
+``"no_cudnn"`` lets SDPA pick among flash attention, the memory-efficient kernel and math, never cuDNN: recent torch
+prefers cuDNN's attention on Hopper, and cuDNN builds an execution plan for every new (batch, heads, length) shape
+before it runs, which micro-batches whose shapes change (padding, token budgets, dynamic micro-batching) pay again and
+again (docs/dynamic.md, "Attention for changing shapes"). ``"torch"`` leaves torch's own choice, which on static shapes
+may be the faster kernel (docs/speed.md). ``"auto"`` (the default) is one of the two, chosen once per model before it
+is built, never switched mid-run: ``"no_cudnn"`` when the training data declares that its micro-batch shapes vary
+(``varies_microbatch_shapes`` on the data module, the train loader, its collate function or its dataset; see
+:func:`data_varies_microbatch_shapes`), ``"torch"`` otherwise, and ``"torch"`` for a model built outside a Trainer.
 
 The selection only removes a backend, with no priority order: torch then chooses among the rest by its fixed order
 (flash, efficient, math), the same in eager code, in compiled code and in activation checkpointing's recomputation, so
@@ -22,24 +26,51 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# The backends each value allows (None: torch's own order, no context entered).
+# The backends each resolved value allows (None: torch's own order, no context entered).
 SDPA_BACKENDS: dict[str, list[SDPBackend] | None] = {
     "no_cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "torch": None,
 }
-# The models' default; one name to flip if cuDNN turns out faster on static shapes (benchmarks/peers.py +torchsdpa).
-DEFAULT_SDPA_BACKENDS = "no_cudnn"
+# What the option accepts: "auto" resolves to one of SDPA_BACKENDS (resolve_sdpa_backends).
+SDPA_BACKENDS_CHOICES = ("auto", *SDPA_BACKENDS)
+DEFAULT_SDPA_BACKENDS = "auto"
 
 
 def check_sdpa_backends(value: str) -> None:
-    if value not in SDPA_BACKENDS:
-        raise ValueError(f"sdpa_backends={value!r} is not supported; choose one of {list(SDPA_BACKENDS)} ('no_cudnn':"
+    if value not in SDPA_BACKENDS_CHOICES:
+        raise ValueError(f"sdpa_backends={value!r} is not supported; choose one of {list(SDPA_BACKENDS_CHOICES)}"
+                         " ('auto': 'no_cudnn' when the data's micro-batch shapes vary, else 'torch'; 'no_cudnn':"
                          " flash, memory-efficient or math attention, never cuDNN's per-shape plans; 'torch': torch's"
                          " own choice).")
 
 
+def resolve_sdpa_backends(value: str, varies_microbatch_shapes: bool) -> str:
+    """``value`` as the key of ``SDPA_BACKENDS`` that runs: explicit values unchanged; ``"auto"``: ``"no_cudnn"`` for
+    changing micro-batch shapes (cuDNN would build a plan per new shape), ``"torch"`` for static ones."""
+    check_sdpa_backends(value)
+    if value != "auto":
+        return value
+    return "no_cudnn" if varies_microbatch_shapes else "torch"
+
+
+def data_varies_microbatch_shapes(*sources: Any) -> bool:
+    """Whether the first of ``sources`` (a data module, a loader, a collate function, a dataset, or None) that declares
+    ``varies_microbatch_shapes`` says that the training micro-batches change shape; a loader also answers through its
+    ``collate_fn`` and ``dataset``. Nothing declared: False (fixed shapes, as the fixed-length data modules make).
+    Duck-typed, so that the recipes' attention depends on no data module."""
+    for source in sources:
+        if source is None:
+            continue
+        for obj in (source, getattr(source, "collate_fn", None), getattr(source, "dataset", None)):
+            declared = getattr(obj, "varies_microbatch_shapes", None) if obj is not None else None
+            if declared is not None:
+                return bool(declared)
+    return False
+
+
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, sdpa_backends: str, **kwargs: Any) -> Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, **kwargs)`` with the backends ``sdpa_backends`` allows."""
+    """``F.scaled_dot_product_attention(q, k, v, **kwargs)`` with the backends ``sdpa_backends`` (a resolved value,
+    ``"no_cudnn"`` or ``"torch"``) allows."""
     backends = SDPA_BACKENDS[sdpa_backends]
     if backends is None:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_3d.recipes.attention import data_varies_microbatch_shapes, resolve_sdpa_backends
 from lightning_3d.tensor_parallel import compile_on_local_tensors
 from lightning_3d.tensor_parallel.mappings import ASYNC_TP_VARIABLE, async_tp_from_environment
+from lightning_3d.utils.compat import fit_train_dataloaders
 
 IGNORE_INDEX = -100
 # What ``compile=True`` hands to torch.compile, and what GPT's FlexAttention and its block-mask builder are compiled
@@ -115,6 +117,25 @@ def check_speed_options(compile: bool | str, optimizer_foreach: bool | None, opt
     if compile is False and async_tp_from_environment():
         raise ValueError(f"{ASYNC_TP_VARIABLE}=1 fuses collectives with GEMMs inside compiled blocks (inductor), but"
                          f" compile=False: set compile=True, or unset {ASYNC_TP_VARIABLE}.")
+
+
+def sdpa_backends_for_run(trainer: pl.Trainer | None, value: str) -> str:
+    """The recipes' ``sdpa_backends`` ``value`` resolved for the run of ``trainer`` (recipes/attention.py): ``"auto"``
+    reads whether the training data's micro-batch shapes vary from the trainer's data module or, without one, from the
+    loader(s) given to ``fit``. Called from ``configure_model``, before the model is built, compiled or run, so one
+    value holds for the whole run (a forward and its checkpointed recomputation must run the same kernel); without a
+    trainer ``"auto"`` is ``"torch"``."""
+    if value != "auto" or trainer is None:
+        return resolve_sdpa_backends(value, varies_microbatch_shapes=False)
+    loaders = fit_train_dataloaders(trainer)
+    if isinstance(loaders, (list, tuple)):
+        sources = tuple(loaders)
+    elif isinstance(loaders, dict):
+        sources = tuple(loaders.values())
+    else:
+        sources = (loaders,)
+    varies = data_varies_microbatch_shapes(trainer.datamodule, *sources)
+    return resolve_sdpa_backends(value, varies)
 
 
 def count_target_tokens(labels: Tensor) -> Tensor:

@@ -164,6 +164,14 @@ def logger_connector(trainer: pl.Trainer) -> Any:
     return trainer._logger_connector
 
 
+def fit_train_dataloaders(trainer: pl.Trainer) -> Any:
+    """What ``Trainer.fit(train_dataloaders=...)`` was given (a loader or a collection of them), readable from
+    ``configure_model`` before Lightning wraps it; None when the training data comes from a data module or the
+    LightningModule's own ``train_dataloader`` (or outside ``fit``)."""
+    instance = trainer.fit_loop._data_source.instance
+    return None if isinstance(instance, (pl.LightningModule, pl.LightningDataModule)) else instance
+
+
 # ----- context parallelism: torch's ring attention (lightning_3d/context/ring_attention.py, docs/context_parallel.md) -----
 # torch's public ``context_parallel`` reaches its ring through DTensor dispatch of the CUDA SDPA kernels only (CPU SDPA
 # runs another op), and its options are module globals; we call the ring loops themselves, with the block kernel of

@@ -64,6 +64,10 @@ class CausalLMDataModule(L.LightningDataModule):
     257, or the loaded tokenizer's size.
     """
 
+    # Every micro-batch has the same shape: the recipes' sdpa_backends="auto" then keeps torch's own attention kernel
+    # (recipes/attention.py, docs/speed.md).
+    varies_microbatch_shapes = False
+
     def __init__(
         self,
         data_files: str | list[str] | None = None,

@@ -181,6 +181,13 @@ class MultiTaskDataModule(L.LightningDataModule):
         #: the training loader's per-step record (``lightning_3d.dynamic.PlanWaits``), set by ``train_dataloader``
         self.plan_waits: PlanWaits | None = None
 
+    @property
+    def varies_microbatch_shapes(self) -> bool:
+        """True for padding, token budgets and dynamic micro-batching (each micro-batch padded to its own longest
+        sample), False for packing (rows of ``seq_length`` tokens): the recipes' ``sdpa_backends="auto"`` reads it
+        (recipes/attention.py) and keeps cuDNN's attention, which plans per shape, away from changing shapes."""
+        return self.hparams.microbatching != "packing"
+
     # ----------------------------------------------------------------- vocabulary
     @property
     def text_vocab_size(self) -> int:

@@ -186,6 +186,11 @@ class StepCollator:
         self.micro_batch_size, self.token_budget, self.dynamic = micro_batch_size, token_budget, dynamic
         self.microbatch_multiple = microbatch_multiple
 
+    @property
+    def varies_microbatch_shapes(self) -> bool:
+        """As ``MultiTaskDataModule.varies_microbatch_shapes``, for a loader handed to ``fit`` without its module."""
+        return self.microbatching != "packing"
+
     def collate(self, samples: Sequence[Sample], seq_len: int, target_len: int | None) -> dict[str, Tensor]:
         """One padded micro-batch of exactly (seq_len, target_len): what the dynamic planner calls (GPT: target_len
         is ignored)."""

@@ -47,6 +47,10 @@ class Seq2SeqDataModule(L.LightningDataModule):
     ``val_files``, else the last ``val_fraction`` of the samples. ``tokenizer`` as in :class:`CausalLMDataModule`.
     """
 
+    # Every micro-batch has the same shape: the recipes' sdpa_backends="auto" then keeps torch's own attention kernel
+    # (recipes/attention.py, docs/speed.md).
+    varies_microbatch_shapes = False
+
     def __init__(
         self,
         data_files: str | list[str] | None = None,

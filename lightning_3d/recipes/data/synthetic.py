@@ -36,6 +36,9 @@ class _SyntheticDataModule(L.LightningDataModule):
     """What the synthetic modules share: argument checks, ``vocab_size`` and the resumable training loader."""
 
     train_dataset: Dataset
+    # Every micro-batch has the same shape: the recipes' sdpa_backends="auto" then keeps torch's own attention kernel
+    # (recipes/attention.py, docs/speed.md).
+    varies_microbatch_shapes = False
 
     def _require_at_least(self, **minimums: int) -> None:
         """``name=low``: the hyper-parameter ``name`` must be at least ``low``."""

@@ -29,7 +29,8 @@ class GPTConfig:
     fp32_residual: bool = False
     init_std: float = 0.02
     vocab_multiple: int = 128
-    # Which SDPA backends attention may run: "no_cudnn" or "torch" (recipes/attention.py, docs/dynamic.md).
+    # Which SDPA backends attention may run: "auto" (resolved by the LightningModule from its data), "no_cudnn" or
+    # "torch" (recipes/attention.py, docs/dynamic.md).
     sdpa_backends: str = DEFAULT_SDPA_BACKENDS
 
     def __post_init__(self) -> None:

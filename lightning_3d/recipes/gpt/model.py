@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.context import ring_attention, ulysses_attention
 from lightning_3d.recipes import training
-from lightning_3d.recipes.attention import scaled_dot_product_attention
+from lightning_3d.recipes.attention import resolve_sdpa_backends, scaled_dot_product_attention
 from lightning_3d.recipes.gpt.config import GPTConfig
 # Re-exported for the modules that import them from here (T5, the Hugging Face interop); defined in training.py, which
 # must not import this module (this one reads training.COMPILE_BACKEND).
@@ -53,7 +53,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(h, h)
         self.head_dim = config.head_dim
         self.dropout = config.dropout
-        self.sdpa_backends = config.sdpa_backends
+        # "auto" still here: built outside a Trainer (or by hand), where no data says that shapes vary, so static
+        # (the LightningModules resolve it first with their data in view: recipes/attention.py).
+        self.sdpa_backends = resolve_sdpa_backends(config.sdpa_backends, varies_microbatch_shapes=False)
         # Context parallelism (GPT.enable_context_parallel): (cp group, layout, "ring" | "ulysses"); the tokens are
         # then this rank's slice of the sequence, and attention spans the whole sequence (docs/context_parallel.md).
         self.context: tuple | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +18,8 @@ from lightning_3d.recipes.gpt.model import (Attention, GPTModel, check_flex_trai
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
 from lightning_3d.recipes.kernels import linear_cross_entropy
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
-                                           count_target_tokens, summed_token_cross_entropy)
+                                           count_target_tokens, sdpa_backends_for_run,
+                                           summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
 from lightning_3d.utils.tensors import materialize_
@@ -37,8 +39,10 @@ class GPT(pl.LightningModule):
     ``"flex"`` (FlexAttention with a causal same-document block mask: skips the blocks across documents; CUDA for
     training, no attention dropout), ``"sdpa"`` (SDPA with a dense block-diagonal causal mask: every block of the
     row computed) or ``"auto"`` (flex on CUDA without dropout and with heads of at least 16, sdpa otherwise). Plain rows
-    ignore it. ``sdpa_backends``: ``"no_cudnn"`` (the default: SDPA never picks cuDNN, whose per-shape plans changing
-    micro-batch shapes pay again and again) or ``"torch"`` (torch's own choice); see ``recipes/attention.py``.
+    ignore it. ``sdpa_backends``: ``"auto"`` (the default: ``"no_cudnn"`` when the training data declares changing
+    micro-batch shapes, else ``"torch"``, chosen once in ``configure_model``), ``"no_cudnn"`` (SDPA never picks cuDNN,
+    whose per-shape plans changing shapes pay again and again) or ``"torch"`` (torch's own choice, the faster on static
+    shapes); see ``recipes/attention.py``.
     """
 
     def __init__(
@@ -94,9 +98,12 @@ class GPT(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        # "auto" becomes a value for the whole run here, before the model exists (recipes/attention.py); the model's
+        # config holds it, the module's keeps what was asked for.
+        config = replace(self.config, sdpa_backends=sdpa_backends_for_run(self._trainer, self.config.sdpa_backends))
         padded = self.config.padded_vocab_size(self._tensor_parallel_size())
         with torch.device("meta"):
-            self.model = GPTModel(self.config, padded, self.hparams.activation_checkpointing,
+            self.model = GPTModel(config, padded, self.hparams.activation_checkpointing,
                                   self.hparams.packed_attention)
         if self.hparams.fused_head_loss:
             if self._tensor_parallel_size() > 1:

@@ -38,7 +38,8 @@ class T5Config:
     eos_token_id: int = 1
     decoder_start_token_id: int | None = None
     vocab_multiple: int = 128
-    # Which SDPA backends attention="sdpa" may run: "no_cudnn" or "torch" (recipes/attention.py, docs/dynamic.md).
+    # Which SDPA backends attention="sdpa" may run: "auto" (resolved by the LightningModule from its data), "no_cudnn"
+    # or "torch" (recipes/attention.py, docs/dynamic.md).
     sdpa_backends: str = DEFAULT_SDPA_BACKENDS
 
     def __post_init__(self) -> None:

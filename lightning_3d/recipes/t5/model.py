@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, scaled_dot_product_attention
+from lightning_3d.recipes.attention import resolve_sdpa_backends, scaled_dot_product_attention
 from lightning_3d.recipes.gpt.model import LMHead, copy_full_into, seed_for
 from lightning_3d.recipes.t5.config import T5Config
 from lightning_3d.recipes.training import IGNORE_INDEX
@@ -77,7 +77,9 @@ class Attention(nn.Module):
         super().__init__()
         check_attention(implementation)
         self.implementation = implementation
-        self.sdpa_backends = config.sdpa_backends
+        # "auto" still here: built outside a Trainer (or by hand), where no data says that shapes vary, so static
+        # (the LightningModules resolve it first with their data in view: recipes/attention.py).
+        self.sdpa_backends = resolve_sdpa_backends(config.sdpa_backends, varies_microbatch_shapes=False)
         h, inner = config.hidden_size, config.inner_size
         # Separate q/k/v so that column sharding hands every tensor-parallel rank whole heads.
         self.q = nn.Linear(h, inner, bias=False)
@@ -124,7 +126,7 @@ class Attention(nn.Module):
 
     @staticmethod
     def _fused(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, key_bias: Tensor | None,
-               sdpa_backends: str = DEFAULT_SDPA_BACKENDS) -> Tensor:
+               sdpa_backends: str = "torch") -> Tensor:
         """The same attention in one SDPA call: the bias and mask as its additive ``attn_mask`` (whose gradient the
         memory-efficient CUDA kernel computes, so the relative-bias tables still train), no 1/sqrt(d) (``scale=1``).
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,7 +17,8 @@ from lightning_3d.recipes.t5.config import T5Config, preset
 from lightning_3d.recipes.t5.model import T5Model, check_attention
 from lightning_3d.recipes.t5.parallelize import T5Stage, parallelize_t5
 from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
-                                           count_target_tokens, summed_token_cross_entropy)
+                                           count_target_tokens, sdpa_backends_for_run,
+                                           summed_token_cross_entropy)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
 from lightning_3d.utils.tensors import materialize_
@@ -40,9 +42,10 @@ class T5(pl.LightningModule):
     ``attention="explicit"`` (default) runs each attention as scores, fp32 softmax and value mix; ``"sdpa"`` as one
     ``scaled_dot_product_attention`` call with the relative position bias as its additive mask (the same function;
     with dropout > 0 training always takes the explicit path, whose dropout draws from the tensor-parallel stream).
-    ``sdpa_backends`` (with ``attention="sdpa"``): ``"no_cudnn"`` (the default: SDPA never picks cuDNN, whose per-shape
-    plans changing micro-batch shapes pay again and again) or ``"torch"`` (torch's own choice); see
-    ``recipes/attention.py``.
+    ``sdpa_backends`` (with ``attention="sdpa"``): ``"auto"`` (the default: ``"no_cudnn"`` when the training data
+    declares changing micro-batch shapes, else ``"torch"``, chosen once in ``configure_model``), ``"no_cudnn"`` (SDPA
+    never picks cuDNN, whose per-shape plans changing shapes pay again and again) or ``"torch"`` (torch's own choice);
+    see ``recipes/attention.py``.
     """
 
     # Tells ThroughputMFUMonitor that a batch's tokens are its inputs plus its targets (`labels`), see flops_per_token.
@@ -108,9 +111,12 @@ class T5(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        # "auto" becomes a value for the whole run here, before the model exists (recipes/attention.py); the model's
+        # config holds it, the module's keeps what was asked for.
+        config = replace(self.config, sdpa_backends=sdpa_backends_for_run(self._trainer, self.config.sdpa_backends))
         padded = self.config.padded_vocab_size(self._tensor_parallel_size())
         with torch.device("meta"):
-            self.model = T5Model(self.config, padded, self.hparams.activation_checkpointing, self.hparams.attention)
+            self.model = T5Model(config, padded, self.hparams.activation_checkpointing, self.hparams.attention)
         if self.hparams.compile_scope == "stage" and self._tensor_parallel_size() > 1:
             raise ValueError(f"compile_scope='stage' needs tensor_parallel_size 1 (got {self._tensor_parallel_size()}):"
                              " tensor-parallel stages are compiled per block (compile_scope='block').")
