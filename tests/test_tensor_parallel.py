@@ -12,7 +12,7 @@ from tests.tolerance import gpt_tolerance
 
 
 def test_operators_and_layers_match_their_definition(tmp_path: Path) -> None:
-    report = run_scenario(2, "tensor_parallel", ["--world", "2"], tmp_path / "report.json", timeout=300)
+    report = run_scenario(2, "tensor_parallel", ["--world", "2"], tmp_path / "report.json", timeout=600)
     for rank, result in enumerate(report["ranks"]):
         assert all(result["mappings"].values()), (rank, result["mappings"])
         for sp, layers in result["layers"].items():
