@@ -97,11 +97,15 @@ def overlap_from_environment() -> bool:
     """``L3D_TP_OVERLAP``: 1 (or unset) overlaps the column-parallel backward's collective with the weight-gradient
     GEMM; 0 runs the collective synchronously after the layer's whole backward (the comparison a benchmark makes).
     Read where the plan builds its ``TensorParallel``, on every rank before any collective."""
-    value = os.environ.get(OVERLAP_VARIABLE, "1").strip()
+    return _switch(OVERLAP_VARIABLE, "1", "set it to 1 (overlap the tensor-parallel backward collectives with the"
+                   " weight-gradient GEMM, the default) or 0 (synchronous collectives, for comparison), or unset it.")
+
+
+def _switch(variable: str, default: str, fix: str) -> bool:
+    """An environment variable that is 0 or 1 (``default`` when unset); anything else raises with ``fix``."""
+    value = os.environ.get(variable, default).strip()
     if value not in ("0", "1"):
-        raise ValueError(f"{OVERLAP_VARIABLE}={value!r} is not a switch: set it to 1 (overlap the tensor-parallel"
-                         " backward collectives with the weight-gradient GEMM, the default) or 0 (synchronous"
-                         " collectives, for comparison), or unset it.")
+        raise ValueError(f"{variable}={value!r} is not a switch: {fix}")
     return value == "1"
 
 
@@ -112,12 +116,9 @@ def regather_from_environment() -> bool:
     """``L3D_TP_SP_REGATHER``: 0 (or unset) saves the gathered input of each column-parallel GEMM under sequence
     parallelism; 1 saves this rank's chunk and all-gathers it again in the backward, (tp - 1)/tp of that input's
     memory less for one all-gather more. No effect without SP or with ``L3D_TP_OVERLAP=0``."""
-    value = os.environ.get(REGATHER_VARIABLE, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{REGATHER_VARIABLE}={value!r} is not a switch: set it to 0 (save the gathered input of"
-                         " column-parallel layers under sequence parallelism, the default) or 1 (save this rank's"
-                         " sequence chunk and all-gather it again in the backward: less memory), or unset it.")
-    return value == "1"
+    return _switch(REGATHER_VARIABLE, "0", "set it to 0 (save the gathered input of column-parallel layers under"
+                   " sequence parallelism, the default) or 1 (save this rank's sequence chunk and all-gather it again in"
+                   " the backward: less memory), or unset it.")
 
 
 ASYNC_TP_VARIABLE = "L3D_TP_ASYNC"
@@ -126,11 +127,8 @@ ASYNC_TP_VARIABLE = "L3D_TP_ASYNC"
 def async_tp_from_environment() -> bool:
     """``L3D_TP_ASYNC``: 1 turns on async tensor parallelism (inductor's micro-pipeline TP pass and symmetric memory for
     the tensor-parallel group), 0 or unset leaves it off. Read where the plan builds its ``TensorParallel``."""
-    value = os.environ.get(ASYNC_TP_VARIABLE, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ASYNC_TP_VARIABLE}={value!r} is not a switch: set it to 1 (async tensor parallelism in"
-                         " compiled sequence-parallel blocks on CUDA) or 0 (off, the default), or unset it.")
-    return value == "1"
+    return _switch(ASYNC_TP_VARIABLE, "0", "set it to 1 (async tensor parallelism in compiled sequence-parallel"
+                   " blocks on CUDA) or 0 (off, the default), or unset it.")
 
 
 def check_async_tp(sequence_parallel: bool, device_type: str, backend: str) -> None:
