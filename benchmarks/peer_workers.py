@@ -190,6 +190,11 @@ class StepTimer(pl.Callback):
         self.profiler.finish()
 
 
+def fusion_option(system: dict) -> bool | str:
+    """Ours' ``gradient_accumulation_fusion``: +nofuse False, +fuse True, else the strategy's default "auto"."""
+    return False if system["nofuse"] else True if system["fuse"] else "auto"
+
+
 def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -201,7 +206,7 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
         strategy = Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=m,
                                         schedule=args.schedule if system["pp"] > 1 else "1f1b",
                                         compression=system["cc"], fused_embedding_sync=system["cc"],
-                                        gradient_accumulation_fusion=not system["nofuse"],
+                                        gradient_accumulation_fusion=fusion_option(system),
                                         **({"gc_interval": None} if system["pygc"]
                                            else {"gc_interval": 1} if system["gc1"] else {}))
         module, batch, accumulate = recipe_module(args, system), mb * m, 1

@@ -9,7 +9,9 @@ Systems (each in fresh processes started by torchrun, same model, same initial w
 Suffixes: ``+compile`` (per-block torch.compile, and the loss; hf: the whole model and loss), ``+autotune`` (compile
 with "max-autotune-no-cudagraphs"), ``+whole`` (plain only: ``torch.compile`` of the whole model with its loss, as a
 user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (ours only: the default compression
-stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``), ``+fusedce`` (GPT, plain and ours: the
+stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``, no layer fused), ``+fuse`` (ours only:
+``gradient_accumulation_fusion=True``, every fusable layer fused; without either, ours runs the strategy's default
+``"auto"``: only weights of at least 2**23 elements, docs/speed.md), ``+fusedce`` (GPT, plain and ours: the
 chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (ours only, with +compile: one graph
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
 value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per
@@ -50,11 +52,11 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
                                          environment)
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
-SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "whole", "fusedce", "stage", "explicit",
+SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "fuse", "whole", "fusedce", "stage", "explicit",
             "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1")
-OURS_ONLY = ("cc", "nofuse", "pygc", "gc1")
+OURS_ONLY = ("cc", "nofuse", "fuse", "pygc", "gc1")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
-ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",),
+ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "fuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",),
             "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
             "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
@@ -91,6 +93,9 @@ def parse_system(text: str, gpus: int) -> dict:
                                              " drop one")
     if "torchsdpa" in suffixes and "nocudnn" in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +torchsdpa and +nocudnn are two SDPA backend choices; pick one")
+    if "fuse" in suffixes and "nofuse" in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +fuse and +nofuse are two gradient-accumulation fusion settings;"
+                                         " pick one")
     if "pygc" in suffixes and "gc1" in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +pygc and +gc1 are two garbage-collection settings; pick one")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):

@@ -275,7 +275,13 @@ def test_peers_system_suffixes() -> None:
     assert (system["world"], system["compile"], system["fp32res"], system["cc"]) == (2, True, True, False)
     assert parse_system("plain+fp32res", gpus=1)["fp32res"] and not parse_system("plain", gpus=1)["fp32res"]
     assert parse_system("ours@1,1,1+nofuse", gpus=1)["nofuse"] and not system["nofuse"]
-    for bad in ("plain+cc", "ddp+cc", "fsdp@1,1+nofuse", "hf+nofuse"):
+    from benchmarks.peer_workers import fusion_option
+
+    assert [fusion_option(parse_system(t, gpus=1)) for t in ("ours@1,1,1", "ours@1,1,1+fuse", "ours@1,1,1+nofuse")] == [
+        "auto", True, False]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\+fuse and \+nofuse are two gradient-accumulation fusion"):
+        parse_system("ours@1,1,1+fuse+nofuse", gpus=1)
+    for bad in ("plain+cc", "ddp+cc", "fsdp@1,1+nofuse", "hf+nofuse", "plain+fuse"):
         with pytest.raises(argparse.ArgumentTypeError, match="for ours only"):
             parse_system(bad, gpus=1)
     with pytest.raises(argparse.ArgumentTypeError, match=r"expected NAME\[@sizes\]"):

@@ -80,6 +80,15 @@ def test_links_follow_the_data_module(tmp_path):
     assert cli.model.config.sdpa_backends == "torch"  # the model-config fields reach the CLI (recipes/attention.py)
 
 
+@pytest.mark.parametrize("text,value", [("auto", "auto"), ("true", True), ("false", False), (None, "auto")])
+def test_gradient_accumulation_fusion_from_the_command_line(tmp_path, text, value):
+    """jsonargparse takes the option's three values (``bool | Literal["auto"]``); left out, it is "auto"."""
+    args = [] if text is None else [f"--trainer.strategy.init_args.gradient_accumulation_fusion={text}"]
+    cli = build_cli(["--config", "gpt_tiny", *args, *quiet(tmp_path)], run=False)
+    assert cli.trainer.strategy.options.gradient_accumulation_fusion == value
+    assert type(cli.trainer.strategy.options.gradient_accumulation_fusion) is type(value)
+
+
 def test_any_lightning_module_without_links(tmp_path):
     boring = "lightning.pytorch.demos.boring_classes."
     cli = build_cli([f"--model={boring}BoringModel", f"--data={boring}BoringDataModule", *quiet(tmp_path)], run=False)

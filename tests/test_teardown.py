@@ -37,7 +37,7 @@ def fit_twice(pipeline: bool) -> tuple[list[weakref.ref], list[int], int]:
     torch.manual_seed(0)
     model = GPT("tiny", seq_length=32, vocab_size=512) if pipeline else BoringModel()
     data = SyntheticLMDataModule(vocab_size=512, seq_length=32, batch_size=4, num_samples=32) if pipeline else None
-    strategy = Compressed3DStrategy(num_microbatches=2 if pipeline else 1)
+    strategy = Compressed3DStrategy(num_microbatches=2 if pipeline else 1, gradient_accumulation_fusion=True)  # slots too
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, callbacks=[CountHooks()])

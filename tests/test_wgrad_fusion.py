@@ -1,6 +1,7 @@
 """Gradient-accumulation fusion (``gradient_accumulation_fusion``): which layers it takes, that training is the same
 as autograd's accumulation, that the gradients live in the buckets, and the errors it raises. The multi-process
-layouts of tests/test_distributed.py run with it on (the default) against single-process references."""
+layouts of tests/test_distributed.py run with it on (``True``: the tiny models' layers are all below the "auto"
+threshold) against single-process references."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data import SyntheticLMDataModule
 from lightning_3d.strategies.grad_sync import GradientSynchronizer
+import lightning_3d.strategies.wgrad_fusion as wgrad_fusion
 from lightning_3d.strategies.wgrad_fusion import FusedGradLinear, fusable_linears, fuse_gradient_accumulation
 
 
-def fit(fusion: bool, precision: str = "32-true", steps: int = 3, **gpt) -> tuple[GPT, list[float], list[dict], list]:
+def fit(fusion: bool | str, precision: str = "32-true", steps: int = 3, **gpt) -> tuple[GPT, list[float], list[dict], list]:
     """Train the tiny GPT on one process; the model, the losses, each step's gradients (before the optimizer) and
     where the fused weights' gradients lived then: (their storages, the synchronizer's bucket buffers)."""
     losses: list[float] = []
@@ -83,6 +85,56 @@ def test_fused_gradients_are_views_of_one_bucket_and_compile_keeps_the_op(monkey
     assert len(buffers) == 1 and storages == buffers and layouts == [layouts[0]] * 2
 
 
+def test_auto_fuses_exactly_the_weights_at_or_above_the_threshold(caplog: pytest.LogCaptureFixture) -> None:
+    """``"auto"`` fuses a weight of exactly FUSION_MIN_ELEMENTS (2**23) elements and none below it (one just below,
+    small ones); ``True`` every fusable layer, ``False`` none; the log says how many were fused and left out."""
+    assert wgrad_fusion.FUSION_MIN_ELEMENTS == 2**23
+    for mode, fused_names in (("auto", ["0"]), (True, ["0", "1", "2", "3"]), (False, [])):
+        # 2048 x 4096 = 2**23 elements; 4095 x 2048 = 2**23 - 2048; the head is tied to the embedding (not fusable).
+        stage = nn.Sequential(nn.Linear(2048, 4096, bias=False), nn.Linear(2048, 4095), nn.Linear(16, 16),
+                              nn.Linear(16, 8))
+        strategy = Compressed3DStrategy(gradient_accumulation_fusion=mode)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            strategy.engine.fuse_gradient_accumulation({0: stage}, tp=1)
+        assert [name for name, m in stage.named_children() if type(m) is FusedGradLinear] == fused_names, mode
+        assert all(type(m) is nn.Linear for name, m in stage.named_children() if name not in fused_names)
+        assert strategy.engine.fused_weights == [stage[int(n)].weight for n in fused_names]
+        wgrad_fusion.unfuse_gradient_accumulation(strategy.engine.fused_weights)
+        if mode == "auto":
+            assert ("gradient_accumulation_fusion='auto' on 1 nn.Linear weights of this rank's stages; 3 left unfused"
+                    f" (fewer than {2**23} elements") in caplog.text
+        elif mode:
+            assert "gradient_accumulation_fusion on 4 nn.Linear weights" in caplog.text
+        else:
+            assert "gradient_accumulation_fusion" not in caplog.text
+
+
+@pytest.mark.parametrize("value", ["on", 1, None, "True"])
+def test_a_bad_fusion_value_is_refused_naming_it(value) -> None:
+    with pytest.raises(ValueError, match=rf"`gradient_accumulation_fusion={value!r}` must be True \(every fusable"
+                                         r" nn.Linear\), False \(none\) or 'auto'"):
+        Compressed3DStrategy(gradient_accumulation_fusion=value)
+    assert Compressed3DStrategy().options.gradient_accumulation_fusion == "auto"
+
+
+def test_auto_with_fused_and_unfused_layers_in_one_stage_trains_like_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under "auto" a stage mixes fused weights (in their fp32 bucket) with unfused ones (autograd's accumulation,
+    in the other buckets). The threshold is moved to the tiny GPT's MLP weights (128 x 512) so that the mix is cheap
+    on the CPU: fc and proj fused, q/k/v and the attention projection not. Same tolerance as the all-fused check
+    (fp32 on the CPU: the same products; the bias gradients' summation order differs)."""
+    monkeypatch.setattr(wgrad_fusion, "FUSION_MIN_ELEMENTS", 128 * 512)
+    auto_model, auto_losses, auto_grads, auto_layouts, fused = fit("auto")
+    _, plain_losses, plain_grads, _, _ = fit(False)
+    assert fused == 2 * auto_model.config.num_layers
+    storages, buffers = auto_layouts[0]
+    assert len(storages) == 1 and storages == buffers  # the fused gradients in one fp32 bucket of their own
+    assert torch.allclose(torch.tensor(auto_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    for step_auto, step_plain in zip(auto_grads, plain_grads, strict=True):
+        for name, grad in step_plain.items():
+            assert torch.allclose(step_auto[name], grad, rtol=1e-5, atol=1e-7), name
+
+
 def test_fusable_linears_skips_what_it_cannot_fuse() -> None:
     tied = nn.Embedding(8, 4)
     head = nn.Linear(4, 8, bias=False)
@@ -111,7 +163,7 @@ def test_plain_modules_and_tensor_parallel_are_told_it_does_not_apply(caplog: py
         trainer.fit(BoringModel())
     assert "BoringModel's gradients accumulate as autograd's" in caplog.text
     assert not any(isinstance(m, FusedGradLinear) for m in trainer.lightning_module.modules())
-    strategy, stage = Compressed3DStrategy(), nn.Sequential(nn.Linear(4, 4))
+    strategy, stage = Compressed3DStrategy(gradient_accumulation_fusion=True), nn.Sequential(nn.Linear(4, 4))
     with caplog.at_level("INFO"):
         strategy.engine.fuse_gradient_accumulation({0: stage}, tp=2)
     assert "does not apply with tensor_parallel_size > 1" in caplog.text and type(stage[0]) is nn.Linear

@@ -28,8 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
-from lightning_3d.strategies.wgrad_fusion import (fusable_linears, fuse_gradient_accumulation, register_slot,
-                                                  unfuse_gradient_accumulation)
+from lightning_3d.strategies.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
+                                                  register_slot, unfuse_gradient_accumulation)
 
 
 class _Timer:
@@ -188,7 +188,7 @@ def model_tensors(layers: dict, shape: ModelShape, device: torch.device) -> list
 def profile_model(config: str | Path | dict, *, device: str | torch.device | None = None, microbatch_sizes=(1, 2, 4, 8),
                   seq_lens=None, target_lens=None, recompute=(False, True), warmup: int = 2, repeats: int = 5,
                   collectives: bool = True, compile: bool | str = False, overheads: bool = True,
-                  fuse_gradients: bool = True, compile_recompute=(False,), compile_microbatch_sizes=None,
+                  fuse_gradients: bool | str = "auto", compile_recompute=(False,), compile_microbatch_sizes=None,
                   eager: bool = True, tp_layers: bool = True, tp_recompute=(False,), log=print) -> dict:
     """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named).
 
@@ -199,14 +199,19 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     fixed costs (T(1) minus the per-layer time, median over the block grid) are taken off the embedding's and
     head's single timings too. ``host_forward``/``host_backward``: the host's seconds to issue the same (eager
     PyTorch launches every kernel from Python: a small layer is host-bound). ``compile``: also the blocks under
-    ``torch.compile`` (grids marked ``compiled``). ``fuse_gradients``: the layers with the strategy's default
-    gradient-accumulation fusion (False: plain autograd, for ``gradient_accumulation_fusion=False`` runs).
+    ``torch.compile`` (grids marked ``compiled``). ``fuse_gradients``: the layers with the strategy's
+    gradient-accumulation fusion as ``gradient_accumulation_fusion=fuse_gradients`` applies it (``"auto"``, the
+    strategy's default: only weights of at least ``FUSION_MIN_ELEMENTS`` elements; True: every fusable layer; False:
+    plain autograd); the document records the setting and how many weights of each layer kind were fused.
     ``eager=False`` with ``compile``: only the compiled grids (to add to an eager profile's layers later). ``overheads``: the per-micro-batch and per-step costs outside
     the layers, from a few steps of a tiny model of the same recipe under the strategy (``measure_overheads``).
     ``tp_layers``: with ``collectives`` on several GPUs, also the recipe's tensor-parallel layers at each degree of
     ``tp_degrees`` (``recompute`` settings ``tp_recompute``), measured across the GPUs with their collectives
     (``measure_tp_layers``); grids with ``"collectives": true`` that the planner reads instead of deriving.
     """
+    if not (isinstance(fuse_gradients, bool) or fuse_gradients == "auto"):
+        raise ValueError(f"`fuse_gradients={fuse_gradients!r}` must be True, False or 'auto' (the values of"
+                         " Compressed3DStrategy's gradient_accumulation_fusion).")
     if device is None:
         if not torch.cuda.is_available():
             raise RuntimeError("`lightning-3d profile` measures a GPU and none is visible. Run it on the GPU you will"
@@ -237,13 +242,14 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     if recipe.layers is None:
         raise ValueError(f"the recipe {model.get('class_path')!r} registers no layers to profile.")
     layers = recipe.layers(dict(model.get("init_args") or {}), dict((cfg.get("data") or {}).get("init_args") or {}), shape, device)
-    # The layers as the strategy trains them: its default gradient-accumulation fusion turns their nn.Linear into
-    # FusedGradLinear (weight gradients added in fp32 inside the backward's GEMM, through a custom op).
+    # The layers as the strategy trains them: its gradient-accumulation fusion turns their nn.Linear into
+    # FusedGradLinear (weight gradients added in fp32 inside the backward's GEMM, through a custom op); under "auto"
+    # only the large ones, by the same rule (per weight, so a layer kind fuses alike in the profile and in any stage).
     # On the device first: a fused layer's gradient slot is a buffer, and moving the module afterwards would replace
     # it with a copy that the slot registry does not know.
     for module, _, _ in layers.values():
         module.to(device)
-    fused = {kind: _fuse(module) for kind, (module, _, _) in layers.items()} if fuse_gradients else {}
+    fused = {kind: _fuse(module, fuse_gradients) for kind, (module, _, _) in layers.items()}
     variants = [(kind, rc, False) for kind in layers for rc in (recompute if kind not in ("embedding", "head") else (False,))
                 if eager]
     if compile:
@@ -267,6 +273,8 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     _finish_profile_layers(doc, call_f, call_b, single)
+    doc["gradient_accumulation_fusion"] = fuse_gradients
+    doc["fused_weights"] = {kind: len(weights) for kind, weights in fused.items()}
     tp = None
     if tp_layers and eager:
         tp = dict(config=cfg, microbatch_sizes=microbatch_sizes, seq_lens=seq_lens, recompute=tp_recompute,
@@ -349,7 +357,6 @@ def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, rep
                   log, tp: dict | None = None) -> dict:
     """The optimizer, the overheads and the collectives (with ``tp``: and the tensor-parallel layers), after the
     layers."""
-    doc["gradient_accumulation_fusion"] = bool(fused)
     tensors = model_tensors(layers, shape, device)
     if tensors is not None:
         doc["optimizer"] = measure_optimizer(tensors, device, warmup, repeats)
@@ -388,14 +395,13 @@ def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, rep
     return doc
 
 
-def _compiled(module: nn.Module, mode: bool | str, fused: bool) -> nn.Module:
+def _compiled(module: nn.Module, mode: bool | str, fused: bool | str) -> nn.Module:
     """A compiled copy of ``module`` as the recipes compile their blocks (``Module.compile``, inductor); the copy's
-    fused layers get gradient slots of their own."""
+    fused layers (``fused``: the fusion setting) get gradient slots of their own."""
     import copy
 
     compiled = copy.deepcopy(module)
-    if fused:
-        _fuse(compiled)
+    _fuse(compiled, fused)
     compiled.compile(**_compile_options(mode))
     return compiled
 
@@ -406,9 +412,10 @@ def _compile_options(mode: bool | str) -> dict:
     return {"backend": backend, "mode": (None if mode is True else mode) if backend == "inductor" else None}
 
 
-def _fuse(module: nn.Module) -> list[nn.Parameter]:
-    """Gradient-accumulation fusion on ``module``'s fusable layers, each with an fp32 gradient slot of its own."""
-    weights = fuse_gradient_accumulation(fusable_linears(module))
+def _fuse(module: nn.Module, mode: bool | str) -> list[nn.Parameter]:
+    """Gradient-accumulation fusion on the fusable layers of ``module`` that ``gradient_accumulation_fusion=mode``
+    fuses, each with an fp32 gradient slot of its own."""
+    weights = fuse_gradient_accumulation(choose_fused(fusable_linears(module), mode)[0])
     for w in weights:
         register_slot(w, torch.zeros_like(w), None)
     return weights
@@ -911,6 +918,9 @@ def profile_main(argv: list[str]) -> int:
                         " plans of compiled models: ProfiledCostModel(compiled=True))")
     parser.add_argument("--no-overheads", action="store_true", help="skip the per-step / per-micro-batch overheads"
                         " (a few steps of a tiny model under the strategy)")
+    parser.add_argument("--gradient-accumulation-fusion", default="auto", choices=("auto", "true", "false"),
+                        help="the layers as Compressed3DStrategy(gradient_accumulation_fusion=...) trains them"
+                        " (default: auto, the strategy's default)")
     ns = parser.parse_args(argv)
 
     def ints(text):
@@ -923,7 +933,8 @@ def profile_main(argv: list[str]) -> int:
         doc = profile_model(ns.config, device=ns.device, microbatch_sizes=ints(ns.microbatch_sizes), seq_lens=ints(ns.seq_lens),
                             target_lens=ints(ns.target_lens), recompute=(False,) if ns.no_recompute else (False, True),
                             warmup=ns.warmup, repeats=ns.repeats, collectives=not ns.no_collectives, compile=ns.compile,
-                            overheads=not ns.no_overheads)
+                            overheads=not ns.no_overheads,
+                            fuse_gradients={"auto": "auto", "true": True, "false": False}[ns.gradient_accumulation_fusion])
     except (RuntimeError, ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     out = Path(ns.out or f"{Path(str(ns.config)).stem}.profile.json")

@@ -81,6 +81,9 @@ class Compressed3DStrategy(ParallelStrategy):
             GEMM, in fp32 buffers that double as the all-reduce buckets (Megatron-LM's option of the same name), for
             modules that implement the pipeline protocol (the recipes), with tensor_parallel_size=1; it applies to
             plain fp32 weights used once per forward and not tied to another module (see ``wgrad_fusion``).
+            ``True``: every such layer; ``False``: none; ``"auto"`` (the default): only those whose weight has at
+            least ``wgrad_fusion.FUSION_MIN_ELEMENTS`` (2**23) elements, below which the op's host time exceeds the
+            memory traffic it saves (docs/speed.md).
         on_nonfinite: what a step whose loss or gradients hold NaN or inf does: ``"skip"`` (the default) leaves the
             parameters, the optimizer state and the compression state as they were, on every rank alike, and warns;
             ``"raise"`` stops training with an error on every rank; ``"ignore"`` applies the step (no check, no
@@ -131,7 +134,7 @@ class Compressed3DStrategy(ParallelStrategy):
         sequence_parallel: bool = False,
         pipeline_layer_split: Sequence[int] | None = None,
         bucket_size_mb: float = 25.0,
-        gradient_accumulation_fusion: bool = True,
+        gradient_accumulation_fusion: bool | Literal["auto"] = "auto",
         compression: bool = True,
         compressed_backprop: bool = True,
         cb_rank: int = 16,

@@ -27,7 +27,7 @@ class PipelineOptions:
     pipeline_layer_split: tuple[int, ...] | None = None
     stage_activation_checkpointing: tuple[bool, ...] | None = None
     bucket_size_mb: float = 25.0
-    gradient_accumulation_fusion: bool = True
+    gradient_accumulation_fusion: bool | Literal["auto"] = "auto"
     on_nonfinite: Literal["skip", "raise", "ignore"] = "skip"
     max_consecutive_nonfinite: int = 10
     context_parallel: ContextParallelConfig = ContextParallelConfig()
@@ -45,7 +45,7 @@ def default_microbatches(pipeline_parallel_size: Any) -> int:
 def resolve_options(
     *, pipeline_parallel_size: int, tensor_parallel_size: int, num_microbatches: int | None, schedule: str,
     virtual_stages: int | None, sequence_parallel: bool, pipeline_layer_split: Sequence[int] | None,
-    stage_activation_checkpointing: Sequence[bool] | None, bucket_size_mb: float, gradient_accumulation_fusion: bool,
+    stage_activation_checkpointing: Sequence[bool] | None, bucket_size_mb: float, gradient_accumulation_fusion: bool | str,
     on_nonfinite: str, max_consecutive_nonfinite: int, checkpoint_io: Any,
     context_parallel: ContextParallelConfig = ContextParallelConfig(), shard_optimizer_state: bool = False,
 ) -> PipelineOptions:
@@ -62,6 +62,12 @@ def resolve_options(
         )
     if on_nonfinite not in ("skip", "raise", "ignore"):
         raise ValueError(f"`on_nonfinite={on_nonfinite!r}` must be 'skip', 'raise' or 'ignore'.")
+    if not (isinstance(gradient_accumulation_fusion, bool) or gradient_accumulation_fusion == "auto"):
+        raise ValueError(
+            f"`gradient_accumulation_fusion={gradient_accumulation_fusion!r}` must be True (every fusable nn.Linear),"
+            " False (none) or 'auto' (only weights of at least FUSION_MIN_ELEMENTS elements, the default; see"
+            " docs/speed.md)."
+        )
     if isinstance(max_consecutive_nonfinite, bool) or not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
         raise ValueError(f"`max_consecutive_nonfinite={max_consecutive_nonfinite!r}` must be a positive integer.")
     if not isinstance(shard_optimizer_state, bool):

@@ -46,7 +46,9 @@ from lightning_3d.strategies.stage_builder import (
     broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
     tied_copies,
 )
-from lightning_3d.strategies.wgrad_fusion import fusable_linears, fuse_gradient_accumulation, unfuse_gradient_accumulation
+from lightning_3d.strategies import wgrad_fusion
+from lightning_3d.strategies.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
+                                                  unfuse_gradient_accumulation)
 from lightning_3d.utils.comm_stats import CommunicationStats
 
 
@@ -150,10 +152,18 @@ class PipelineEngine:
             rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion does not apply with tensor_parallel_size > 1"
                            " (the weights are DTensors); their gradients accumulate as autograd's.")
             return
+        mode = self.options.gradient_accumulation_fusion
         linears = [m for stage in stages.values() for m in fusable_linears(stage, exclude={id(p) for p in self.tied})]
-        self.fused_weights = fuse_gradient_accumulation(linears)
-        rank_zero_info(f"Compressed3DStrategy: gradient_accumulation_fusion on {len(linears)} nn.Linear weights of this"
-                       " rank's stages.")
+        fused, small = choose_fused(linears, mode)
+        self.fused_weights = fuse_gradient_accumulation(fused)
+        if mode == "auto":
+            rank_zero_info(f"Compressed3DStrategy: gradient_accumulation_fusion='auto' on {len(fused)} nn.Linear weights"
+                           f" of this rank's stages; {len(small)} left unfused (fewer than"
+                           f" {wgrad_fusion.FUSION_MIN_ELEMENTS} elements, where the fused op's host time exceeds what it"
+                           " saves; True fuses them too).")
+        else:
+            rank_zero_info(f"Compressed3DStrategy: gradient_accumulation_fusion on {len(fused)} nn.Linear weights of this"
+                           " rank's stages.")
 
     def build_grad_sync(self) -> None:
         """(Re)create the data-parallel gradient synchronizer of this rank's stages (it registers gradient hooks)."""

@@ -24,6 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+# ``gradient_accumulation_fusion="auto"`` fuses only layers whose weight has at least this many elements. The fused op
+# saves device memory traffic in proportion to the weight (the bf16 gradient, its fp32 copy and AccumulateGrad's
+# read-read-write: about 18 bytes per element and micro-batch) but costs a fixed amount of host time per call (a Python
+# kernel); below about this size the saved bandwidth time on current GPUs is smaller than that host time, so fusing
+# can only lose. docs/speed.md ("Which layers") gives the rule and its derivation.
+FUSION_MIN_ELEMENTS = 2**23
+
 # data_ptr of a weight's gradient slot -> (weight, called after every accumulation). Filled by the synchronizer; the op
 # looks the slot up at run time, which works inside compiled code where a Python closure per layer would not.
 _SLOTS: dict[int, tuple[nn.Parameter, Callable[[nn.Parameter], None] | None]] = {}
@@ -188,6 +195,17 @@ def fusable_linears(module: nn.Module, exclude: Iterable[int] = ()) -> list[nn.L
             continue
         found.append(m)
     return found
+
+
+def choose_fused(linears: Iterable[nn.Linear], mode: bool | str) -> tuple[list[nn.Linear], list[nn.Linear]]:
+    """The layers of ``linears`` (fusable ones, from ``fusable_linears``) that ``gradient_accumulation_fusion=mode``
+    fuses, and those it leaves to autograd because they are small (``"auto"``: weights below ``FUSION_MIN_ELEMENTS``)."""
+    linears = list(linears)
+    if mode == "auto":
+        # Read at call time (not bound as a default) so that a test can move the threshold.
+        return ([m for m in linears if m.weight.numel() >= FUSION_MIN_ELEMENTS],
+                [m for m in linears if m.weight.numel() < FUSION_MIN_ELEMENTS])
+    return (linears, []) if mode else ([], [])
 
 
 def fuse_gradient_accumulation(linears: Iterable[nn.Linear]) -> list[nn.Parameter]:

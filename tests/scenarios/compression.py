@@ -17,6 +17,7 @@ def strategy(dp, pp, tp, m, **kw) -> Compressed3DStrategy:
     """LEP on wherever compression is (it is off by default): these scenarios check it too."""
     if kw.get("compression", True):
         kw.setdefault("cb_lazy_error_propagation", True)
+    kw.setdefault("gradient_accumulation_fusion", True)  # the tiny models' weights are below the "auto" threshold
     return Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                 num_microbatches=m, **kw)
 

@@ -43,6 +43,7 @@ LAYOUTS = [
 
 def strategy(dp: int, pp: int, cp: int, tp: int, m: int, **kw) -> Compressed3DStrategy:
     kw.setdefault("compression", False)
+    kw.setdefault("gradient_accumulation_fusion", True)  # the tiny models' weights are below the "auto" threshold
     return Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                 context_parallel_size=cp, num_microbatches=m, **kw)
 

@@ -95,6 +95,7 @@ def run(cfg: dict) -> dict:
         num_microbatches=cfg["m"], schedule=cfg["schedule"], virtual_stages=virtual,
         sequence_parallel=cfg.get("sp", False), compression=False, fused_embedding_sync=cfg.get("fe", True),
         stage_activation_checkpointing=cfg.get("stage_ac"),
+        gradient_accumulation_fusion=True,  # every layer: the tiny model's weights are below the "auto" threshold
     )
     m = strategy.num_microbatches  # cfg["m"], or the default the strategy derived
     global_batch = cfg["dp"] * m * 2

@@ -35,6 +35,7 @@ STEPS = 6
 
 def strategy(dp: int, pp: int, tp: int, m: int, shard: bool = True, **kw) -> Compressed3DStrategy:
     kw.setdefault("compression", False)
+    kw.setdefault("gradient_accumulation_fusion", True)  # the tiny models' weights are below the "auto" threshold
     return Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                 num_microbatches=m, shard_optimizer_state=shard, **kw)
 
