@@ -55,6 +55,7 @@ def test_every_layout_and_schedule_matches_single_process_training(world: int, t
         assert any(r.get("sp") for r in results) and any(r.get("variable") for r in results)
         assert world != 2 or any(r.get("ordered") is True for r in results)  # an explicit per-step schedule ran
         assert world != 2 or any(r["schedule"] == "reverse_gpipe" for r in results)  # tests/schedule_example.py
+        assert world != 2 or any(r.get("mixed_fusion") is True for r in results)  # fused and unfused weights at dp = 2
         if world == 2:  # the default num_microbatches (= pp) ran, and only stage 0 recomputed its blocks
             derived = [r for r in results if r.get("stage_ac")]
             assert [(r["m"], r["microbatches_run"], r["recomputed_as_asked"]) for r in derived] == [(2, 2.0, True)], derived

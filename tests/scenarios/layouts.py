@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 
 import lightning.pytorch as pl
+from torch import nn
 
 from lightning_3d import Compressed3DStrategy
+from lightning_3d.strategies import wgrad_fusion
 from tests.scenarios.common import (
     LossRecorder, TestData, all_max, compare, gpipe_reversed, make_model, parse_args, reference, trainer,
     variable_step, write_report,
@@ -48,7 +50,9 @@ def variants(world: int) -> list[dict]:
     if world == 2:
         extra += [dict(dp=1, pp=1, tp=2, schedule="1f1b", m=2, sp=True),
                   dict(dp=1, pp=2, tp=1, schedule="1f1b", m=4, variable=True, ordered=True),  # explicit per-step orders
-                  dict(dp=2, pp=1, tp=1, schedule="1f1b", m=2, variable=True),
+                  # "auto" fusion with its threshold between the model's weight sizes: fused and unfused weights in
+                  # one stage and one data-parallel step (separate buckets, docs/speed.md)
+                  dict(dp=2, pp=1, tp=1, schedule="1f1b", m=2, variable=True, fusion="auto_mixed"),
                   # the default micro-batch count (pp) and per-stage activation checkpointing (stage 0 only)
                   dict(dp=1, pp=2, tp=1, schedule="1f1b", m=None, stage_ac=[True, False]),
                   dict(dp=1, pp=2, tp=1, schedule="reverse_gpipe", m=4)]  # tests/schedule_example.py, registered below
@@ -95,17 +99,29 @@ def run(cfg: dict) -> dict:
         num_microbatches=cfg["m"], schedule=cfg["schedule"], virtual_stages=virtual,
         sequence_parallel=cfg.get("sp", False), compression=False, fused_embedding_sync=cfg.get("fe", True),
         stage_activation_checkpointing=cfg.get("stage_ac"),
-        gradient_accumulation_fusion=True,  # every layer: the tiny model's weights are below the "auto" threshold
+        # True: every layer (the tiny model's weights are below the "auto" threshold); "auto_mixed": "auto" with the
+        # threshold at the MLP weights' size (hidden x ffn), so they are fused and the smaller attention weights not
+        gradient_accumulation_fusion="auto" if cfg.get("fusion") == "auto_mixed" else True,
     )
     m = strategy.num_microbatches  # cfg["m"], or the default the strategy derived
     global_batch = cfg["dp"] * m * 2
     recorder, calls = LossRecorder(), BlockCalls()
     model = make_model()
+    threshold = wgrad_fusion.FUSION_MIN_ELEMENTS
+    if cfg.get("fusion") == "auto_mixed":
+        wgrad_fusion.FUSION_MIN_ELEMENTS = model.config.hidden_size * model.config.ffn_size  # the layers exist at setup
     start = time.perf_counter()
-    trainer(strategy, STEPS, [recorder, calls], accumulate=accumulate).fit(
-        model, datamodule=TestData(global_batch, variable=variable, masked=True,
-                                   ordered=(cfg["pp"], virtual or 1) if cfg.get("ordered") else None)
-    )
+    try:
+        trainer(strategy, STEPS, [recorder, calls], accumulate=accumulate).fit(
+            model, datamodule=TestData(global_batch, variable=variable, masked=True,
+                                       ordered=(cfg["pp"], virtual or 1) if cfg.get("ordered") else None)
+        )
+    finally:
+        wgrad_fusion.FUSION_MIN_ELEMENTS = threshold
+    if cfg.get("fusion") == "auto_mixed":  # both kinds of weight trained in the step compared below
+        fused = sum(isinstance(l, wgrad_fusion.FusedGradLinear) for l in model.modules())
+        plain = sum(type(l) is nn.Linear for l in model.modules())
+        cfg = {**cfg, "mixed_fusion": all_max(0.0 if fused > 0 and plain > 0 else 1.0) == 0.0}
     ref = reference(STEPS, global_batch, cfg["dp"] if variable else 0, accumulate, masked=True)
     result = compare(model, recorder.losses, ref)
     if cfg.get("ordered"):  # the explicit orders survived Lightning's batch transfer and ran
