@@ -109,8 +109,10 @@ def _check_t5(rank: int, t5: dict, compiled: dict) -> None:
         assert compiled[f"sp{sp}_dtensor_grads"], (rank, sp, compiled)
 
 
-def test_host_time_benchmark_times_both_plans_on_the_same_model(tmp_path: Path) -> None:
-    """benchmarks/tp_host_time.py: both plans train the same model to the same loss, each timed step recorded."""
+def test_host_time_benchmark_times_both_plans_and_compiles_blocks_both_ways(tmp_path: Path) -> None:
+    """benchmarks/tp_host_time.py, one run (one process group) for both of its modes: both plans train the same model
+    to the same loss, each timed step recorded; --compile: eager, compiled on the local leaves and compiled on the
+    DTensor parameters train the same model to the same loss (the compiled variants are the local layers')."""
     import json
     import subprocess
     import sys
@@ -120,37 +122,19 @@ def test_host_time_benchmark_times_both_plans_on_the_same_model(tmp_path: Path) 
 
     out = tmp_path / "tp.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/tp_host_time.py"), "--presets", "tiny", "--sequence-parallel", "on",
-           "--seq-length", "16", "--steps", "2", "--warmup", "1", "--out", str(out)]
+           "--implementations", "dtensor", "local", "--compile", "off", "leaves", "module", "--seq-length", "16",
+           "--steps", "2", "--warmup", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, env=clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True)
     results = json.loads(out.read_text())["results"]
-    assert [(r["implementation"], r["sequence_parallel"]) for r in results] == [("dtensor", True), ("local", True)]
+    assert [(r["implementation"], r["sequence_parallel"], r["compile"]) for r in results] == [
+        ("dtensor", True, "off"), ("local", True, "off"), ("local", True, "leaves"), ("local", True, "module")]
     # The same weights and tokens through two summation orders: the tiny GPT's chain bound (4 blocks, the widest
     # reduction its 4096-token vocabulary) on the loss, relative.
     assert results[0]["loss_last"] == pytest.approx(results[1]["loss_last"], rel=gpt_tolerance(4, 4096))
     assert all(r[k]["n"] == 2 for r in results for k in ("wall_s", "cpu_s", "forward_backward_cpu_s"))
-
-
-def test_host_time_benchmark_compiles_blocks_both_ways(tmp_path: Path) -> None:
-    """benchmarks/tp_host_time.py --compile: eager, compiled on the local leaves and compiled on the DTensor parameters
-    train the same model to the same loss."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import clean_env
-    from tests.launch import ROOT
-
-    out = tmp_path / "tp.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/tp_host_time.py"), "--presets", "tiny", "--sequence-parallel", "on",
-           "--implementations", "local", "--compile", "off", "leaves", "module", "--seq-length", "16", "--steps", "2",
-           "--warmup", "1", "--out", str(out)]
-    subprocess.run(cmd, check=True, env=clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True)
-    results = json.loads(out.read_text())["results"]
-    assert [(r["implementation"], r["compile"]) for r in results] == [("local", "off"), ("local", "leaves"),
-                                                                      ("local", "module")]
-    # Same kernels through aot_eager; the bound is the eager comparison's (two summation orders at most).
-    for r in results[1:]:
-        assert r["loss_last"] == pytest.approx(results[0]["loss_last"], rel=gpt_tolerance(4, 4096))
+    # Compiled: the same kernels through aot_eager; the bound is the eager comparison's (two summation orders at most).
+    for r in results[2:]:
+        assert r["loss_last"] == pytest.approx(results[1]["loss_last"], rel=gpt_tolerance(4, 4096))
 
 
 def test_overlap_benchmark_compares_both_paths(tmp_path: Path) -> None:

@@ -44,8 +44,9 @@ def refusals(mesh) -> dict[str, str]:
 
 def patterns(mesh) -> list[list[list]]:
     """The tiny GPT stage of tests/scenarios/tensor_parallel.py (2 blocks, SP) with ``L3D_TP_ASYNC=1``, its blocks
-    compiled by inductor as the recipes compile them; async TP's own checks (which refuse gloo) and its switches are
-    stubbed in this process, so the graphs take async TP's forms and the pass itself stays off."""
+    compiled by inductor as the recipes compile them (its graph passes as they are; lowered to ATen kernels, below);
+    async TP's own checks (which refuse gloo) and its switches are stubbed in this process, so the graphs take async
+    TP's forms and the pass itself stays off."""
     import torch._inductor.config as inductor_config
 
     import lightning_3d.recipes.training as training
@@ -62,7 +63,10 @@ def patterns(mesh) -> list[list[list]]:
     torch._dynamo.reset()
     try:
         capture = lambda graph: graphs.append([list(m) for m in compat.micro_pipeline_tp_matches(graph)])  # noqa: E731
-        with inductor_config.patch(post_grad_custom_post_pass=capture):
+        # The patterns are read in inductor's post-grad passes, which run unchanged; what follows them, lowering, is
+        # not what is checked: every op falls back to its ATen kernel (inductor's fallback_by_default), so no C++
+        # kernel is generated and built (most of this scenario's time on CPU), and compilation stays in this process.
+        with inductor_config.patch(post_grad_custom_post_pass=capture, fallback_by_default=True, compile_threads=1):
             _, stage = gpt_stage("local", mesh, True, compile_first=True)
             tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
             microbatch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
