@@ -55,7 +55,10 @@ def main() -> None:
     strategy = Compressed3DStrategy(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=1,
                                     num_microbatches=4, cb_rank=4, cb_epilogue_only=False, cb_min_compression_ratio=0.0,
                                     sc_rank=4, sc_warmup=2,  # every send: the diagnostics pair consecutive micro-batches
-                                    cb_lazy_error_propagation=True)
+                                    cb_lazy_error_propagation=True,
+                                    # every layer (the tiny model's weights are below the "auto" threshold): the SC
+                                    # buffers counted below are per gradient bucket, and fused weights have their own
+                                    gradient_accumulation_fusion=True)
     state = CompressionStateMonitor(log_every_n_steps=2, reset_at_warmup_end=True)
     diagnostics = CompressionDiagnostics(every_n_steps=2)
     comm = CommunicationMonitor(log_every_n_steps=1)

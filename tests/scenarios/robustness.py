@@ -150,7 +150,9 @@ def finite_state(strategy: Compressed3DStrategy) -> bool:
 def nonfinite_run(kind: str, w: int, poison_step: int = 2, steps: int = 5) -> dict:
     options = {
         "exact": dict(data_parallel_size=w, compression=False),
-        "sc": dict(data_parallel_size=w, compressed_stages=[0], sc_rank=2, sc_warmup=1),
+        # fusion on every layer (the tiny model is below the "auto" threshold): the stage has two buckets, fused
+        # weights and the rest, and the test checks that both were skipped
+        "sc": dict(data_parallel_size=w, compressed_stages=[0], sc_rank=2, sc_warmup=1, gradient_accumulation_fusion=True),
         "cb": dict(pipeline_parallel_size=w, num_microbatches=w, cb_rank=2, cb_min_compression_ratio=0.0,
                    cb_epilogue_only=False, cb_lazy_error_propagation=True),
     }[kind]
