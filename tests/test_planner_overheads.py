@@ -413,3 +413,34 @@ def test_recompute_rebuilds_a_saved_reports_predictions_from_its_profiles(capsys
         assert [r["step_s"] for r in rows] == [r["step_s"] for r in saved["models"][name]["rows"] if "step_s" in r]
         assert all(r["time_error"] == pytest.approx(r["predicted_step_s"] / r["step_s"] - 1) for r in rows)
     assert "ALL: MAPE old 15.0 %" in capsys.readouterr().out
+
+
+def test_the_overheads_train_and_profile_the_tiny_model_with_the_profiles_fusion(monkeypatch) -> None:
+    """The per-micro-batch overhead and the in-situ floor must come from steps that run what the profiled step runs:
+    with fuse_gradients=True every linear of the tiny model is fused (a custom op per linear per micro-batch in the
+    backward), in its Trainer runs (the strategy is built with that setting) and in its layers' profile alike."""
+    import lightning_3d.recipes  # noqa: F401
+    import torch
+
+    import lightning_3d.strategies.compressed_3d as c3d
+    from lightning_3d.planner.profile import measure_overheads
+
+    built = []
+
+    class Spy(c3d.Compressed3DStrategy):
+        def __init__(self, *args, **kwargs) -> None:
+            built.append(kwargs.get("gradient_accumulation_fusion", "unset"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(c3d, "Compressed3DStrategy", Spy)
+    from lightning_3d.costs import ModelShape
+
+    shape = ModelShape(family="gpt", num_layers=1, hidden_size=128, num_heads=4, ffn_hidden_size=512, vocab_size=512)
+    cfg = {"trainer": {"precision": "32-true"}, "model": {"class_path": "lightning_3d.recipes.GPT",
+                                                          "init_args": {"preset_name": "tiny"}}}
+    out = measure_overheads(cfg, shape, torch.device("cpu"), "32-true", microbatches=2, warmup=1, steps=2,
+                            in_situ=False, fuse_gradients=True, log=lambda *a: None)
+    assert built == [True, True]  # the fits at 1 and at 2 micro-batches
+    assert out["gradient_accumulation_fusion"] is True
+    # Every nn.Linear of the tiny block fused (q, k, v, output projection and the MLP's two), none of the others.
+    assert out["tiny_fused_weights"] == {"embedding": 0, "block": 6, "head": 0}

@@ -280,7 +280,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
         tp = dict(config=cfg, microbatch_sizes=microbatch_sizes, seq_lens=seq_lens, recompute=tp_recompute,
                   warmup=warmup, repeats=repeats)
     return _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, repeats, overheads, collectives,
-                         started, log, tp)
+                         started, log, tp, fuse_gradients)
 
 
 def _profile_variant(doc, layers, kind, rc, compiled, compile, fuse_gradients, compile_microbatch_sizes,
@@ -354,7 +354,7 @@ def _finish_profile_layers(doc, call_f, call_b, single) -> None:
 
 
 def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, repeats, overheads, collectives, started,
-                  log, tp: dict | None = None) -> dict:
+                  log, tp: dict | None = None, fuse_gradients: bool | str = "auto") -> dict:
     """The optimizer, the overheads and the collectives (with ``tp``: and the tensor-parallel layers), after the
     layers."""
     tensors = model_tensors(layers, shape, device)
@@ -371,7 +371,7 @@ def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, rep
         torch.cuda.empty_cache()
     if overheads:
         try:
-            doc["overheads"] = measure_overheads(cfg, shape, device, precision, log=log)
+            doc["overheads"] = measure_overheads(cfg, shape, device, precision, fuse_gradients=fuse_gradients, log=log)
         except Exception as err:  # noqa: BLE001  the layers' profile stands without it (the terms read as 0)
             log(f"overheads not measured: {type(err).__name__}: {err}")
             doc["overheads"] = {"microbatch_seconds": 0.0, "step_seconds": 0.0, "error": f"{type(err).__name__}: {err}"[:500]}
@@ -439,7 +439,8 @@ def _import(path: str):
 
 
 def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precision: str, *, microbatches: int = 4,
-                      warmup: int = 3, steps: int = 6, in_situ: bool = True, log=print) -> dict:
+                      warmup: int = 3, steps: int = 6, in_situ: bool = True, fuse_gradients: bool | str = "auto",
+                      log=print) -> dict:
     """The per-micro-batch and per-step seconds a step spends outside the layers and the optimizer's kernels: a
     one-layer model of the same recipe (``_TINY``) trains under ``Compressed3DStrategy`` (one GPU, exact: no
     compression) with 1 and then ``microbatches`` micro-batches of one sample; step(m) = step_s + optimizer_tiny
@@ -455,7 +456,11 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     Python state, the gradient-slot callbacks and hooks of every parameter, an autograd graph the model's depth
     deep); each layer kind's in-situ host time is its tiny isolated host time times that factor (checkpointed
     blocks: their own factor, from the checkpointed run). It depends on the kernels a layer launches, not on its
-    widths, so the planner takes it as a floor of the real layers' times at every micro-batch size."""
+    widths, so the planner takes it as a floor of the real layers' times at every micro-batch size.
+
+    ``fuse_gradients``: the gradient-accumulation fusion the tiny models train and are profiled with, the profile's
+    own (``profile_model`` passes it): a fused layer adds a custom op per linear per micro-batch to the backward, host
+    time that the in-situ floor must hold when the step it predicts runs it (and not when it does not)."""
     import logging
 
     if shape.family not in _TINY:
@@ -475,11 +480,11 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     deep = {}
     try:
         step_s = _train_tiny(module_path, data_path, model_args, data_args, shape.family, device, precision,
-                             microbatches, warmup, steps)
+                             microbatches, warmup, steps, fuse_gradients)
         if in_situ:
             for rc in (False, True):
                 deep[rc] = _train_tiny(module_path, data_path, dict(deep_args, activation_checkpointing=rc), data_args,
-                                       shape.family, device, precision, microbatches, 2, 5)
+                                       shape.family, device, precision, microbatches, 2, 5, fuse_gradients)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -492,7 +497,7 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
                 "data": {"init_args": {**data_args}}}
     tiny = profile_model(tiny_cfg, device=device, microbatch_sizes=[1], seq_lens=None,
                          recompute=(False, True) if in_situ else (False,), warmup=2, repeats=5, collectives=False,
-                         overheads=False, log=lambda *a: None)
+                         overheads=False, fuse_gradients=fuse_gradients, log=lambda *a: None)
     tiny_shape = ModelShape(**tiny["model"])
     host = _tiny_cells(tiny, ("host_forward", "host_backward"))
     layers_s = 0.0
@@ -503,7 +508,8 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     step_only = max(0.0, one - per_mb - tiny["optimizer"]["step_seconds"])
     log(f"overheads: {microbatch_s * 1e3:.2f} ms per micro-batch, {step_only * 1e3:.2f} ms per step")
     out = {"microbatch_seconds": microbatch_s, "step_seconds": step_only, "measured_step_seconds": [one, many],
-           "microbatches": [1, microbatches], "tiny_layers_seconds": layers_s, "model": module_path}
+           "microbatches": [1, microbatches], "tiny_layers_seconds": layers_s, "model": module_path,
+           "gradient_accumulation_fusion": fuse_gradients, "tiny_fused_weights": tiny["fused_weights"]}
     if in_situ:
         out.update(host_layers_in_situ(host, tiny_shape, shape, per_mb, {rc: _per_microbatch(d, microbatches)
                                                                           for rc, d in deep.items()}))
@@ -557,7 +563,8 @@ def host_layers_in_situ(host: dict[tuple[str, bool], tuple[float, float]], tiny:
 
 
 def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: dict, family: str, device: torch.device,
-                precision: str, microbatches: int, warmup: int, steps: int) -> dict[int, list[float]]:
+                precision: str, microbatches: int, warmup: int, steps: int,
+                fuse_gradients: bool | str = "auto") -> dict[int, list[float]]:
     """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count."""
     import lightning.pytorch as pl
 
@@ -584,7 +591,7 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
     flushed = device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
-                  warmup, steps, Timer)
+                  warmup, steps, Timer, fuse_gradients)
     finally:
         if flushed:
             torch.set_flush_denormal(False)
@@ -592,7 +599,7 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
 
 
 def _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
-              warmup, steps, Timer) -> None:
+              warmup, steps, Timer, fuse_gradients="auto") -> None:
     import lightning.pytorch as pl
 
     from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
@@ -604,7 +611,8 @@ def _fit_tiny(module_path, data_path, model_args, data_args, family, device, acc
             ids = {k: getattr(data, k) for k in ("pad_token_id", "eos_token_id")} if family == "t5" else {}
             model = _import(module_path)(**model_args, **ids)
             trainer = pl.Trainer(accelerator=accelerator, devices=[device.index or 0] if accelerator == "gpu" else 1,
-                                 strategy=Compressed3DStrategy(num_microbatches=m, compression=False),
+                                 strategy=Compressed3DStrategy(num_microbatches=m, compression=False,
+                                                               gradient_accumulation_fusion=fuse_gradients),
                                  precision=precision if accelerator == "gpu" else "32-true", max_steps=warmup + steps,
                                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
