@@ -209,7 +209,7 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
     # The strategy's default fusion ("auto"): the tiny model's weights are all below the threshold, none fused.
     assert doc["version"] == 2 and doc["gradient_accumulation_fusion"] == "auto"
     assert doc["fused_weights"] == {"embedding": 0, "block": 0, "head": 0}
-    with pytest.raises(ValueError, match=r"`fuse_gradients='yes'` must be True, False or 'auto'"):
+    with pytest.raises(ValueError, match=r"`fuse_gradients='yes'` must be True \(every fusable nn.Linear\), False \(none\) or 'auto'"):
         profile_model(cfg, device="cpu", fuse_gradients="yes")
     block = doc["layers"]["block"][0]
     for q in ("host_forward", "host_backward"):

@@ -28,8 +28,9 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
-from lightning_3d.strategies.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
-                                                  register_slot, unfuse_gradient_accumulation)
+from lightning_3d.strategies.wgrad_fusion import (check_fusion_mode, choose_fused, fusable_linears,
+                                                  fuse_gradient_accumulation, register_slot,
+                                                  unfuse_gradient_accumulation)
 
 
 class _Timer:
@@ -209,9 +210,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     ``tp_degrees`` (``recompute`` settings ``tp_recompute``), measured across the GPUs with their collectives
     (``measure_tp_layers``); grids with ``"collectives": true`` that the planner reads instead of deriving.
     """
-    if not (isinstance(fuse_gradients, bool) or fuse_gradients == "auto"):
-        raise ValueError(f"`fuse_gradients={fuse_gradients!r}` must be True, False or 'auto' (the values of"
-                         " Compressed3DStrategy's gradient_accumulation_fusion).")
+    check_fusion_mode(fuse_gradients, "fuse_gradients")
     if device is None:
         if not torch.cuda.is_available():
             raise RuntimeError("`lightning-3d profile` measures a GPU and none is visible. Run it on the GPU you will"

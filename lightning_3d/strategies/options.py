@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from lightning_3d.context import ContextParallelConfig
 from lightning_3d.strategies.parallel_dims import resolve_schedule_options
+from lightning_3d.strategies.wgrad_fusion import check_fusion_mode
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,7 @@ def resolve_options(
         )
     if on_nonfinite not in ("skip", "raise", "ignore"):
         raise ValueError(f"`on_nonfinite={on_nonfinite!r}` must be 'skip', 'raise' or 'ignore'.")
-    if not (isinstance(gradient_accumulation_fusion, bool) or gradient_accumulation_fusion == "auto"):
-        raise ValueError(
-            f"`gradient_accumulation_fusion={gradient_accumulation_fusion!r}` must be True (every fusable nn.Linear),"
-            " False (none) or 'auto' (only weights of at least FUSION_MIN_ELEMENTS elements, the default; see"
-            " docs/speed.md)."
-        )
+    check_fusion_mode(gradient_accumulation_fusion)
     if isinstance(max_consecutive_nonfinite, bool) or not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
         raise ValueError(f"`max_consecutive_nonfinite={max_consecutive_nonfinite!r}` must be a positive integer.")
     if not isinstance(shard_optimizer_state, bool):

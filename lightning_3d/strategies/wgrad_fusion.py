@@ -197,6 +197,14 @@ def fusable_linears(module: nn.Module, exclude: Iterable[int] = ()) -> list[nn.L
     return found
 
 
+def check_fusion_mode(mode: object, name: str = "gradient_accumulation_fusion") -> None:
+    """Raise unless ``mode`` is a value of ``gradient_accumulation_fusion`` (``name``: the argument as the caller calls
+    it, for the message)."""
+    if not (isinstance(mode, bool) or mode == "auto"):
+        raise ValueError(f"`{name}={mode!r}` must be True (every fusable nn.Linear), False (none) or 'auto' (only weights"
+                         " of at least FUSION_MIN_ELEMENTS elements, the default; see docs/speed.md).")
+
+
 def choose_fused(linears: Iterable[nn.Linear], mode: bool | str) -> tuple[list[nn.Linear], list[nn.Linear]]:
     """The layers of ``linears`` (fusable ones, from ``fusable_linears``) that ``gradient_accumulation_fusion=mode``
     fuses, and those it leaves to autograd because they are small (``"auto"``: weights below ``FUSION_MIN_ELEMENTS``)."""
