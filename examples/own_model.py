@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_3d import Compressed3DStrategy
+from lightning_3d import Compressed3DStrategy, read_on_host
 from lightning_3d.recipes.training import init_full_
 from lightning_3d.utils.tensors import materialize_
 
@@ -198,8 +198,12 @@ class TinyLM(pl.LightningModule):
         return (microbatch["labels"] != -100).sum()
 
     def check_pipeline_batch(self, microbatch: dict[str, Tensor]) -> None:
-        if int(microbatch["input_ids"].max()) >= self.hparams.vocab_size:
-            raise ValueError(f"input_ids holds an id >= vocab_size={self.hparams.vocab_size}.")
+        def verdict(largest: int) -> None:
+            if largest >= self.hparams.vocab_size:
+                raise ValueError(f"input_ids holds id {largest} >= vocab_size={self.hparams.vocab_size}.")
+
+        # Deferred by the strategy: a step's micro-batches are checked under one host synchronisation.
+        read_on_host(microbatch["input_ids"].max(), verdict)
 
     def pipeline_tied_parameters(self) -> dict[str, str]:
         return {"net.embed.weight": "net.head.weight"}

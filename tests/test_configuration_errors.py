@@ -98,3 +98,54 @@ def test_checkpoint_io_is_refused() -> None:
 
     with pytest.raises(ValueError, match="checkpoint_io=TorchCheckpointIO.*sharded torch.distributed.checkpoint directories"):
         Compressed3DStrategy(checkpoint_io=TorchCheckpointIO())
+
+
+def test_the_data_checks_of_a_step_read_the_device_once(monkeypatch) -> None:
+    """The strategy checks a step's micro-batches (ids in the vocabulary, positions within the model's) before any
+    collective, with every value they read brought to the host in one copy (docs/speed.md): the first bad value in
+    micro-batch order raises its usual message after that one read; a shape error raises before any read; a hook
+    called outside the strategy reads at once. The count of ``_to_host`` calls is the number of host synchronisations
+    a CUDA batch would cost."""
+    from lightning_3d.recipes import T5
+    from lightning_3d.strategies import protocol
+    from lightning_3d.strategies.pipeline_engine import check_batch
+
+    reads: list[int] = []
+    real = protocol._to_host
+    monkeypatch.setattr(protocol, "_to_host", lambda values: reads.append(values.numel()) or real(values))
+    gpt = GPT("tiny", vocab_size=64, seq_length=32)  # the checks read the config only
+    generator = torch.Generator().manual_seed(0)
+    microbatches = [{"input_ids": torch.randint(0, 64, (2, 16), generator=generator),
+                     "labels": torch.randint(0, 64, (2, 16), generator=generator),
+                     "position_ids": torch.arange(16).repeat(2, 1)} for _ in range(4)]
+    check_batch(gpt, microbatches)
+    assert reads == [4 * (2 * 2 + 2)]  # one read: min and max of ids and labels, and of the positions, per micro-batch
+
+    bad = [{k: v.clone() for k, v in mb.items()} for mb in microbatches]
+    bad[2]["labels"][1, 3] = 64
+    bad[3]["position_ids"][0, 0] = 40
+    bad[1]["labels"][0, 0] = -100  # ignored labels pass
+    reads.clear()
+    with pytest.raises(ValueError, match="labels holds token id 64, outside the model's vocabulary of 64 ids"):
+        check_batch(gpt, bad)
+    assert len(reads) == 1
+    reads.clear()
+    with pytest.raises(ValueError, match="position_ids hold 40, outside the model's 32 positions"):
+        check_batch(gpt, [microbatches[0], bad[3]])
+    with pytest.raises(ValueError, match="position_ids hold 40"):
+        gpt.check_pipeline_batch(bad[3])  # outside the strategy: read at once, not through the step's copy
+    assert len(reads) == 1
+    reads.clear()
+    with pytest.raises(ValueError, match=r"labels have shape \(2, 15\) but input_ids \(2, 16\)"):
+        check_batch(gpt, [bad[2], {**microbatches[1], "labels": microbatches[1]["labels"][:, 1:]}])
+    assert reads == []  # the shape error of micro-batch 1 raised before the step's read (micro-batch 0's id is bad too)
+
+    t5 = T5("tiny", vocab_size=50)
+    pairs = [{"input_ids": torch.randint(0, 50, (2, 8), generator=generator),
+              "decoder_input_ids": torch.randint(0, 50, (2, 4), generator=generator),
+              "labels": torch.randint(0, 50, (2, 4), generator=generator)} for _ in range(3)]
+    check_batch(t5, pairs)
+    assert reads == [3 * 3 * 2]
+    pairs[1]["decoder_input_ids"][0, 0] = -1
+    with pytest.raises(ValueError, match="decoder_input_ids holds token id -1"):
+        check_batch(t5, pairs)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_3d.recipes.attention import data_varies_microbatch_shapes, resolve_sdpa_backends
+from lightning_3d.strategies.protocol import read_on_host
 from lightning_3d.tensor_parallel import compile_on_local_tensors
 from lightning_3d.tensor_parallel.mappings import ASYNC_TP_VARIABLE, async_tp_from_environment
 from lightning_3d.utils.compat import fit_train_dataloaders
@@ -150,7 +151,8 @@ def check_token_batch(microbatch: dict[str, Tensor], vocab_size: int, ids: Itera
 
     Under pipeline parallelism these inputs are read on one stage only (embeddings on the first, labels on the last),
     and a failure there reaches the other stages as a lost peer; the strategy runs this check on every rank before
-    the step (``check_pipeline_batch``), so every rank raises this message instead. One host synchronisation."""
+    the step (``check_pipeline_batch``), so every rank raises this message instead. The values are read through
+    ``read_on_host``: under the strategy, one host synchronisation for all micro-batches of a step."""
     present = [name for name in ids if microbatch.get(name) is not None]
     for name in present:
         length = microbatch[name].shape[-1]
@@ -169,16 +171,19 @@ def check_token_batch(microbatch: dict[str, Tensor], vocab_size: int, ids: Itera
         checked.append(("labels", labels.masked_fill(labels == IGNORE_INDEX, 0)))
     if not checked:
         return
-    bounds = torch.stack([torch.stack([t.min(), t.max()]) for _, t in checked]).tolist()
-    for (name, _), (low, high) in zip(checked, bounds, strict=True):
-        if low < 0 or high >= vocab_size:
-            bad = low if low < 0 else high
-            allowed = f" or {IGNORE_INDEX} (ignored)" if name == "labels" else ""
-            raise ValueError(
-                f"{name} holds token id {bad}, outside the model's vocabulary of {vocab_size} ids (0 to"
-                f" {vocab_size - 1}{allowed}): tokenize with the model's tokenizer, or build the model with"
-                f" vocab_size > {max(high, 0)}."
-            )
+
+    def verdict(bounds: list[list[int]]) -> None:
+        for (name, _), (low, high) in zip(checked, bounds, strict=True):
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                allowed = f" or {IGNORE_INDEX} (ignored)" if name == "labels" else ""
+                raise ValueError(
+                    f"{name} holds token id {bad}, outside the model's vocabulary of {vocab_size} ids (0 to"
+                    f" {vocab_size - 1}{allowed}): tokenize with the model's tokenizer, or build the model with"
+                    f" vocab_size > {max(high, 0)}."
+                )
+
+    read_on_host(torch.stack([torch.stack([t.min(), t.max()]) for _, t in checked]), verdict)
 
 
 def adamw_warmup_cosine(module: pl.LightningModule, decays: Callable[[str, Tensor], bool]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from lightning_3d.strategies.context_parallel import (
 from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_norm_, local, sync_tied_gradients
 from lightning_3d.strategies.options import PipelineOptions
 from lightning_3d.strategies.process_groups import ProcessGroups
-from lightning_3d.strategies.protocol import missing_protocol_methods
+from lightning_3d.strategies.protocol import missing_protocol_methods, one_host_read
 from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer, local_optimizer, sharding_of, units_of
 from lightning_3d.strategies.stage_builder import (
     broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
@@ -419,11 +419,14 @@ def check_batch(module: pl.LightningModule, microbatches: list[Any]) -> None:
     """The module's ``check_pipeline_batch`` (optional) on every micro-batch, on every rank, before any collective.
     A batch that does not fit the model (an id outside the vocabulary, a sequence longer than its positions)
     would otherwise fail on the one stage that reads it, and the other ranks would only see a lost peer; every
-    rank of a pipeline holds the same batch, so all of them raise the same message here."""
+    rank of a pipeline holds the same batch, so all of them raise the same message here. The values the checks
+    read (``protocol.read_on_host``) reach the host in one copy for the whole step: each read of a device value
+    waits for the GPU, which then idles until the host launches the next kernel (docs/speed.md)."""
     check = getattr(module, "check_pipeline_batch", None)
     if callable(check):
-        for microbatch in microbatches:
-            check(microbatch)
+        with one_host_read():
+            for microbatch in microbatches:
+                check(microbatch)
 
 
 # Optimizers that shard or synchronise their work across processes themselves (beside torch.distributed.optim).

@@ -36,6 +36,7 @@ from lightning_3d.recipes.training import copy_full_into, seed_for  # noqa: F401
 from lightning_3d.strategies.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
 from lightning_3d.utils.compat import flex_attention_trains_on
+from lightning_3d.strategies.protocol import read_on_host
 
 
 class Attention(nn.Module):
@@ -395,7 +396,7 @@ def packing_inputs(microbatch: Mapping[str, Tensor | None], packed_attention: st
 def check_packed_batch(microbatch: Mapping[str, Tensor], max_positions: int) -> None:
     """ValueError naming the bad value when a packed micro-batch's ``document_ids`` / ``position_ids`` do not match
     its ``input_ids`` or hold a position outside the model's ``max_positions`` (an embedding index error on one stage
-    otherwise). Nothing to do (no synchronisation) for plain micro-batches."""
+    otherwise). Nothing to do (no synchronisation) for plain micro-batches; positions are read through ``read_on_host``."""
     ids = microbatch.get("input_ids")
     for name in ("document_ids", "position_ids"):
         value = microbatch.get(name)
@@ -404,8 +405,11 @@ def check_packed_batch(microbatch: Mapping[str, Tensor], max_positions: int) -> 
                              f" one {name[:-4]} id per token.")
     positions = microbatch.get("position_ids")
     if positions is not None and positions.numel():
-        low, high = torch.stack([positions.min(), positions.max()]).tolist()
-        if low < 0 or high >= max_positions:
-            raise ValueError(f"position_ids hold {low if low < 0 else high}, outside the model's {max_positions}"
-                             f" positions (0 to {max_positions - 1}, seq_length): pack documents of at most"
-                             f" {max_positions} tokens, or build the model with a larger seq_length.")
+        def verdict(bounds: list[int]) -> None:
+            low, high = bounds
+            if low < 0 or high >= max_positions:
+                raise ValueError(f"position_ids hold {low if low < 0 else high}, outside the model's {max_positions}"
+                                 f" positions (0 to {max_positions - 1}, seq_length): pack documents of at most"
+                                 f" {max_positions} tokens, or build the model with a larger seq_length.")
+
+        read_on_host(torch.stack([positions.min(), positions.max()]), verdict)
