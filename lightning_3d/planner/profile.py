@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
+from lightning_3d.costs.host import in_situ_host_layers
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
 from lightning_3d.strategies.wgrad_fusion import (check_fusion_mode, choose_fused, fusable_linears,
                                                   fuse_gradient_accumulation, register_slot,
@@ -537,27 +538,18 @@ def host_layers_in_situ(host: dict[tuple[str, bool], tuple[float, float]], tiny:
                         c_1: float, c_deep: dict[bool, float]) -> dict:
     """Each layer kind's host seconds inside the training loop, from the isolated host times of the tiny model's
     layers (``host``: (kind, recompute) -> (forward, backward)) and the per-micro-batch seconds of the tiny model
-    at depth 1 (``c_1``) and at the real model's depth (``c_deep[recompute]``): with ``ends`` the micro-batch's
-    cost outside the blocks, c_1 = ends + s · Σ_1 h and c_deep[False] = ends + s · Σ_deep h (the sums over each
-    model's blocks of their isolated host times, forward + backward), so s = (c_deep - c_1) / (Σ_deep - Σ_1); the
-    checkpointed depth gives s_rc = (c_deep[True] - ends) / Σ_deep h_rc. A scale is at least 1 (the loop cannot
-    issue a layer's kernels faster than a tight loop does; below is noise)."""
+    at depth 1 (``c_1``) and at the real model's depth (``c_deep[recompute]``): ``costs.host.in_situ_host_layers``
+    solves the depth equations (the scales taken as measured). The isolated times and the block counts are stored
+    too (``host_layers_isolated``, ``host_tiny_blocks``), so that a reader re-derives the terms from the seconds."""
     from collections import Counter
 
-    blocks = [k for k in shape.layer_kinds() if k not in ("embedding", "head")]
-    deep, one = Counter(blocks), Counter(k for k in tiny.layer_kinds() if k not in ("embedding", "head"))
-    total = lambda counts, rc: sum(n * sum(host[(k, rc)]) for k, n in counts.items())  # noqa: E731
-    extra = total(deep, False) - total(one, False)
-    scale = max(1.0, (c_deep[False] - c_1) / extra) if extra > 0 else 1.0
-    ends = c_1 - scale * total(one, False)
-    scale_rc = max(1.0, (c_deep[True] - ends) / total(deep, True)) if total(deep, True) > 0 else 1.0
-    layers = {}
-    for kind in deep:
-        f, b = host[(kind, False)]
-        fr, br = host[(kind, True)]
-        layers[kind] = {"forward": scale * f, "backward": scale * b,
-                        "recompute_forward": scale_rc * fr, "recompute_backward": scale_rc * br}
-    return {"host_layers": layers, "host_scale": [scale, scale_rc],
+    deep = Counter(k for k in shape.layer_kinds() if k not in ("embedding", "head"))
+    one = Counter(k for k in tiny.layer_kinds() if k not in ("embedding", "head"))
+    isolated = {k: {"forward": host[(k, False)][0], "backward": host[(k, False)][1],
+                    "recompute_forward": host[(k, True)][0], "recompute_backward": host[(k, True)][1]} for k in deep}
+    layers, scales = in_situ_host_layers(isolated, dict(one), dict(deep), c_1, c_deep[False], c_deep[True])
+    return {"host_layers": layers, "host_scale": scales, "host_layers_isolated": isolated,
+            "host_tiny_blocks": dict(one),
             "host_microbatch_seconds": {"depth_1": c_1, "depth": c_deep[False], "depth_recompute": c_deep[True]}}
 
 
