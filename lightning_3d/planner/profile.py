@@ -555,8 +555,9 @@ def host_layers_in_situ(host: dict[tuple[str, bool], tuple[float, float]], tiny:
 
 def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: dict, family: str, device: torch.device,
                 precision: str, microbatches: int, warmup: int, steps: int,
-                fuse_gradients: bool | str = "auto") -> dict[int, list[float]]:
-    """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count."""
+                fuse_gradients: bool | str = "auto", samples: int = 1) -> dict[int, list[float]]:
+    """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count
+    (1 and ``microbatches``, each of ``samples`` sequences)."""
     import lightning.pytorch as pl
 
     step_s: dict[int, list[float]] = {}
@@ -582,7 +583,7 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
     flushed = device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
-                  warmup, steps, Timer, fuse_gradients)
+                  warmup, steps, Timer, fuse_gradients, samples)
     finally:
         if flushed:
             torch.set_flush_denormal(False)
@@ -590,7 +591,7 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
 
 
 def _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
-              warmup, steps, Timer, fuse_gradients="auto") -> None:
+              warmup, steps, Timer, fuse_gradients="auto", samples=1) -> None:
     import lightning.pytorch as pl
 
     from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
@@ -598,7 +599,7 @@ def _fit_tiny(module_path, data_path, model_args, data_args, family, device, acc
     with tempfile.TemporaryDirectory() as tmp:
         for m in (1, microbatches):
             torch.manual_seed(0)
-            data = _import(data_path)(batch_size=m, num_samples=m * (warmup + steps + 1), **data_args)
+            data = _import(data_path)(batch_size=m * samples, num_samples=m * samples * (warmup + steps + 1), **data_args)
             ids = {k: getattr(data, k) for k in ("pad_token_id", "eos_token_id")} if family == "t5" else {}
             model = _import(module_path)(**model_args, **ids)
             trainer = pl.Trainer(accelerator=accelerator, devices=[device.index or 0] if accelerator == "gpu" else 1,
