@@ -479,6 +479,9 @@ def recompute(report_path: str, profiles: dict[str, str], host_runahead: bool = 
     """The predictions of a saved report's configurations rebuilt from its saved profiles with the current model,
     against the measured steps: per configuration old and new prediction, error, and the new one's breakdown."""
     report = json.loads(Path(report_path).read_text())
+    if report.get("suite") not in ("one", "four"):
+        raise SystemExit(f"{report_path} names no suite ('one' or 'four'): it predates the suites' report format, whose"
+                         " rows --recompute rebuilds; recompute a report that `--suite one|four` wrote.")
     suite = {"one": ONE, "four": FOUR}[report["suite"]]
     gpus = report["gpus"]
     out: dict = {"report": report_path, "models": {}}

@@ -394,6 +394,32 @@ def test_trace_summary_accounts_every_microsecond(tmp_path: Path) -> None:
     assert s["largest_other_ms"] == {"aten::add_: void at::native::vectorized_elementwise_kernel<add>": 1.0}
 
 
+def test_host_microbatch_probe_times_both_counts_per_size(tmp_path: Path) -> None:
+    """benchmarks/host_microbatch_probe.py (issue 22): per model and micro-batch size, the steps with 1 and 4
+    micro-batches timed --steps times each, and the per-micro-batch seconds their medians' difference over 3."""
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/host_microbatch_probe.py"), "--device", "cpu", "--preset", "tiny",
+           "--layers", "2", "--models", "tiny", "--sizes", "1", "2", "--warmup", "1", "--steps", "2", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["layers"], r["microbatch_size"]) for r in rows] == [("tiny", 2, 1), ("tiny", 2, 2)]
+    for r in rows:
+        assert r["timed_steps"] == [2, 2]
+        assert r["per_microbatch_s"] == pytest.approx((r["step_4_s"] - r["step_1_s"]) / 3, rel=1e-12)
+
+
+
+def test_host_microbatch_probe_refuses_a_size_below_one(capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("host_microbatch_probe", ROOT / "benchmarks/host_microbatch_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    with pytest.raises(SystemExit):
+        probe.main(["--device", "cpu", "--sizes", "1", "0"])
+    assert "--sizes [1, 0]: micro-batch sizes are positive" in capsys.readouterr().err
+
+
 def test_host_time_t5_counts_the_fused_accumulations(tmp_path: Path) -> None:
     """benchmarks/host_time_t5.py (T5's host time per step, issue 25) at one block per side: with fusion every fused
     layer (6 per encoder block, 10 per decoder block) accumulates once per micro-batch, in the timed steps and as op

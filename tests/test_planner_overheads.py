@@ -188,6 +188,16 @@ def test_compiled_grids_are_read_on_request_and_missing_ones_named() -> None:
         _model(_v2(), compiled=True)
 
 
+def test_in_situ_floor_holds_for_eager_blocks_only() -> None:
+    # The in-situ host times come from eager tiny models: a compiled block's host time is its own grid's.
+    doc = _with_in_situ(_v2(host=1e-6), 0.02, 0.03, 0.025, 0.07)
+    fast = copy.deepcopy(doc["layers"]["block"][0])
+    fast["compiled"] = True
+    doc["layers"]["block"].append(fast)
+    assert tuple(float(x) for x in _model(doc).layer_host_time("block", 2, SEQ)) == (0.02, 0.03)
+    assert tuple(float(x) for x in _model(doc, compiled=True).layer_host_time("block", 2, SEQ)) == (1e-6, 1e-6)
+
+
 def test_marginal_layer_time_is_clamped_to_one_call() -> None:
     from lightning_3d.planner.profile import _marginal
 
@@ -218,7 +228,8 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
     assert o["microbatch_seconds"] >= 0 and o["step_seconds"] >= 0 and o["microbatches"] == [1, 4]
     # The in-situ host terms: the tiny model at the real depth (2 blocks), without and with checkpointing.
     assert set(o["host_microbatch_seconds"]) == {"depth_1", "depth", "depth_recompute"}
-    assert len(o["host_scale"]) == 2 and min(o["host_scale"]) >= 1.0
+    assert len(o["host_scale"]) == 2 and min(o["host_scale"]) >= 0.0
+    assert set(o["host_layers_isolated"]) == {"block"} and o["host_tiny_blocks"] == {"block": 1}
     assert set(o["host_layers"]) == {"block"} and all(v > 0 for v in o["host_layers"]["block"].values())
     assert doc["optimizer"]["parameters"] > 0 and doc["optimizer"]["step_seconds"] > 0
     assert set(doc["call_overhead"]) == {"forward_seconds", "backward_seconds"}
@@ -373,9 +384,93 @@ def test_the_in_situ_scale_solves_the_depth_equations() -> None:
     assert out["host_layers"]["block"] == pytest.approx({"forward": s * 1e-3, "backward": s * 2e-3,
                                                          "recompute_forward": s_rc * 1.5e-3,
                                                          "recompute_backward": s_rc * 4e-3}, rel=1e-12)
-    # A loop measured faster than the tight loop is noise: the scale stays 1 (the isolated times stand).
-    fast = host_layers_in_situ(host, tiny, real, c_1, {False: c_1, True: ends})
-    assert fast["host_scale"] == [1.0, 1.0]
+    assert out["host_layers_isolated"]["block"] == {"forward": 1e-3, "backward": 2e-3, "recompute_forward": 1.5e-3,
+                                                    "recompute_backward": 4e-3}
+    assert out["host_tiny_blocks"] == {"block": 1}
+    # A loop faster than the tight loop's timing of the tiny block: the scales as measured, below 1 too (the loop's
+    # seconds are what a step costs; the isolated times only split them among the passes).
+    s, s_rc = 0.8, 0.6
+    c_1 = ends + s * 3e-3
+    slow = host_layers_in_situ(host, tiny, real, c_1, {False: ends + s * 24 * 3e-3, True: ends + s_rc * 24 * 5.5e-3})
+    assert slow["host_scale"] == pytest.approx([s, s_rc], rel=1e-12)
+    assert slow["host_layers"]["block"]["backward"] == pytest.approx(s * 2e-3, rel=1e-12)
+    # No depth cost at all (c_deep = c_1): no in-situ floor; a checkpointed run below the ends: none either.
+    flat = host_layers_in_situ(host, tiny, real, c_1, {False: c_1, True: 0.0})
+    assert flat["host_scale"] == [0.0, 0.0] and set(flat["host_layers"]["block"].values()) == {0.0}
+
+
+def _in_situ_seconds(doc: dict, s: float, s_rc: float, ends: float = 1.2e-3, clamped: bool = True) -> dict:
+    """``doc`` with the in-situ fields a profile stores for tiny isolated block host times (1, 2; 1.5, 4 ms) and loop
+    scales ``s``, ``s_rc``: the seconds of the tiny models at depth 1 and LAYERS; ``clamped``: as profiles before the
+    scales were taken as measured wrote them (terms and scales clamped at 1, no isolated times stored)."""
+    iso = {"forward": 1e-3, "backward": 2e-3, "recompute_forward": 1.5e-3, "recompute_backward": 4e-3}
+    seconds = {"depth_1": ends + s * 3e-3, "depth": ends + s * LAYERS * 3e-3, "depth_recompute": ends + s_rc * LAYERS * 5.5e-3}
+    o = doc["overheads"]
+    o["host_microbatch_seconds"] = seconds
+    if clamped:
+        c, c_rc = max(s, 1.0), max(s_rc, 1.0)
+        o["host_scale"] = [c, c_rc]
+        o["host_layers"] = {"block": {q: v * (c_rc if q.startswith("recompute") else c) for q, v in iso.items()}}
+    else:
+        o["host_scale"] = [s, s_rc]
+        o["host_layers"] = {"block": {q: v * (s_rc if q.startswith("recompute") else s) for q, v in iso.items()}}
+        o["host_layers_isolated"], o["host_tiny_blocks"] = {"block": iso}, {"block": 1}
+    return doc
+
+
+@pytest.mark.parametrize("clamped", [True, False])
+def test_in_situ_terms_are_read_from_the_measured_seconds(clamped: bool) -> None:
+    # The loop measured 0.8x the tiny block's tight-loop time (1.3x checkpointed): the floor is the loop's seconds,
+    # also from a profile whose stored terms were clamped at 1x (re-derived from its stored seconds and scales).
+    cm = _model(_in_situ_seconds(_v2(host=1e-6), 0.8, 1.3, clamped=clamped))
+    assert cm.host_layers_in_situ["block"] == pytest.approx(
+        {"forward": 0.8e-3, "backward": 1.6e-3, "recompute_forward": 1.3 * 1.5e-3, "recompute_backward": 1.3 * 4e-3},
+        rel=1e-9)
+    for mbs in (1, 4):
+        f, b = cm.layer_host_time("block", mbs, SEQ)
+        assert (float(f), float(b)) == pytest.approx((0.8e-3, 1.6e-3), rel=1e-9)
+    # A host-bound one-stage micro-batch costs the depth's in-loop seconds: LAYERS blocks at 0.8 x 3 ms.
+    w = _workload(cm, gpus=1)
+    from lightning_3d.planner.model import layer_terms
+
+    t = layer_terms(1, 1, False, w)
+    assert t["blocks_host_f"] + t["blocks_host_b"] == pytest.approx(LAYERS * 0.8 * 3e-3, rel=1e-9)
+
+
+def test_in_situ_scales_split_the_depth_among_block_kinds() -> None:
+    # T5: an encoder and a decoder block per tiny model, 3 + 2 at depth; the scales solve the same equations.
+    from lightning_3d.costs.host import in_situ_host_layers
+
+    iso = {"encoder_block": {"forward": 1e-3, "backward": 2e-3, "recompute_forward": 1e-3, "recompute_backward": 3e-3},
+           "decoder_block": {"forward": 2e-3, "backward": 3e-3, "recompute_forward": 2e-3, "recompute_backward": 5e-3}}
+    ends, s, s_rc = 2e-3, 1.4, 0.9
+    one, deep = {"encoder_block": 1, "decoder_block": 1}, {"encoder_block": 3, "decoder_block": 2}
+    c_1, c_deep = ends + s * 8e-3, ends + s * (3 * 3e-3 + 2 * 5e-3)
+    layers, scales = in_situ_host_layers(iso, one, deep, c_1, c_deep, ends + s_rc * (3 * 4e-3 + 2 * 7e-3))
+    assert scales == pytest.approx([s, s_rc], rel=1e-12)
+    assert layers["decoder_block"] == pytest.approx({"forward": s * 2e-3, "backward": s * 3e-3,
+                                                     "recompute_forward": s_rc * 2e-3, "recompute_backward": s_rc * 5e-3},
+                                                    rel=1e-12)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("host_microbatch_seconds", {"depth_1": 1e-3, "depth": -1.0, "depth_recompute": 1e-3},
+     "'overheads.host_microbatch_seconds' must hold non-negative"),
+    ("host_tiny_blocks", {"block": 0}, "'overheads.host_tiny_blocks' must map block kinds"),
+    ("host_layers_isolated", {"head": {}}, "'overheads.host_layers_isolated' must map block kinds"),
+])
+def test_in_situ_seconds_are_checked_by_name(field: str, value: object, message: str) -> None:
+    doc = _in_situ_seconds(_v2(host=1e-6), 0.8, 1.3, clamped=False)
+    doc["overheads"][field] = value
+    with pytest.raises(ValueError, match=message):
+        _model(doc)
+
+
+def test_in_situ_terms_without_their_seconds_are_read_as_stored() -> None:
+    doc = _with_in_situ(_v2(host=1e-6), 0.02, 0.03, 0.025, 0.07)
+    doc["overheads"]["host_scale"] = [1.0, 1.0]  # the seconds absent: nothing to re-derive from
+    assert _model(doc).host_layers_in_situ["block"] == {"forward": 0.02, "backward": 0.03, "recompute_forward": 0.025,
+                                                        "recompute_backward": 0.07}
 
 
 def test_grids_are_read_non_decreasing_in_microbatch_size() -> None:

@@ -47,3 +47,36 @@ def stage_pass_seconds(device_forward: ArrayLike, device_backward: ArrayLike, ho
     fixed costs as one total)."""
     half = overhead / 2
     return (np.maximum(device_forward, host_forward) + half, np.maximum(device_backward, host_backward) + half)
+
+
+#: the seconds of one block kind's host time the in-situ term holds (docs/planner.md "in-situ host times")
+IN_SITU_PASSES = ("forward", "backward", "recompute_forward", "recompute_backward")
+
+
+def in_situ_host_layers(isolated: dict[str, dict[str, float]], tiny_counts: dict[str, int],
+                        deep_counts: dict[str, int], c_1: float, c_deep: float,
+                        c_deep_recompute: float) -> tuple[dict[str, dict[str, float]], list[float]]:
+    """Each block kind's host seconds inside the training loop (``IN_SITU_PASSES``) and the two loop scales
+    ``[s, s_rc]``, from the profiler's tiny-width models: ``isolated[kind]`` their blocks' isolated host times (one
+    block in a tight loop, per pass), ``tiny_counts``/``deep_counts`` the blocks per kind of the one-layer model and of
+    the model at the real depth, ``c_1``/``c_deep``/``c_deep_recompute`` their per-micro-batch seconds in the training
+    loop (host-bound at tiny widths: the host's seconds).
+
+    With ``ends`` the micro-batch's seconds outside the blocks, c_1 = ends + s·Σ_1 and c_deep = ends + s·Σ_deep (Σ over
+    each model's blocks of their isolated forward + backward), so s = (c_deep − c_1) / (Σ_deep − Σ_1): the blocks the
+    depth adds cost c_deep − c_1, measured in the loop, and the isolated times only split that total among the kinds
+    and passes. The checkpointed run gives s_rc = (c_deep_recompute − ends) / Σ_deep,rc. A scale is taken as measured
+    (at least 0), also below 1: the loop's cost is what the planner predicts; a tight loop's own timing of the tiny
+    block is not a bound on it (profiles before this rule clamped the scales at 1, which put the tight loop's noise
+    into the floor: ``ProfiledCostModel`` re-derives their terms from the stored seconds)."""
+    per = {k: isolated[k]["forward"] + isolated[k]["backward"] for k in isolated}
+    per_rc = {k: isolated[k]["recompute_forward"] + isolated[k]["recompute_backward"] for k in isolated}
+    extra = sum(n * per[k] for k, n in deep_counts.items()) - sum(n * per[k] for k, n in tiny_counts.items())
+    scale = max(0.0, (c_deep - c_1) / extra) if extra > 0 else 1.0
+    ends = c_1 - scale * sum(n * per[k] for k, n in tiny_counts.items())
+    deep_rc = sum(n * per_rc[k] for k, n in deep_counts.items())
+    scale_rc = max(0.0, (c_deep_recompute - ends) / deep_rc) if deep_rc > 0 else 1.0
+    layers = {k: {"forward": scale * isolated[k]["forward"], "backward": scale * isolated[k]["backward"],
+                  "recompute_forward": scale_rc * isolated[k]["recompute_forward"],
+                  "recompute_backward": scale_rc * isolated[k]["recompute_backward"]} for k in deep_counts}
+    return layers, [scale, scale_rc]

@@ -22,6 +22,7 @@ from numpy.typing import ArrayLike
 from scipy.interpolate import RegularGridInterpolator
 
 from lightning_3d.costs.analytic import AnalyticCostModel
+from lightning_3d.costs.host import IN_SITU_PASSES, in_situ_host_layers
 from lightning_3d.costs.model import DeviceSpec, LayerKind, ModelShape
 
 PROFILE_FORMAT = "lightning_3d.profile"
@@ -140,9 +141,7 @@ class ProfiledCostModel:
         #: per block kind, the host's seconds to issue the layer inside the training loop (the profiler's tiny model
         #: at the real depth: ``measure_overheads``), a floor besides the isolated ``host_forward``/``host_backward``
         #: grids of that kind; absent from older profiles
-        self.host_layers_in_situ: dict[str, dict[str, float]] = {
-            k: {q: float(v[q]) for q in ("forward", "backward", "recompute_forward", "recompute_backward")}
-            for k, v in (overheads.get("host_layers") or {}).items()}
+        self.host_layers_in_situ: dict[str, dict[str, float]] = _in_situ_terms(overheads, self.shape)
         #: grids of torch.compile'd blocks (``compiled=True``) instead of eager ones; embedding and head are eager
         self.compiled = bool(compiled)
         self.derive_tp = derive_tp
@@ -241,7 +240,9 @@ class ProfiledCostModel:
         if grid is not None and "host_forward" in grid.interp:
             q = p[: len(grid.axes)]
             f, b = grid("host_forward", q), grid("host_backward", q)
-        situ = self.host_layers_in_situ.get(kind)
+        # The in-situ times were measured with eager tiny models: a floor of eager blocks only. A compiled block
+        # issues its fused graph's few kernels, whose host time its own (compiled) grid holds.
+        situ = None if self.compiled else self.host_layers_in_situ.get(kind)
         if situ is not None:
             # Both are lower bounds of the host's time: the isolated timing at this width, and the in-situ one
             # (measured inside the training loop, the same for every micro-batch size and shard: the same launches).
@@ -253,6 +254,31 @@ class ProfiledCostModel:
                      target_len: ArrayLike | None = None, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
         return self._lookup(kind, recompute, tp, "stored", p), self._lookup(kind, recompute, tp, "peak", p)
+
+
+def _in_situ_terms(overheads: dict, shape: ModelShape) -> dict[str, dict[str, float]]:
+    """The in-situ host seconds per block kind (``overheads.host_layers``), re-derived from the stored seconds of the
+    tiny models where the profile holds them (``costs.host.in_situ_host_layers``: the loop scales as measured).
+    Profiles written before that rule clamped the scales at 1 and did not store the isolated times: those are the
+    stored terms over their scales, and the tiny model had one block of each kind (the profiler's ``_TINY``)."""
+    stored = {k: {q: float(v[q]) for q in IN_SITU_PASSES} for k, v in (overheads.get("host_layers") or {}).items()}
+    seconds, scales = overheads.get("host_microbatch_seconds"), overheads.get("host_scale")
+    if not stored or not seconds or not scales:
+        return stored
+    isolated = overheads.get("host_layers_isolated")
+    if isolated is None:
+        if min(scales) <= 0:
+            return stored
+        isolated = {k: {q: v[q] / scales[q.startswith("recompute")] for q in IN_SITU_PASSES} for k, v in stored.items()}
+    tiny = overheads.get("host_tiny_blocks") or {k: 1 for k in isolated}
+    deep: dict[str, int] = {}
+    for k in shape.layer_kinds():
+        if k in isolated:
+            deep[k] = deep.get(k, 0) + 1
+    layers, _ = in_situ_host_layers({k: {q: float(v[q]) for q in IN_SITU_PASSES} for k, v in isolated.items()},
+                                    tiny, deep, float(seconds["depth_1"]), float(seconds["depth"]),
+                                    float(seconds["depth_recompute"]))
+    return layers
 
 
 def check_profile(data: object, where: str = "profile") -> None:
@@ -287,14 +313,29 @@ def check_profile(data: object, where: str = "profile") -> None:
                 for k in ("microbatch_seconds", "step_seconds")):
             raise ValueError(f"{where}: 'overheads' must hold microbatch_seconds and step_seconds as non-negative"
                              f" numbers (got {overheads!r}).")
-        situ = overheads.get("host_layers")
-        if situ is not None:
-            names = ("forward", "backward", "recompute_forward", "recompute_backward")
-            if not isinstance(situ, dict) or any(
-                    k not in BLOCK_KINDS or not isinstance(v, dict) or set(v) != set(names)
-                    or any(not isinstance(v[n], (int, float)) or not v[n] >= 0 for n in names) for k, v in situ.items()):
-                raise ValueError(f"{where}: 'overheads.host_layers' must map block kinds {list(BLOCK_KINDS)} to"
-                                 f" non-negative {list(names)} seconds (got {situ!r}); re-run `lightning-3d profile`.")
+        for field in ("host_layers", "host_layers_isolated"):
+            _check_in_situ(overheads.get(field), field, where)
+        seconds, tiny = overheads.get("host_microbatch_seconds"), overheads.get("host_tiny_blocks")
+        keys = ("depth_1", "depth", "depth_recompute")
+        if seconds is not None and (not isinstance(seconds, dict) or set(seconds) != set(keys) or any(
+                not isinstance(seconds[k], (int, float)) or not seconds[k] >= 0 for k in keys)):
+            raise ValueError(f"{where}: 'overheads.host_microbatch_seconds' must hold non-negative {list(keys)} seconds"
+                             f" (got {seconds!r}); re-run `lightning-3d profile`.")
+        if tiny is not None and (not isinstance(tiny, dict) or any(
+                k not in BLOCK_KINDS or not isinstance(n, int) or n < 1 for k, n in tiny.items())):
+            raise ValueError(f"{where}: 'overheads.host_tiny_blocks' must map block kinds {list(BLOCK_KINDS)} to"
+                             f" positive block counts (got {tiny!r}); re-run `lightning-3d profile`.")
+
+
+def _check_in_situ(situ: object, field: str, where: str) -> None:
+    """The in-situ host seconds per block kind (``host_layers``, ``host_layers_isolated``): non-negative, per pass."""
+    if situ is not None:
+        names = ("forward", "backward", "recompute_forward", "recompute_backward")
+        if not isinstance(situ, dict) or any(
+                k not in BLOCK_KINDS or not isinstance(v, dict) or set(v) != set(names)
+                or any(not isinstance(v[n], (int, float)) or not v[n] >= 0 for n in names) for k, v in situ.items()):
+            raise ValueError(f"{where}: 'overheads.{field}' must map block kinds {list(BLOCK_KINDS)} to"
+                             f" non-negative {list(names)} seconds (got {situ!r}); re-run `lightning-3d profile`.")
 
 
 def new_profile(shape: ModelShape, device: DeviceSpec, **extra) -> dict:

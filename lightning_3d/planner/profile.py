@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
+from lightning_3d.costs.host import in_situ_host_layers
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
 from lightning_3d.strategies.wgrad_fusion import (check_fusion_mode, choose_fused, fusable_linears,
                                                   fuse_gradient_accumulation, register_slot,
@@ -537,34 +538,26 @@ def host_layers_in_situ(host: dict[tuple[str, bool], tuple[float, float]], tiny:
                         c_1: float, c_deep: dict[bool, float]) -> dict:
     """Each layer kind's host seconds inside the training loop, from the isolated host times of the tiny model's
     layers (``host``: (kind, recompute) -> (forward, backward)) and the per-micro-batch seconds of the tiny model
-    at depth 1 (``c_1``) and at the real model's depth (``c_deep[recompute]``): with ``ends`` the micro-batch's
-    cost outside the blocks, c_1 = ends + s · Σ_1 h and c_deep[False] = ends + s · Σ_deep h (the sums over each
-    model's blocks of their isolated host times, forward + backward), so s = (c_deep - c_1) / (Σ_deep - Σ_1); the
-    checkpointed depth gives s_rc = (c_deep[True] - ends) / Σ_deep h_rc. A scale is at least 1 (the loop cannot
-    issue a layer's kernels faster than a tight loop does; below is noise)."""
+    at depth 1 (``c_1``) and at the real model's depth (``c_deep[recompute]``): ``costs.host.in_situ_host_layers``
+    solves the depth equations (the scales taken as measured). The isolated times and the block counts are stored
+    too (``host_layers_isolated``, ``host_tiny_blocks``), so that a reader re-derives the terms from the seconds."""
     from collections import Counter
 
-    blocks = [k for k in shape.layer_kinds() if k not in ("embedding", "head")]
-    deep, one = Counter(blocks), Counter(k for k in tiny.layer_kinds() if k not in ("embedding", "head"))
-    total = lambda counts, rc: sum(n * sum(host[(k, rc)]) for k, n in counts.items())  # noqa: E731
-    extra = total(deep, False) - total(one, False)
-    scale = max(1.0, (c_deep[False] - c_1) / extra) if extra > 0 else 1.0
-    ends = c_1 - scale * total(one, False)
-    scale_rc = max(1.0, (c_deep[True] - ends) / total(deep, True)) if total(deep, True) > 0 else 1.0
-    layers = {}
-    for kind in deep:
-        f, b = host[(kind, False)]
-        fr, br = host[(kind, True)]
-        layers[kind] = {"forward": scale * f, "backward": scale * b,
-                        "recompute_forward": scale_rc * fr, "recompute_backward": scale_rc * br}
-    return {"host_layers": layers, "host_scale": [scale, scale_rc],
+    deep = Counter(k for k in shape.layer_kinds() if k not in ("embedding", "head"))
+    one = Counter(k for k in tiny.layer_kinds() if k not in ("embedding", "head"))
+    isolated = {k: {"forward": host[(k, False)][0], "backward": host[(k, False)][1],
+                    "recompute_forward": host[(k, True)][0], "recompute_backward": host[(k, True)][1]} for k in deep}
+    layers, scales = in_situ_host_layers(isolated, dict(one), dict(deep), c_1, c_deep[False], c_deep[True])
+    return {"host_layers": layers, "host_scale": scales, "host_layers_isolated": isolated,
+            "host_tiny_blocks": dict(one),
             "host_microbatch_seconds": {"depth_1": c_1, "depth": c_deep[False], "depth_recompute": c_deep[True]}}
 
 
 def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: dict, family: str, device: torch.device,
                 precision: str, microbatches: int, warmup: int, steps: int,
-                fuse_gradients: bool | str = "auto") -> dict[int, list[float]]:
-    """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count."""
+                fuse_gradients: bool | str = "auto", samples: int = 1) -> dict[int, list[float]]:
+    """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count
+    (1 and ``microbatches``, each of ``samples`` sequences)."""
     import lightning.pytorch as pl
 
     step_s: dict[int, list[float]] = {}
@@ -590,7 +583,7 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
     flushed = device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
-                  warmup, steps, Timer, fuse_gradients)
+                  warmup, steps, Timer, fuse_gradients, samples)
     finally:
         if flushed:
             torch.set_flush_denormal(False)
@@ -598,7 +591,7 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
 
 
 def _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
-              warmup, steps, Timer, fuse_gradients="auto") -> None:
+              warmup, steps, Timer, fuse_gradients="auto", samples=1) -> None:
     import lightning.pytorch as pl
 
     from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
@@ -606,7 +599,7 @@ def _fit_tiny(module_path, data_path, model_args, data_args, family, device, acc
     with tempfile.TemporaryDirectory() as tmp:
         for m in (1, microbatches):
             torch.manual_seed(0)
-            data = _import(data_path)(batch_size=m, num_samples=m * (warmup + steps + 1), **data_args)
+            data = _import(data_path)(batch_size=m * samples, num_samples=m * samples * (warmup + steps + 1), **data_args)
             ids = {k: getattr(data, k) for k in ("pad_token_id", "eos_token_id")} if family == "t5" else {}
             model = _import(module_path)(**model_args, **ids)
             trainer = pl.Trainer(accelerator=accelerator, devices=[device.index or 0] if accelerator == "gpu" else 1,
