@@ -6,10 +6,11 @@ of the way. Rank 0 writes a JSON report the test reads.
 
 The ranks are forked from one launcher process (``python -m tests.launch``) that has imported torch, Lightning and
 lightning_3d once: on a machine with fewer cores than ranks, importing them in every rank was a large part of each
-scenario's time. The launcher runs with the ranks' environment (only the rank variables differ, and nothing reads
-those at import), is single-threaded in Python when it forks (as Lightning's own ``ddp_fork`` launcher is), and
-each rank then runs as a fresh ``python -m`` would: its own log on stdout/stderr, its own process group, a normal
-interpreter exit.
+scenario's time. The launcher runs with the ranks' environment (only the rank variables differ; the one thing read
+from them at import, Lightning's rank for its rank-zero logging, is set again in each rank). It is single-threaded in
+Python when it forks, as Lightning's own ``ddp_fork`` launcher is, and each rank then runs as a fresh ``python -m``
+would: its log on stdout/stderr, ``__main__`` the scenario, a normal interpreter exit. With ``L3D_TEST_DEVICE=cuda``
+the launcher imports nothing before the fork and each rank imports for itself, as before.
 """
 
 from __future__ import annotations
@@ -147,11 +148,13 @@ def _launch(world_size: int, nodes: int, name: str, report: Path, timeout: float
 
 def main() -> None:
     world_size, nodes, name, report, timeout, *args = sys.argv[1:]
-    # what every rank imports, once, before the fork (see the module's docstring)
-    import lightning.pytorch  # noqa: F401
-    import torch  # noqa: F401
+    if os.environ.get("L3D_TEST_DEVICE", "cpu") == "cpu":
+        # what every rank imports, once, before the fork (see the module's docstring). Not for GPU runs: a CUDA
+        # driver that something initialised at import time in the launcher would not work in the forked ranks.
+        import lightning.pytorch  # noqa: F401
+        import torch  # noqa: F401
 
-    import lightning_3d  # noqa: F401
+        import lightning_3d  # noqa: F401
 
     report = Path(report)
     failed = _launch(int(world_size), int(nodes), name, report, float(timeout), args)
