@@ -68,6 +68,8 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import multiprocessing
+
     import lightning.pytorch as pl
     import torch
 
@@ -79,6 +81,11 @@ def worker(args: argparse.Namespace) -> None:
     meta = json.loads((args.data / "meta.json").read_text())
     dp, pp, tp = (int(x) for x in args.layout.split(","))
     n, n_val = meta["num_blocks"], max(1, meta["num_blocks"] // 100)
+
+    # The loaders' workers (two per loader, started again at every validation) fork from a fork server
+    # (worker_options in lightning_3d/recipes/data/loader.py); the server imports the data package once, so that a
+    # worker starts with torch and Lightning already imported instead of importing them itself.
+    multiprocessing.set_forkserver_preload(["__main__", "lightning_3d.recipes.data.packing"])
 
     class Blocks(pl.LightningDataModule):
         def train_dataloader(self):

@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 import socket
 import sys
@@ -13,6 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# DataLoader workers start from a fork server (worker_options in lightning_3d/recipes/data/loader.py says why). The
+# server imports the data package once, before the suite's first workers, so that each worker it forks has torch and
+# Lightning already imported instead of importing them again (most of a worker's start). The workers see the same
+# environment either way: a fork server's children inherit the server's, not the test's.
+multiprocessing.set_forkserver_preload(["__main__", "lightning_3d.recipes.data"])
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
               "GROUP_RANK", "TORCHELASTIC_RUN_ID")

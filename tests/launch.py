@@ -1,14 +1,23 @@
 """Run a scenario module in N local processes, the way torchrun would (env:// rendezvous on localhost).
 
-Tests call ``run_scenario(world_size, "layouts", args)``; each process runs ``python -m
-tests.scenarios.<name>`` with RANK/LOCAL_RANK/WORLD_SIZE set, so Lightning sees externally created
-processes and its own launcher stays out of the way. Rank 0 writes a JSON report the test reads.
+Tests call ``run_scenario(world_size, "layouts", args)``; each rank runs ``tests.scenarios.<name>`` as ``__main__``
+with RANK/LOCAL_RANK/WORLD_SIZE set, so Lightning sees externally created processes and its own launcher stays out
+of the way. Rank 0 writes a JSON report the test reads.
+
+The ranks are forked from one launcher process (``python -m tests.launch``) that has imported torch, Lightning and
+lightning_3d once: on a machine with fewer cores than ranks, importing them in every rank was a large part of each
+scenario's time. The launcher runs with the ranks' environment (only the rank variables differ; the one thing read
+from them at import, Lightning's rank for its rank-zero logging, is set again in each rank). It is single-threaded in
+Python when it forks, as Lightning's own ``ddp_fork`` launcher is, and each rank then runs as a fresh ``python -m``
+would: its log on stdout/stderr, ``__main__`` the scenario, a normal interpreter exit. With ``L3D_TEST_DEVICE=cuda``
+the launcher imports nothing before the fork and each rank imports for itself, as before.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def free_port() -> int:
@@ -24,12 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_log(report: Path, rank: int) -> Path:
+    return report.with_suffix(f".rank{rank}.log")
+
+
 def run_scenario(world_size: int, name: str, args: list[str], report: Path, timeout: float = 600, nodes: int = 1) -> dict:
     """Start the processes, wait for all of them, fail loudly (with their output) if any fails or hangs."""
     port = free_port()
-    per_node = world_size // nodes
-    env_base = {
-        **{k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")},
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE", *RANK_VARIABLES)},
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),
@@ -39,36 +52,114 @@ def run_scenario(world_size: int, name: str, args: list[str], report: Path, time
         # each rank prints its threads' stacks into its log before the deadline (tests/scenarios/__init__.py)
         "L3D_STACKS_AFTER_S": str(max(1.0, timeout - 10)),
     }
-    procs = []
-    for rank in range(world_size):
-        env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank % per_node), NODE_RANK=str(rank // per_node),
-                   LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node))
-        log = open(report.with_suffix(f".rank{rank}.log"), "w")
-        cmd = [sys.executable, "-m", f"tests.scenarios.{name}", "--report", str(report), *args]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
-    deadline = time.monotonic() + timeout
-    failed = None
-    while any(p.poll() is None for p, _ in procs):
-        if time.monotonic() > deadline:
-            failed = f"timed out after {timeout}s"
-            break
-        bad = [i for i, (p, _) in enumerate(procs) if p.poll() not in (None, 0)]
-        if bad:
-            failed = f"rank {bad[0]} exited with {procs[bad[0]][0].returncode}"
-            time.sleep(5)  # give the others a moment to report their side, then stop them
-            break
-        time.sleep(0.2)
-    for p, log in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        log.close()
-    codes = [p.returncode for p, _ in procs]
-    if failed is None and any(codes):
-        failed = f"exit codes {codes}"
+    status = report.with_suffix(".launch.json")
+    status.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "tests.launch", str(world_size), str(nodes), name, str(report), str(timeout), *args]
+    with open(report.with_suffix(".launch.log"), "w") as log:
+        launcher = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:  # the launcher keeps the deadline itself; this one only guards against the launcher hanging
+            launcher.wait(timeout=timeout + 120)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # the launcher and every rank it forked share its session's process group
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+    failed = json.loads(status.read_text())["failed"] if status.exists() else (
+        f"the launcher exited with {launcher.returncode}: {report.with_suffix('.launch.log').read_text()[-4000:]}")
     if failed:
         logs = "\n".join(
-            f"----- rank {r} -----\n" + report.with_suffix(f".rank{r}.log").read_text()[-12000:] for r in range(world_size)
+            f"----- rank {r} -----\n" + (rank_log(report, r).read_text()[-12000:] if rank_log(report, r).exists() else "")
+            for r in range(world_size)
         )
         raise AssertionError(f"scenario {name} {args} failed: {failed}\n{logs}")
     return json.loads(report.read_text())
+
+
+def _run_rank(rank: int, world_size: int, nodes: int, name: str, report: Path, args: list[str]) -> int:
+    """In the forked child: become rank ``rank`` and run the scenario as ``python -m`` would; the exit code."""
+    import runpy
+    import traceback
+
+    per_node = world_size // nodes
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node), NODE_RANK=str(rank // per_node),
+                      LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node))
+    log = os.open(rank_log(report, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    # Lightning reads the rank from the environment when it is imported (here: in the launcher, before the fork)
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    rank_zero_only.rank = rank
+    module = f"tests.scenarios.{name}"
+    sys.argv = [module, "--report", str(report), *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _launch(world_size: int, nodes: int, name: str, report: Path, timeout: float, args: list[str]) -> str | None:
+    """Fork the ranks, wait for all of them; None, or why the run failed."""
+    pids = []
+    for rank in range(world_size):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the rank ends here, through the interpreter's normal exit (atexit handlers run)
+            raise SystemExit(_run_rank(rank, world_size, nodes, name, report, args))
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    failed = None
+    while len(codes) < len(pids):
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+        if len(codes) == len(pids):
+            break
+        if time.monotonic() > deadline:
+            failed = f"timed out after {timeout}s"
+            break
+        bad = [r for r, c in sorted(codes.items()) if c != 0]
+        if bad:
+            failed = f"rank {bad[0]} exited with {codes[bad[0]]}"
+            time.sleep(5)  # give the others a moment to report their side, then stop them
+            break
+        time.sleep(0.2)
+    for rank, pid in enumerate(pids):
+        if rank not in codes:
+            os.kill(pid, signal.SIGKILL)
+            codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if failed is None and any(codes.values()):
+        failed = f"exit codes {[codes[r] for r in range(world_size)]}"
+    return failed
+
+
+def main() -> None:
+    world_size, nodes, name, report, timeout, *args = sys.argv[1:]
+    if os.environ.get("L3D_TEST_DEVICE", "cpu") == "cpu":
+        # what every rank imports, once, before the fork (see the module's docstring). Not for GPU runs: a CUDA
+        # driver that something initialised at import time in the launcher would not work in the forked ranks.
+        import lightning.pytorch  # noqa: F401
+        import torch  # noqa: F401
+
+        import lightning_3d  # noqa: F401
+
+    report = Path(report)
+    failed = _launch(int(world_size), int(nodes), name, report, float(timeout), args)
+    report.with_suffix(".launch.json").write_text(json.dumps({"failed": failed}))
+
+
+if __name__ == "__main__":
+    main()
