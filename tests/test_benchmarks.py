@@ -410,7 +410,6 @@ def test_host_microbatch_probe_times_both_counts_per_size(tmp_path: Path) -> Non
         assert r["per_microbatch_s"] == pytest.approx((r["step_4_s"] - r["step_1_s"]) / 3, rel=1e-12)
 
 
-
 def test_host_microbatch_probe_refuses_a_size_below_one(capsys: pytest.CaptureFixture) -> None:
     import importlib.util
 

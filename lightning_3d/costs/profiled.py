@@ -330,7 +330,7 @@ def check_profile(data: object, where: str = "profile") -> None:
 def _check_in_situ(situ: object, field: str, where: str) -> None:
     """The in-situ host seconds per block kind (``host_layers``, ``host_layers_isolated``): non-negative, per pass."""
     if situ is not None:
-        names = ("forward", "backward", "recompute_forward", "recompute_backward")
+        names = IN_SITU_PASSES
         if not isinstance(situ, dict) or any(
                 k not in BLOCK_KINDS or not isinstance(v, dict) or set(v) != set(names)
                 or any(not isinstance(v[n], (int, float)) or not v[n] >= 0 for n in names) for k, v in situ.items()):

@@ -32,17 +32,27 @@ from lightning_3d.planner.api import BYTES, load_config, workload_from_config
 from lightning_3d.strategies.wgrad_fusion import (check_fusion_mode, choose_fused, fusable_linears,
                                                   fuse_gradient_accumulation, register_slot,
                                                   unfuse_gradient_accumulation)
+from lightning_3d.utils.compat import device_busy_for
 
 
 class _Timer:
-    """Spans of work on ``device``: CUDA events (the GPU's time from the first to the last kernel, idle gaps waiting
-    for the host included) and the host's own seconds to issue the work (``perf_counter``, no synchronisation)."""
+    """Spans of work on ``device``: CUDA events (the GPU's time from the first to the last kernel) and the host's own
+    seconds to issue the work (``perf_counter``, no synchronisation).
+
+    ``lead`` (seconds): the GPU is kept busy that long before the span's first kernel (``compat.device_busy_for``), so
+    that a host slower than the layer's kernels has queued them all before the GPU starts: the events then time the
+    kernels alone. Without it, a host-bound layer's span is its host's time (the GPU idles between launches), and the
+    planner, which adds the host's time itself (``costs.host``: max of the two per pass), would count the host twice
+    in the device term (docs/planner.md, "Device and host times")."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
 
-    def span(self, fn):
+    def span(self, fn, lead: float = 0.0):
         if self.cuda:
+            if lead > 0:
+                device_busy_for(lead, self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
@@ -59,6 +69,11 @@ class _Timer:
         if self.cuda:
             return mark[0].elapsed_time(mark[1]) / 1e3
         return mark
+
+
+#: the GPU's lead over a timed span: this many times the host's seconds for the same pass in the previous repeat, plus
+#: ``LEAD_FLOOR`` seconds (a lead shorter than the host's time lets the GPU catch up and idle inside the span)
+LEAD_FACTOR, LEAD_FLOOR = 2.0, 1e-3
 
 
 #: layers applied this many times in a row for the per-layer (marginal) time: see ``profile_model``
@@ -87,6 +102,7 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
                 out = once((out, *inputs[1:]))
             return out
 
+    lead = [0.0, 0.0]  # the previous pass's host seconds, forward and backward (the first pass runs without lead)
     try:
         for i in range(warmup + repeats):
             for p in module.parameters():
@@ -98,14 +114,16 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
-            out, f_mark, f_host = timer.span(forward)
+            out, f_mark, f_host = timer.span(forward, LEAD_FACTOR * lead[0] + LEAD_FLOOR if i else 0.0)
+            lead[0] = f_host
             if cuda:
                 after = torch.cuda.memory_allocated(device)
             grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
             if cuda:
                 # The gradient's random numbers are not the layer's work: done before the backward's span starts.
                 torch.cuda.synchronize(device)
-            _, b_mark, b_host = timer.span(lambda: out.backward(grad))
+            _, b_mark, b_host = timer.span(lambda: out.backward(grad), LEAD_FACTOR * lead[1] + LEAD_FLOOR if i else 0.0)
+            lead[1] = b_host
             if cuda:
                 torch.cuda.synchronize(device)
                 top = torch.cuda.max_memory_allocated(device)
@@ -438,8 +456,12 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+#: timed steps of each in-situ run (``measure_overheads``)
+IN_SITU_STEPS = 10
+
+
 def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precision: str, *, microbatches: int = 4,
-                      warmup: int = 3, steps: int = 6, in_situ: bool = True, fuse_gradients: bool | str = "auto",
+                      warmup: int = 3, steps: int = 10, in_situ: bool = True, fuse_gradients: bool | str = "auto",
                       log=print) -> dict:
     """The per-micro-batch and per-step seconds a step spends outside the layers and the optimizer's kernels: a
     one-layer model of the same recipe (``_TINY``) trains under ``Compressed3DStrategy`` (one GPU, exact: no
@@ -483,8 +505,10 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
                              microbatches, warmup, steps, fuse_gradients)
         if in_situ:
             for rc in (False, True):
+                # Ten timed steps each: the host's seconds per step vary from step to step (the medians of five
+                # differed by tens of per cent between two profiles of the same tiny model on one machine).
                 deep[rc] = _train_tiny(module_path, data_path, dict(deep_args, activation_checkpointing=rc), data_args,
-                                       shape.family, device, precision, microbatches, 2, 5, fuse_gradients)
+                                       shape.family, device, precision, microbatches, 3, IN_SITU_STEPS, fuse_gradients)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
