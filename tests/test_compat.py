@@ -216,8 +216,3 @@ def test_async_tp_patterns_are_what_inductor_fuses(tmp_path) -> None:
         assert "'cpu' with 'gloo'" in refused["cpu"] and "unset L3D_TP_ASYNC" in refused["cpu"], refused
         assert "L3D_TP_ASYNC='on'" in refused["bad_value"] and "or 0" in refused["bad_value"], refused
         assert refused["default_off"] == "False", refused
-
-
-def test_device_sleep_takes_cycles() -> None:
-    # ``device_busy_for`` spins the GPU with ``torch.cuda._sleep(cycles)``: one integer argument, the clock cycles.
-    assert _params(torch.cuda._sleep) == ["cycles"]

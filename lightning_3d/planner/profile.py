@@ -32,27 +32,17 @@ from lightning_3d.planner.api import BYTES, load_config, workload_from_config
 from lightning_3d.strategies.wgrad_fusion import (check_fusion_mode, choose_fused, fusable_linears,
                                                   fuse_gradient_accumulation, register_slot,
                                                   unfuse_gradient_accumulation)
-from lightning_3d.utils.compat import device_busy_for
 
 
 class _Timer:
-    """Spans of work on ``device``: CUDA events (the GPU's time from the first to the last kernel) and the host's own
-    seconds to issue the work (``perf_counter``, no synchronisation).
-
-    ``lead`` (seconds): the GPU is kept busy that long before the span's first kernel (``compat.device_busy_for``), so
-    that a host slower than the layer's kernels has queued them all before the GPU starts: the events then time the
-    kernels alone. Without it, a host-bound layer's span is its host's time (the GPU idles between launches), and the
-    planner, which adds the host's time itself (``costs.host``: max of the two per pass), would count the host twice
-    in the device term (docs/planner.md, "Device and host times")."""
+    """Spans of work on ``device``: CUDA events (the GPU's time from the first to the last kernel, idle gaps waiting
+    for the host included) and the host's own seconds to issue the work (``perf_counter``, no synchronisation)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.device = device
 
-    def span(self, fn, lead: float = 0.0):
+    def span(self, fn):
         if self.cuda:
-            if lead > 0:
-                device_busy_for(lead, self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
@@ -69,11 +59,6 @@ class _Timer:
         if self.cuda:
             return mark[0].elapsed_time(mark[1]) / 1e3
         return mark
-
-
-#: the GPU's lead over a timed span: this many times the host's seconds for the same pass in the previous repeat, plus
-#: ``LEAD_FLOOR`` seconds (a lead shorter than the host's time lets the GPU catch up and idle inside the span)
-LEAD_FACTOR, LEAD_FLOOR = 2.0, 1e-3
 
 
 #: layers applied this many times in a row for the per-layer (marginal) time: see ``profile_model``
@@ -102,7 +87,6 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
                 out = once((out, *inputs[1:]))
             return out
 
-    lead = [0.0, 0.0]  # the previous pass's host seconds, forward and backward (the first pass runs without lead)
     try:
         for i in range(warmup + repeats):
             for p in module.parameters():
@@ -114,16 +98,14 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
-            out, f_mark, f_host = timer.span(forward, LEAD_FACTOR * lead[0] + LEAD_FLOOR if i else 0.0)
-            lead[0] = f_host
+            out, f_mark, f_host = timer.span(forward)
             if cuda:
                 after = torch.cuda.memory_allocated(device)
             grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
             if cuda:
                 # The gradient's random numbers are not the layer's work: done before the backward's span starts.
                 torch.cuda.synchronize(device)
-            _, b_mark, b_host = timer.span(lambda: out.backward(grad), LEAD_FACTOR * lead[1] + LEAD_FLOOR if i else 0.0)
-            lead[1] = b_host
+            _, b_mark, b_host = timer.span(lambda: out.backward(grad))
             if cuda:
                 torch.cuda.synchronize(device)
                 top = torch.cuda.max_memory_allocated(device)
