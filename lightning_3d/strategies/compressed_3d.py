@@ -88,10 +88,10 @@ class Compressed3DStrategy(ParallelStrategy):
             parameters, the optimizer state and the compression state as they were, on every rank alike, and warns;
             ``"raise"`` stops training with an error on every rank; ``"ignore"`` applies the step (no check, no
             host synchronisation). A skipped step still counts as a step for ``global_step`` and LR schedulers.
-            With torch's fused Adam/AdamW/momentum-free SGD (no GradScaler, no ``shard_optimizer_state``, no tensor
-            parallelism) the step is skipped on the device and the verdict reaches the host a step later: the
-            warning and ``"raise"`` come from the next step (before its update), the end of fit or a checkpoint
-            save, naming the bad step; the parameters are then still those from before it (docs/speed.md).
+            With torch's fused Adam/AdamW/momentum-free SGD and no GradScaler ("16-mixed" has one) the step is
+            skipped on the device and the verdict reaches the host a step later: the warning and ``"raise"`` come
+            from the next step (before its update), the end of fit or a checkpoint save, naming the bad step; the
+            parameters are then still those from before it (docs/speed.md).
         max_consecutive_nonfinite: with ``"skip"``, one more non-finite step in a row than this raises (the run is
             diverging).
         timeout: of every process group the strategy creates (the default group, the device mesh, the pipeline

@@ -9,7 +9,8 @@ non-finite step policy, in one process group of two ranks.
 - Non-finite steps (exact, SC, CB with LEP): a NaN loss on one replica at step K skips the step everywhere: parameters
   and optimizer state after it equal those before it, compression state stays finite, and training goes on.
 - The lazy verdict (fused AdamW: the flag skips the step on the device, the host reads it a step later): the same
-  parameters, optimizer state and losses as the synchronous verdict bit for bit around a skipped step, the host's
+  parameters, optimizer state and losses as the synchronous verdict bit for bit around a skipped step (data parallel,
+  shard_optimizer_state, tensor parallel), the host's
   reads of the flag counted (none of a step's own before its update), "raise" one step late with the parameters from
   before the bad step, a bad last step acted on at fit's end, the streak limit, and no checkpoint after a bad step.
 - strict_loading=False: a checkpoint lacking a parameter of the model loads, keeping the model's own value.
@@ -218,10 +219,17 @@ def fused_model():
     return model(optimizer_foreach=None, optimizer_fused=True)  # MODEL sets foreach (the sync path elsewhere)
 
 
-def lazy_vs_sync(w: int, poison_step: int = 2, steps: int = 5) -> dict:
+LAZY_LAYOUTS = {  # the optimizer steps the parameters; ShardedOptimizer's pieces; tensor parallelism's local pieces
+    "dp": dict(data_parallel_size=2, compression=False),
+    "sharded": dict(data_parallel_size=2, compression=False, shard_optimizer_state=True),
+    "tp": dict(tensor_parallel_size=2, compression=False),
+}
+
+
+def lazy_vs_sync(layout: str, poison_step: int = 2, steps: int = 5) -> dict:
     runs = {}
     for path in ("lazy", "sync"):
-        strategy = Compressed3DStrategy(data_parallel_size=w, compression=False)
+        strategy = Compressed3DStrategy(**LAZY_LAYOUTS[layout])
         strategy.engine.lazy_verdict = path == "lazy"
         losses, reads, snap, m = LossRecorder(), VerdictReads(), Snapshot(poison_step), fused_model()
         with warnings.catch_warnings(record=True) as caught:
@@ -233,12 +241,13 @@ def lazy_vs_sync(w: int, poison_step: int = 2, steps: int = 5) -> dict:
                           warnings=[str(c.message) for c in caught if "the step is skipped on every rank" in str(c.message)])
 
     def same(a, b):
+        a, b = (x.to_local() if isinstance(x, DTensor) else x for x in (a, b))
         return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
     (p0, m0), (p1, m1) = runs["lazy"].pop("state"), runs["sync"].pop("state")
     equal = all(same(a, b) for a, b in zip(p0, p1, strict=True)) and all(
         a.keys() == b.keys() and all(same(a[k], b[k]) for k in a) for a, b in zip(m0, m1, strict=True))
-    return {"equal": all_true(equal), "lazy_unchanged": all_true(runs["lazy"].pop("unchanged")),
+    return {"layout": layout, "equal": all_true(equal), "lazy_unchanged": all_true(runs["lazy"].pop("unchanged")),
             "sync_unchanged": all_true(runs["sync"].pop("unchanged")), **runs}
 
 
@@ -357,7 +366,7 @@ def main() -> None:
         "sc_rank_warnings": [str(c.message) for c in caught if "sc_rank=1000 is too large" in str(c.message)],
         "cases": cases,
         "nonfinite": [nonfinite_run(kind, w) for kind in ("exact", "sc", "cb")],
-        "lazy_vs_sync": lazy_vs_sync(w),
+        "lazy_vs_sync": [lazy_vs_sync(layout) for layout in LAZY_LAYOUTS],
         "lazy_raise": lazy_raise(w),
         "lazy_last_step": lazy_last_step(w, workdir),
         "link_slow_then_fast": link_resume(w, workdir, 1.0, 1e6),
