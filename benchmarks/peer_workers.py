@@ -195,20 +195,26 @@ def fusion_option(system: dict) -> bool | str:
     return False if system["nofuse"] else True if system["fuse"] else "auto"
 
 
+def ours_strategy(args: argparse.Namespace, system: dict) -> Any:
+    """The ``Compressed3DStrategy`` of an ``ours`` system, as its suffixes set it."""
+    from lightning_3d import Compressed3DStrategy
+
+    return Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=args.num_microbatches,
+                                schedule=args.schedule if system["pp"] > 1 else "1f1b",
+                                compression=system["cc"], fused_embedding_sync=system["cc"],
+                                gradient_accumulation_fusion=fusion_option(system),
+                                **({"gc_interval": None} if system["pygc"]
+                                   else {"gc_interval": 1} if system["gc1"] else {}),
+                                **({"on_nonfinite": "ignore"} if system["nocheck"] else {}))
+
+
 def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-
-    from lightning_3d import Compressed3DStrategy
 
     m, mb = args.num_microbatches, args.micro_batch_size
     name = system["name"]
     if name == "ours":
-        strategy = Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=m,
-                                        schedule=args.schedule if system["pp"] > 1 else "1f1b",
-                                        compression=system["cc"], fused_embedding_sync=system["cc"],
-                                        gradient_accumulation_fusion=fusion_option(system),
-                                        **({"gc_interval": None} if system["pygc"]
-                                           else {"gc_interval": 1} if system["gc1"] else {}))
+        strategy = ours_strategy(args, system)
         module, batch, accumulate = recipe_module(args, system), mb * m, 1
     elif name == "ddp":
         strategy = DDPStrategy(gradient_as_bucket_view=True)

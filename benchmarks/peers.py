@@ -22,7 +22,9 @@ attention), ``+cudagraphs`` (plain with +whole: the compiled model and loss repl
 default ``"auto"``, which on these fixed shapes is ``"torch"`` (recipes/attention.py), ``+pygc`` (ours only:
 ``gc_interval=None``, Python's automatic garbage collection as the peers have it; without it ours runs the strategy's
 default, automatic collection off and a full collection every 50 steps), ``+gc1`` (ours only: ``gc_interval=1``, a full
-collection before every step after the first, frozen after the first: its cost per step). ``--model t5`` runs the T5
+collection before every step after the first, frozen after the first: its cost per step), ``+nocheck`` (ours only:
+``on_nonfinite="ignore"``, no non-finite check of the step: the bound on what the check costs; without it ours runs
+the default ``"skip"``, whose verdict reaches the host a step late with the fused AdamW these systems use). ``--model t5`` runs the T5
 recipe (inputs of ``--seq-length``, targets of ``--target-length`` tokens) against transformers' T5.
 Every system takes ``--num-microbatches`` micro-batches of ``--micro-batch-size`` sequences per replica and optimizer
 step (gradient accumulation for the peers).
@@ -53,10 +55,10 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
 SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "fuse", "whole", "fusedce", "stage", "explicit",
-            "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1")
-OURS_ONLY = ("cc", "nofuse", "fuse", "pygc", "gc1")
+            "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1", "nocheck")
+OURS_ONLY = ("cc", "nofuse", "fuse", "pygc", "gc1", "nocheck")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
-ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "fuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",),
+ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "fuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",), "nocheck": ("ours",),
             "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
             "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),

@@ -295,6 +295,12 @@ def test_peers_system_suffixes() -> None:
     assert parse_system("ours@1,1,1+compile+stage", gpus=1)["stage"]
     gc_rows = [parse_system(t, gpus=1) for t in ("ours@1,1,1", "ours@1,1,1+pygc", "ours@1,1,1+compile+gc1")]
     assert [(r["pygc"], r["gc1"]) for r in gc_rows] == [(False, False), (True, False), (False, True)]
+    # +nocheck: ours without the non-finite check (the bound on its cost); without it, the default "skip"
+    from benchmarks.peer_workers import ours_strategy
+
+    knobs = argparse.Namespace(num_microbatches=1, schedule="1f1b")
+    assert ours_strategy(knobs, parse_system("ours@1,1,1+nocheck", gpus=1)).on_nonfinite == "ignore"
+    assert ours_strategy(knobs, parse_system("ours@1,1,1", gpus=1)).on_nonfinite == "skip"
     assert parse_system("plain+whole+explicit", gpus=1)["explicit"]
     assert not parse_system("plain+whole", gpus=1)["explicit"]
     # +torchsdpa / +nocudnn: our recipes under sdpa_backends="torch" / "no_cudnn"; without them the recipes' default
@@ -326,6 +332,7 @@ def test_peers_system_suffixes() -> None:
                          ("plain+torchsdpa+nocudnn", r"\+torchsdpa and \+nocudnn are two SDPA backend choices"),
                          ("hf+nocudnn", r"\+nocudnn is for plain and ddp and fsdp and ours, not hf"),
                          ("plain+pygc", r"\+pygc is for ours only, not plain"),
+                         ("plain+whole+nocheck", r"\+nocheck is for ours only, not plain"),
                          ("ours@1,1,1+pygc+gc1", r"\+pygc and \+gc1 are two garbage-collection settings; pick one"),
                          ("plain+compile+cudagraphs", r"\+cudagraphs replays the whole-model compile; add \+whole"),
                          ("ours@1,1,1+compile+stage+cudagraphs", r"without gradient-accumulation fusion; add \+comp")):

@@ -216,3 +216,67 @@ def test_async_tp_patterns_are_what_inductor_fuses(tmp_path) -> None:
         assert "'cpu' with 'gloo'" in refused["cpu"] and "unset L3D_TP_ASYNC" in refused["cpu"], refused
         assert "L3D_TP_ASYNC='on'" in refused["bad_value"] and "or 0" in refused["bad_value"], refused
         assert refused["default_off"] == "False", refused
+
+
+def _optimizer_state(opt: torch.optim.Optimizer) -> list[dict]:
+    return [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+            for g in opt.param_groups for p in g["params"]]
+
+
+def test_fused_optimizers_skip_a_step_exactly_on_found_inf() -> None:
+    """The protocol the lazy non-finite verdict hands its flag over (PipelineEngine.guarded_closure): with found_inf
+    1.0 the fused step leaves parameters and state (Adam's step counts included) bit for bit as they were, with 0.0
+    it steps exactly as without the attribute, and clear_found_inf removes it."""
+    cases = [(torch.optim.AdamW, {"weight_decay": 0.1}), (torch.optim.Adam, {"amsgrad": True}), (torch.optim.SGD, {})]
+    for cls, kwargs in cases:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+        twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt, twin = cls(params, lr=0.1, fused=True, **kwargs), cls(twins, lr=0.1, fused=True, **kwargs)
+        assert compat.skips_on_found_inf(opt), cls
+        for step in range(3):
+            grads = [torch.randn_like(p) for p in params]
+            for p, t, g in zip(params, twins, grads):
+                p.grad, t.grad = g.clone(), g.clone()
+            if step == 1:  # a bad step: NaN gradients, skipped on the device
+                params[0].grad[0, 0] = twins[0].grad[0, 0] = float("nan")
+                before, state = [p.detach().clone() for p in params], _optimizer_state(opt)
+                compat.set_found_inf(opt, torch.ones(()))
+                opt.step()
+                compat.clear_found_inf(opt)
+                assert not hasattr(opt, "found_inf")
+                assert all(torch.equal(a, b) for a, b in zip(before, params)), cls
+                after = _optimizer_state(opt)
+                assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                           for a, b in zip(state, after)), cls
+                for t in twins:  # the twin does not step at all
+                    t.grad = None
+                continue
+            compat.set_found_inf(opt, torch.zeros(()))
+            opt.step()
+            compat.clear_found_inf(opt)
+            twin.step()
+            assert all(torch.equal(p, t) for p, t in zip(params, twins)), (cls, step)
+        if cls is not torch.optim.SGD:
+            assert all(float(opt.state[p]["step"]) == 2 for p in params)  # the skipped step not counted
+
+
+def test_only_exact_found_inf_skips_are_taken() -> None:
+    p = [torch.nn.Parameter(torch.zeros(2))]
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    assert compat.skips_on_found_inf(torch.optim.AdamW(p, fused=True))
+    assert compat.skips_on_found_inf(torch.optim.SGD(p, lr=0.1, fused=True))
+    assert not compat.skips_on_found_inf(torch.optim.AdamW(p))  # foreach / for-loop: found_inf is refused
+    assert not compat.skips_on_found_inf(torch.optim.AdamW(p, foreach=True))
+    assert not compat.skips_on_found_inf(MyAdamW(p, fused=True))  # a subclass's step may differ
+    # SGD's fused step fills the momentum buffer it creates on a skipped first step with empty_like
+    assert not compat.skips_on_found_inf(torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True))
+    mixed = torch.optim.AdamW(p, fused=True)
+    mixed.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "fused": False})
+    assert not compat.skips_on_found_inf(mixed)
+    scaled = torch.optim.AdamW(p, fused=True)
+    scaled.grad_scale = torch.ones(())  # what a GradScaler sets inside its step: not ours to take over
+    assert not compat.skips_on_found_inf(scaled)

@@ -24,6 +24,7 @@ def test_options_link_decision_tied_names_and_nonfinite_steps(tmp_path: Path) ->
         assert run["unchanged"], run  # parameters and optimizer state after the skipped step == before it
         assert run["finite_state"] and (run["has_state"] or run["kind"] == "exact"), run
         assert len(run["warnings"]) == 1 and f"optimizer step {k} hold NaN or inf" in run["warnings"][0], run
+    check_lazy_verdict(report, k)
     sc = next(r for r in report["nonfinite"] if r["kind"] == "sc")
     # 5 steps, one skipped: SC counted 4 (the warm-up step among them); both of the stage's buckets (fused weights,
     # the rest) were left uncompressed on the skipped step.
@@ -35,3 +36,46 @@ def test_options_link_decision_tied_names_and_nonfinite_steps(tmp_path: Path) ->
     assert fast["straight"][2:] != slow["straight"][2:]  # the two decisions do train differently
     assert report["strict_loading"]["strict"]["ok"] and report["strict_loading"]["loose_step"] == 2
     assert report["healthy_finite"] and len(report["healthy_losses"]) == 2
+
+
+def check_lazy_verdict(report: dict, k: int) -> None:
+    """Fused AdamW: the verdict skips the step on the device and reaches the host one step later."""
+    for both in report["lazy_vs_sync"]:  # data parallel, shard_optimizer_state, tensor parallel
+        lazy, sync = both["lazy"], both["sync"]
+        # Bit for bit: parameters and optimizer state after the run, every loss; the skipped step left nothing behind.
+        assert both["equal"] and both["lazy_unchanged"] and both["sync_unchanged"], both
+        assert math.isnan(lazy["losses"][k]) and math.isnan(sync["losses"][k]), both
+        assert lazy["losses"][:k] + lazy["losses"][k + 1:] == sync["losses"][:k] + sync["losses"][k + 1:], both
+        for run in (lazy, sync):
+            assert len(run["warnings"]) == 1 and f"optimizer step {k} hold NaN or inf" in run["warnings"][0], both
+        # Host reads by the step code before each step's update: the lazy path has read only the earlier steps'
+        # verdicts (none of its own step's); the synchronous one reads its own step's too. Each verdict read once.
+        steps = len(lazy["losses"])
+        assert lazy["reads"] == list(range(steps)) and lazy["total"] == steps, both
+        assert sync["reads"] == list(range(1, steps + 1)) and sync["total"] == steps, both
+    assert [both["layout"] for both in report["lazy_vs_sync"]] == ["dp", "sharded", "tp"]
+    raised = report["lazy_raise"]  # bad step 1: raised in step 2's closure, before its update
+    assert raised["case"]["ok"] and raised["global_step"] == 2 and raised["unchanged"], raised
+    last = report["lazy_last_step"]  # 3 steps, the last one bad: acted on at fit's end
+    assert len(last["skip_warnings"]) == 1 and "optimizer step 2 hold NaN or inf" in last["skip_warnings"][0], last
+    assert last["raise"]["ok"] and last["checkpoint"]["ok"] and last["streak"]["ok"], last
+    assert last["checkpoints_written"] == [], last  # the checkpoint after the bad step was not written
+
+
+def test_the_lazy_verdict_is_taken_only_where_the_optimizer_skips_exactly() -> None:
+    """Fused AdamW (also as the unwrapped optimizer of Lightning's wrapper) takes the lazy verdict; a GradScaler
+    (precision "16-mixed", which owns found_inf), a foreach optimizer or lazy_verdict=False keep the synchronous one."""
+    import torch
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from lightning_3d.strategies.options import PipelineOptions
+    from lightning_3d.strategies.pipeline_engine import PipelineEngine
+
+    engine = PipelineEngine(PipelineOptions(), compression=None, stats=None)
+    fused = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True)
+    assert engine.verdict_can_wait(fused, scaled=False)
+    assert engine.verdict_can_wait(LightningOptimizer(fused), scaled=False)
+    assert not engine.verdict_can_wait(fused, scaled=True)
+    assert not engine.verdict_can_wait(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), scaled=False)
+    engine.lazy_verdict = False
+    assert not engine.verdict_can_wait(fused, scaled=False)

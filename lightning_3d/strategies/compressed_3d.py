@@ -88,6 +88,10 @@ class Compressed3DStrategy(ParallelStrategy):
             parameters, the optimizer state and the compression state as they were, on every rank alike, and warns;
             ``"raise"`` stops training with an error on every rank; ``"ignore"`` applies the step (no check, no
             host synchronisation). A skipped step still counts as a step for ``global_step`` and LR schedulers.
+            With torch's fused Adam/AdamW/momentum-free SGD and no GradScaler ("16-mixed" has one) the step is
+            skipped on the device and the verdict reaches the host a step later: the warning and ``"raise"`` come
+            from the next step (before its update), the end of fit or a checkpoint save, naming the bad step; the
+            parameters are then still those from before it (docs/speed.md).
         max_consecutive_nonfinite: with ``"skip"``, one more non-finite step in a row than this raises (the run is
             diverging).
         timeout: of every process group the strategy creates (the default group, the device mesh, the pipeline
@@ -405,11 +409,17 @@ class Compressed3DStrategy(ParallelStrategy):
         return self.engine.train_step(self.lightning_module, args[0], args[1])
 
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        closure = functools.partial(self.engine.step_closure, optimizer, closure, self.lightning_module.trainer)
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None  # "16-mixed": GradScaler owns found_inf
+        closure = functools.partial(self.engine.step_closure, optimizer, closure, self.lightning_module.trainer, scaled)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.engine.after_optimizer_step()
         self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
         return output
+
+    def on_train_end(self) -> None:
+        """A lazy non-finite verdict of the last step is acted on here (a bad last step still warns or raises)."""
+        super().on_train_end()
+        self.engine.flush_verdict()
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.engine.runtime is None:
@@ -462,6 +472,9 @@ class Compressed3DStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("Compressed3DStrategy writes sharded checkpoints itself and takes no storage_options.")
+        # A pending lazy verdict first: with on_nonfinite="raise" no checkpoint is written after a bad step, as with
+        # the synchronous verdict (every rank saves and holds the same verdict, so all raise alike).
+        self.engine.flush_verdict()
         self.checkpoints.save(checkpoint, filepath, self.global_rank, self._layout_key(), self.dims, self.compressed_backprop)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from lightning_3d.strategies import wgrad_fusion
 from lightning_3d.strategies.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
                                                   unfuse_gradient_accumulation)
 from lightning_3d.utils.comm_stats import CommunicationStats
+from lightning_3d.utils.compat import clear_found_inf, set_found_inf, skips_on_found_inf
 
 
 class PipelineEngine:
@@ -73,6 +74,12 @@ class PipelineEngine:
         self.sync_blocked = False
         self._stashed_grads: list[tuple[nn.Parameter, Tensor | None]] | None = None
         self._nonfinite_streak = 0
+        # The lazy non-finite verdict (``guarded_closure``): the last step's verdict, not read on the host yet, and
+        # the optimizer that holds it as ``found_inf`` until its step is done. ``lazy_verdict=False`` forces the
+        # synchronous verdict everywhere (the tests compare the two paths).
+        self.lazy_verdict = True
+        self._pending: PendingVerdict | None = None
+        self._found_inf_on: Optimizer | None = None
         self.sharded: ShardedOptimizer | None = None  # shard_optimizer_state, once the optimizer is sharded
         self.local_pieces: list[ShardedOptimizer] = []  # tensor parallelism's optimizers on local shards
 
@@ -211,6 +218,7 @@ class PipelineEngine:
         parameters, gradients and compression state alive for the life of the process. The next setup rebuilds it."""
         self._drop_grad_sync()
         self._stashed_grads = None
+        self.drop_verdict()
 
     def release(self) -> None:
         """Forget the module: undo the gradient fusion, drop the runtime, groups, tied weights and every per-step
@@ -336,11 +344,11 @@ class PipelineEngine:
                                         tied_skip)
         self.grad_sync.scatter = self.sharded.scatter_keys(full={id(p) for p in self.tied})
 
-    def step_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer) -> Any:
+    def step_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer, scaled: bool = False) -> Any:
         """Lightning's closure (forward, backward, gradient sync), the sharded optimizer's gradients, then the
-        non-finite check (unless ``on_nonfinite="ignore"``)."""
+        non-finite check (unless ``on_nonfinite="ignore"``). ``scaled``: a GradScaler steps this optimizer."""
         if self.options.on_nonfinite != "ignore":
-            return self.guarded_closure(optimizer, closure, trainer)
+            return self.guarded_closure(optimizer, closure, trainer, scaled)
         loss = closure()
         self._collect_grads(optimizer)
         return loss
@@ -352,16 +360,43 @@ class PipelineEngine:
             pieces.collect_grads(self.grad_sync.take_shards() if pieces is self.sharded else {})
 
     def after_optimizer_step(self) -> None:
-        """Sharded: every replica's updated range goes to every replica (the parameters are whole again)."""
+        """The lazy verdict's ``found_inf`` goes (it was this step's); sharded: every replica's updated range goes to
+        every replica (the parameters are whole again)."""
+        if self._found_inf_on is not None:  # this step's verdict only
+            clear_found_inf(self._found_inf_on)
+            self._found_inf_on = None
         if self.sharded is not None:
             self.sharded.gather_params()
         for pieces in self.local_pieces:  # also after a skipped step: no gradient may carry over into the next
             pieces.release_grads()
 
-    def guarded_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer) -> Any:
+    def verdict_can_wait(self, optimizer: Optimizer, scaled: bool) -> bool:
+        """Whether this step's non-finite verdict can skip the step on the device and reach the host a step later
+        (``guarded_closure``): where the optimizer's own step skips exactly on ``found_inf`` (torch's fused Adam,
+        AdamW, momentum-free SGD: ``compat.skips_on_found_inf``) and no GradScaler owns that attribute (``scaled``,
+        precision "16-mixed"). The sharded optimizer and tensor parallelism's local pieces qualify too: the same
+        torch optimizer object steps their pieces (its param groups rewritten), so its kernel skips them alike, and
+        what follows the step (the masters copied back and all-gathered, the gradients released) carries the
+        unchanged values (the robustness scenario compares both paths there)."""
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        return self.lazy_verdict and not scaled and skips_on_found_inf(opt)
+
+    def guarded_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer, scaled: bool = False) -> Any:
         """Run Lightning's closure (forward, backward, gradient sync), then decide on every rank alike whether the
-        step is finite; a skipped step clears the gradients, so the optimizer leaves every parameter and its state
-        untouched (torch optimizers pass over parameters without a gradient) and clipping sees nothing to clip.
+        step is finite (one all-reduced flag for the world).
+
+        Synchronous verdict (the general case): the host reads the flag now (it waits for the whole backward); a
+        skipped step clears the gradients, so the optimizer leaves every parameter and its state untouched (torch
+        optimizers pass over parameters without a gradient) and clipping sees nothing to clip.
+
+        Lazy verdict (``verdict_can_wait``): the flag becomes the optimizer's ``found_inf`` for this step, so a bad
+        step is skipped on the device by the optimizer's own kernel (parameters and state as if it had not stepped;
+        clipping's NaN coefficient touches only gradients that are dropped). The host does not wait: the flag is
+        copied to host memory behind the step's work and read in the next step's ``guarded_closure`` (after its
+        forward and backward are queued, before its update), at the end of fit (``flush_verdict``), or before a
+        checkpoint is written. The warning, the streak limit and ``on_nonfinite="raise"`` act then, naming the bad
+        step; "raise" thus raises one step later, from the next step's closure, with the parameters and optimizer
+        state still those from before the bad step (it was skipped, and the next update has not run).
 
         The optimizer's update runs inside ``optimizer.step(closure)``, after this returns: this is the last point
         before it. Lightning still counts the step (``global_step``, LR schedulers stepping by step), as for any
@@ -377,9 +412,42 @@ class PipelineEngine:
             bad += (~torch.isfinite(loss.detach().float())).float().to(bad.device)
         dist.all_reduce(bad)  # one verdict for the whole world: every stage, shard and replica skips together
         step = trainer.global_step
-        if not bad.item():
-            self._nonfinite_streak = 0
+        self.flush_verdict()  # the last step's verdict, before this step's update (its work is queued by now)
+        if self.verdict_can_wait(optimizer, scaled):
+            # Exactly 1.0 where bad: torch's fused kernels skip where found_inf == 1 and subtract it from step counts.
+            flag = (bad > 0).float()
+            opt = getattr(optimizer, "_optimizer", optimizer)
+            set_found_inf(opt, flag)
+            self._found_inf_on = opt
+            self._pending = PendingVerdict(flag, step)
             return loss
+        if self.judge(bool(bad.item()), step):
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        return loss
+
+    def flush_verdict(self) -> None:
+        """Act on the pending lazy verdict, if any (warn, count the streak, raise). Every rank holds the same
+        verdict, so every rank raises alike."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.judge(pending.read(), pending.step)
+
+    def drop_verdict(self) -> None:
+        """Forget a pending verdict and ``found_inf`` without acting (teardown: after an error, or once fit's end
+        has flushed it)."""
+        self._pending = None
+        if self._found_inf_on is not None:
+            clear_found_inf(self._found_inf_on)
+            self._found_inf_on = None
+
+    def judge(self, bad: bool, step: int) -> bool:
+        """The policy on optimizer step ``step``'s verdict: the streak, the warning, ``raise``. True: it was bad
+        (and skipped)."""
+        if not bad:
+            self._nonfinite_streak = 0
+            return False
         self._nonfinite_streak += 1
         what = "the loss or the gradients of optimizer step"
         if self.options.on_nonfinite == "raise":
@@ -398,10 +466,7 @@ class PipelineEngine:
             f" optimizer and compression state unchanged; {self._nonfinite_streak} in a row, at most"
             f" {self.options.max_consecutive_nonfinite})."
         )
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        return loss
+        return True
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Lightning's norm clipping, by the global norm (tied copies counted once)."""
@@ -413,6 +478,29 @@ class PipelineEngine:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
         clip_grad_norm_(params, clip_val, g.model_parallel_group, g.tp_rank, self.device, skip)
+
+
+class PendingVerdict:
+    """A step's all-reduced non-finite flag on its way to the host. On CUDA it is copied into pinned host memory
+    behind the step's work, with an event recorded after the copy: reading it a step later waits for nothing the
+    host still needs (the event is done unless the device is a whole step behind). Elsewhere the flag is kept as it
+    is (on the CPU it is computed already)."""
+
+    def __init__(self, flag: Tensor, step: int) -> None:
+        self.step = step
+        self.event = None
+        if flag.device.type == "cuda":
+            self.flag = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self.flag.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flag = flag
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.flag.item())
 
 
 def check_batch(module: pl.LightningModule, microbatches: list[Any]) -> None:

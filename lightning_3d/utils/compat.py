@@ -143,6 +143,42 @@ def set_compiled_call(module: torch.nn.Module, call: Any) -> None:
     module._compiled_call_impl = call
 
 
+# The protocol GradScaler uses with optimizers that skip a step on the device (torch/amp/grad_scaler.py): an optimizer
+# with ``_step_supports_amp_scaling`` reads ``optimizer.found_inf`` (and ``grad_scale``) in ``step``; torch's fused
+# Adam/AdamW kernels then leave parameters and moments untouched where ``found_inf == 1`` and subtract it from the step
+# counts they incremented, SGD's fused kernel leaves parameters and momentum buffers untouched. The non-finite check
+# hands its verdict over this way instead of reading it on the host (docs/architecture.md, One training step).
+# Only where the skip is exact: found_inf must be exactly 1.0 (the kernels compare with 1; the step counts subtract
+# it), and SGD's fused path fills a momentum buffer it creates on a skipped first step with ``empty_like``, so SGD
+# with momentum is left out.
+_FOUND_INF_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def skips_on_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` with :func:`set_found_inf` of 1.0 leaves parameters and optimizer state as they
+    were (bit for bit; Adam's state of a parameter's first step exists afterwards, zero, with step 0): torch's own
+    Adam, AdamW or momentum-free SGD (not a subclass, whose ``step`` may differ) with ``fused=True`` in every param
+    group, and neither attribute set by someone else (a GradScaler inside its ``step``)."""
+    if type(optimizer) not in _FOUND_INF_OPTIMIZERS or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if getattr(optimizer, "found_inf", None) is not None or getattr(optimizer, "grad_scale", None) is not None:
+        return False
+    groups = optimizer.param_groups
+    if not all(g.get("fused") for g in groups):
+        return False
+    return type(optimizer) is not torch.optim.SGD or all(g["momentum"] == 0 for g in groups)
+
+
+def set_found_inf(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """The next ``optimizer.step()`` skips on the device where ``flag`` (float32, 0-dim, on the parameters' device)
+    is 1.0 and steps as usual where it is 0.0; :func:`clear_found_inf` after that step."""
+    optimizer.found_inf = flag
+
+
+def clear_found_inf(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.__dict__.pop("found_inf", None)
+
+
 def clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions. They hold the device meshes they were computed on, and meshes
     compare equal by shape and names alone, so after the strategy destroys one run's groups and builds an equal mesh

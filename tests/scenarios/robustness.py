@@ -8,12 +8,18 @@ non-finite step policy, in one process group of two ranks.
   losses equal an uninterrupted run's bit for bit (and the other way round: saved fast, resumed slow, no SC).
 - Non-finite steps (exact, SC, CB with LEP): a NaN loss on one replica at step K skips the step everywhere: parameters
   and optimizer state after it equal those before it, compression state stays finite, and training goes on.
+- The lazy verdict (fused AdamW: the flag skips the step on the device, the host reads it a step later): the same
+  parameters, optimizer state and losses as the synchronous verdict bit for bit around a skipped step (data parallel,
+  shard_optimizer_state, tensor parallel), the host's
+  reads of the flag counted (none of a step's own before its update), "raise" one step late with the parameters from
+  before the bad step, a bad last step acted on at fit's end, the streak limit, and no checkpoint after a bad step.
 - strict_loading=False: a checkpoint lacking a parameter of the model loads, keeping the model's own value.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -180,6 +186,109 @@ def nonfinite_run(kind: str, w: int, poison_step: int = 2, steps: int = 5) -> di
     }
 
 
+# ----- the lazy verdict (fused AdamW) against the synchronous one --------------------------------------------------
+class VerdictReads(pl.Callback):
+    """How many times the strategy's step code read a tensor on the host (``Tensor.item`` / ``bool`` called from
+    pipeline_engine.py) before each step's update (``on_before_optimizer_step``, after the closure), and in all."""
+
+    def __init__(self) -> None:
+        self.before_update: list[int] = []
+        self.count = 0
+        self._saved = None
+
+    def on_fit_start(self, trainer, module) -> None:
+        saved = self._saved = (torch.Tensor.item, torch.Tensor.__bool__)
+
+        def counted(original):
+            def read(tensor, *args):
+                if sys._getframe(1).f_code.co_filename.endswith("pipeline_engine.py"):
+                    self.count += 1
+                return original(tensor, *args)
+            return read
+
+        torch.Tensor.item, torch.Tensor.__bool__ = (counted(f) for f in saved)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        self.before_update.append(self.count)
+
+    def on_fit_end(self, trainer, module) -> None:  # after the strategy's on_train_end (its flush)
+        torch.Tensor.item, torch.Tensor.__bool__ = self._saved
+
+
+def fused_model():
+    return model(optimizer_foreach=None, optimizer_fused=True)  # MODEL sets foreach (the sync path elsewhere)
+
+
+LAZY_LAYOUTS = {  # the optimizer steps the parameters; ShardedOptimizer's pieces; tensor parallelism's local pieces
+    "dp": dict(data_parallel_size=2, compression=False),
+    "sharded": dict(data_parallel_size=2, compression=False, shard_optimizer_state=True),
+    "tp": dict(tensor_parallel_size=2, compression=False),
+}
+
+
+def lazy_vs_sync(layout: str, poison_step: int = 2, steps: int = 5) -> dict:
+    runs = {}
+    for path in ("lazy", "sync"):
+        strategy = Compressed3DStrategy(**LAZY_LAYOUTS[layout])
+        strategy.engine.lazy_verdict = path == "lazy"
+        losses, reads, snap, m = LossRecorder(), VerdictReads(), Snapshot(poison_step), fused_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = trainer(strategy, steps, [losses, reads, snap, Poison([poison_step])])
+            t.fit(m, datamodule=TestData(8))
+        runs[path] = dict(losses=losses.losses, reads=reads.before_update, total=reads.count,
+                          unchanged=snap.unchanged(), state=Snapshot.state(t, m),
+                          warnings=[str(c.message) for c in caught if "the step is skipped on every rank" in str(c.message)])
+
+    def same(a, b):
+        a, b = (x.to_local() if isinstance(x, DTensor) else x for x in (a, b))
+        return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+    (p0, m0), (p1, m1) = runs["lazy"].pop("state"), runs["sync"].pop("state")
+    equal = all(same(a, b) for a, b in zip(p0, p1, strict=True)) and all(
+        a.keys() == b.keys() and all(same(a[k], b[k]) for k in a) for a, b in zip(m0, m1, strict=True))
+    return {"layout": layout, "equal": all_true(equal), "lazy_unchanged": all_true(runs["lazy"].pop("unchanged")),
+            "sync_unchanged": all_true(runs["sync"].pop("unchanged")), **runs}
+
+
+def lazy_raise(w: int, poison_step: int = 1, steps: int = 4) -> dict:
+    """on_nonfinite="raise" with the lazy verdict: raised from the next step's closure (global_step one past the bad
+    step), before its update, so the parameters and optimizer state are those from before the bad step."""
+    m, snap = fused_model(), Snapshot(poison_step)
+    t = trainer(Compressed3DStrategy(data_parallel_size=w, compression=False, on_nonfinite="raise"), steps,
+                [snap, Poison([poison_step])])
+    case = expect("lazy raise", f"optimizer step {poison_step} hold NaN or inf (on_nonfinite='raise')",
+                  lambda: t.fit(m, datamodule=TestData(8)))
+    snap.after = Snapshot.state(t, m)
+    return {"case": case, "global_step": t.global_step, "unchanged": all_true(snap.unchanged())}
+
+
+def lazy_last_step(w: int, workdir: Path) -> dict:
+    """A bad last step still warns ("skip") or raises ("raise") at fit's end, and a pending verdict is acted on
+    before a checkpoint is written ("raise": none written after the bad step)."""
+    steps = 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(Compressed3DStrategy(data_parallel_size=w, compression=False), steps, [Poison([steps - 1])]).fit(
+            fused_model(), datamodule=TestData(8))
+    skip = [str(c.message) for c in caught if "the step is skipped on every rank" in str(c.message)]
+    raise_case = expect("lazy raise on the last step", f"optimizer step {steps - 1} hold NaN or inf (on_nonfinite='raise')",
+                        lambda: trainer(Compressed3DStrategy(data_parallel_size=w, compression=False, on_nonfinite="raise"),
+                                        steps, [Poison([steps - 1])]).fit(fused_model(), datamodule=TestData(8)))
+    ckpt_dir = workdir / "lazy_raise_ckpt"
+    saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)  # after steps 1 and 3
+    ckpt_case = expect("lazy raise before a checkpoint", "optimizer step 1 hold NaN or inf (on_nonfinite='raise')",
+                       lambda: trainer(Compressed3DStrategy(data_parallel_size=w, compression=False, on_nonfinite="raise"),
+                                       4, [Poison([1]), saver], enable_checkpointing=True).fit(
+                           fused_model(), datamodule=TestData(8)))
+    streak = expect("lazy streak", "optimizer step 3 hold NaN or inf, 3 such steps in a row (max_consecutive_nonfinite=2)",
+                    lambda: trainer(Compressed3DStrategy(data_parallel_size=w, compression=False, max_consecutive_nonfinite=2),
+                                    6, [Poison(range(1, 6), dp_ranks=(1,))]).fit(fused_model(), datamodule=TestData(8)))
+    return {"skip_warnings": skip, "raise": raise_case, "checkpoint": ckpt_case,
+            "checkpoints_written": sorted(p.name for p in ckpt_dir.glob("*")) if ckpt_dir.exists() else [],
+            "streak": streak}
+
+
 # ----- SC's decision across a resume -----------------------------------------------------------------------------
 def link_resume(w: int, workdir: Path, saved_gbps: float, resumed_gbps: float) -> dict:
     def strategy(gbps: float) -> Compressed3DStrategy:
@@ -257,6 +366,9 @@ def main() -> None:
         "sc_rank_warnings": [str(c.message) for c in caught if "sc_rank=1000 is too large" in str(c.message)],
         "cases": cases,
         "nonfinite": [nonfinite_run(kind, w) for kind in ("exact", "sc", "cb")],
+        "lazy_vs_sync": [lazy_vs_sync(layout) for layout in LAZY_LAYOUTS],
+        "lazy_raise": lazy_raise(w),
+        "lazy_last_step": lazy_last_step(w, workdir),
         "link_slow_then_fast": link_resume(w, workdir, 1.0, 1e6),
         "link_fast_then_slow": link_resume(w, workdir, 1e6, 1.0),
         "strict_loading": strict_loading(w, workdir),
