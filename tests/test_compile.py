@@ -73,6 +73,23 @@ def test_fused_optimizer_trains_like_the_default(recipe: str) -> None:
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_recipes_default_to_fused_adamw_on_gpus_only() -> None:
+    """optimizer_fused=None: fused AdamW where every parameter is on a GPU (the non-finite check's lazy verdict needs
+    it), torch's default elsewhere; an explicit choice and optimizer_foreach=True are kept."""
+    from types import SimpleNamespace
+
+    from lightning_3d.recipes.training import default_fused
+
+    on = lambda kind: SimpleNamespace(device=torch.device(kind))  # noqa: E731
+    assert default_fused([on("cuda"), on("cuda")]) is True
+    assert default_fused([on("cuda"), on("cpu")]) is None
+    assert default_fused([on("cpu")]) is None and default_fused([]) is None
+    _, _, trainer = fit(recipe="gpt")  # on the CPU: torch's default, as before
+    assert trainer.optimizers[0].defaults["fused"] is None
+    _, _, trainer = fit(recipe="gpt", optimizer_fused=False)
+    assert trainer.optimizers[0].defaults["fused"] is False
+
+
 @pytest.mark.parametrize("recipe", [GPT, T5])
 def test_bad_compile_and_optimizer_options_are_refused(recipe: type) -> None:
     with pytest.raises(ValueError, match=r"compile='fast': use False, True or one of \('default', 'max-autotune"):

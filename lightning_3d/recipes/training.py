@@ -186,6 +186,14 @@ def check_token_batch(microbatch: dict[str, Tensor], vocab_size: int, ids: Itera
     read_on_host(torch.stack([torch.stack([t.min(), t.max()]) for _, t in checked]), verdict)
 
 
+def default_fused(params: list[Tensor]) -> bool | None:
+    """The recipes' AdamW implementation when ``optimizer_fused`` is left None: fused where every parameter is on a
+    GPU (one kernel over all tensors, and the strategy's non-finite check then skips a bad step on the device and
+    reads its verdict a step late instead of waiting for the backward: docs/speed.md), torch's own default elsewhere
+    (None: foreach or a for-loop; the CPU reference runs of the tests keep it)."""
+    return True if params and all(p.device.type == "cuda" for p in params) else None
+
+
 def adamw_warmup_cosine(module: pl.LightningModule, decays: Callable[[str, Tensor], bool]) -> dict[str, Any]:
     """AdamW with weight decay where ``decays(name, param)``; linear warm-up, then cosine decay to
     ``min_learning_rate`` over ``decay_steps`` (default: the trainer's ``max_steps``). Reads the module's hparams."""
@@ -193,10 +201,12 @@ def adamw_warmup_cosine(module: pl.LightningModule, decays: Callable[[str, Tenso
     for name, p in module.named_parameters():
         (decay if decays(name, p) else no_decay).append(p)
     hp = module.hparams
+    fused = hp.get("optimizer_fused")
+    if fused is None and not hp.optimizer_foreach:
+        fused = default_fused(decay + no_decay)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps, foreach=hp.optimizer_foreach,
-        fused=hp.get("optimizer_fused"),
+        lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.adam_eps, foreach=hp.optimizer_foreach, fused=fused,
     )
     total = hp.decay_steps or (module.trainer.max_steps if module.trainer.max_steps > 0 else 10_000)
     floor = hp.min_learning_rate / hp.learning_rate
