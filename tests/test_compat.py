@@ -280,3 +280,8 @@ def test_only_exact_found_inf_skips_are_taken() -> None:
     scaled = torch.optim.AdamW(p, fused=True)
     scaled.grad_scale = torch.ones(())  # what a GradScaler sets inside its step: not ours to take over
     assert not compat.skips_on_found_inf(scaled)
+
+
+def test_device_sleep_takes_cycles() -> None:
+    # ``device_busy_for`` spins the GPU with ``torch.cuda._sleep(cycles)``: one integer argument, the clock cycles.
+    assert _params(torch.cuda._sleep) == ["cycles"]

@@ -206,6 +206,17 @@ def test_marginal_layer_time_is_clamped_to_one_call() -> None:
     assert _marginal(1.0, 5.0, 3) == 1.0  # noise: more than a call of its own
 
 
+def test_the_microbatch_overhead_prices_the_layers_by_the_max_rule() -> None:
+    from lightning_3d.costs.host import microbatch_overhead_from
+
+    layers = [{"forward": 2.0, "backward": 1.0, "host_forward": 1.0, "host_backward": 3.0},
+              {"forward": 2.0, "backward": 1.0, "host_forward": 0.5, "host_backward": 1.0}]
+    # forward device-bound (4 > 1.5), backward host-bound (4 > 2): 8 of the 10 seconds are the layers'.
+    assert microbatch_overhead_from(10.0, layers) == 2.0
+    assert microbatch_overhead_from(7.0, layers) == 0.0  # less than its layers: noise, clamped
+    assert microbatch_overhead_from(1.5, []) == 1.5
+
+
 def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) -> None:
     import lightning_3d.recipes  # noqa: F401
     from lightning_3d.planner.profile import profile_model
@@ -226,6 +237,16 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
         assert all(v is not None and v >= 0 for row in block[q] for v in row)
     o = doc["overheads"]
     assert o["microbatch_seconds"] >= 0 and o["step_seconds"] >= 0 and o["microbatches"] == [1, 4]
+    # The per-micro-batch overhead: the tiny model's measured micro-batch less its layers priced as the planner
+    # prices a pass (the blocks' host at its in-situ time), from the stored seconds.
+    from lightning_3d.costs.host import microbatch_overhead_from
+
+    one, many = o["measured_step_seconds"]
+    kinds = ["embedding", "block", "head"]
+    assert set(o["tiny_layers"]) == set(kinds) and o["tiny_layers"]["block"]["host_forward"] == o["host_layers"][
+        "block"]["forward"] and o["tiny_layers"]["block"]["host_backward"] == o["host_layers"]["block"]["backward"]
+    assert o["microbatch_seconds"] == microbatch_overhead_from(max(0.0, (many - one) / 3),
+                                                               [o["tiny_layers"][k] for k in kinds])
     # The in-situ host terms: the tiny model at the real depth (2 blocks), without and with checkpointing.
     assert set(o["host_microbatch_seconds"]) == {"depth_1", "depth", "depth_recompute"}
     assert len(o["host_scale"]) == 2 and min(o["host_scale"]) >= 0.0
@@ -345,11 +366,14 @@ def _with_in_situ(doc: dict, f: float, b: float, rf: float, rb: float) -> dict:
     return doc
 
 
-def test_in_situ_host_times_floor_every_size_besides_the_isolated_grid() -> None:
-    # The larger of the two lower bounds: an isolated grid above the in-situ time stands.
+def test_in_situ_host_times_are_the_eager_blocks_host_time_at_every_size() -> None:
+    # The in-situ time replaces the isolated grid, above it or below it.
     cm = _model(_with_in_situ(_v2(host=0.04), 0.02, 0.03, 0.025, 0.07))
-    assert tuple(float(x) for x in cm.layer_host_time("block", 2, SEQ)) == (0.04, 0.04)
-    assert tuple(float(x) for x in cm.layer_host_time("block", 2, SEQ, recompute=True)) == (0.04, 0.07)
+    assert tuple(float(x) for x in cm.layer_host_time("block", 2, SEQ)) == (0.02, 0.03)
+    assert tuple(float(x) for x in cm.layer_host_time("block", 2, SEQ, recompute=True)) == (0.025, 0.07)
+    assert float(cm.layer_host_time("head", 2, SEQ)[0]) == pytest.approx(0.04)  # the ends keep their grids
+    f, b = cm.layer_host_time("block", np.array([1, 2, 8]), SEQ)
+    assert f.shape == (3,) and list(f) == [0.02] * 3 and list(b) == [0.03] * 3
     cm = _model(_with_in_situ(_v2(host=1e-6), 0.02, 0.03, 0.025, 0.07))
     for mbs in (1, 2, 8):
         assert tuple(float(x) for x in cm.layer_host_time("block", mbs, SEQ)) == (0.02, 0.03)
@@ -541,8 +565,8 @@ def test_the_overheads_train_and_profile_the_tiny_model_with_the_profiles_fusion
     cfg = {"trainer": {"precision": "32-true"}, "model": {"class_path": "lightning_3d.recipes.GPT",
                                                           "init_args": {"preset_name": "tiny"}}}
     out = measure_overheads(cfg, shape, torch.device("cpu"), "32-true", microbatches=2, warmup=1, steps=2,
-                            in_situ=False, fuse_gradients=True, log=lambda *a: None)
-    assert built == [True, True]  # the fits at 1 and at 2 micro-batches
+                            in_situ=False, fuse_gradients=True, fresh_process=False, log=lambda *a: None)
+    assert built == [True, True]  # in this process (fresh_process=False), where the spy sees the strategies built  # the fits at 1 and at 2 micro-batches
     assert out["gradient_accumulation_fusion"] is True
     # Every nn.Linear of the tiny block fused (q, k, v, output projection and the MLP's two), none of the others.
     assert out["tiny_fused_weights"] == {"embedding": 0, "block": 6, "head": 0}

@@ -49,6 +49,18 @@ def stage_pass_seconds(device_forward: ArrayLike, device_backward: ArrayLike, ho
     return (np.maximum(device_forward, host_forward) + half, np.maximum(device_backward, host_backward) + half)
 
 
+def microbatch_overhead_from(per_microbatch: float, layers: list[dict[str, float]]) -> float:
+    """The per-micro-batch seconds outside the layers, from a model's measured seconds per micro-batch in the training
+    loop and its layers' device and host seconds (``layers``: one mapping per layer with forward, backward,
+    host_forward, host_backward): what is left of the micro-batch once its layers are priced by ``stage_pass_seconds``'
+    rule (max of the summed device and host seconds per pass), at least 0. Pricing them otherwise than the planner
+    does (the device's spans alone, say) would leave the layers' host time in this term, and the planner, which adds
+    it on top of the max, would count that time twice."""
+    total = lambda q: sum(float(layer[q]) for layer in layers)  # noqa: E731
+    priced = max(total("forward"), total("host_forward")) + max(total("backward"), total("host_backward"))
+    return max(0.0, float(per_microbatch) - priced)
+
+
 #: the seconds of one block kind's host time the in-situ term holds (docs/planner.md "in-situ host times")
 IN_SITU_PASSES = ("forward", "backward", "recompute_forward", "recompute_backward")
 

@@ -244,10 +244,13 @@ class ProfiledCostModel:
         # issues its fused graph's few kernels, whose host time its own (compiled) grid holds.
         situ = None if self.compiled else self.host_layers_in_situ.get(kind)
         if situ is not None:
-            # Both are lower bounds of the host's time: the isolated timing at this width, and the in-situ one
-            # (measured inside the training loop, the same for every micro-batch size and shard: the same launches).
+            # The in-situ time is the eager block's host time inside the training loop, at every micro-batch size and
+            # shard (the same launches): it replaces the isolated grid, which times the block alone in a tight loop
+            # and measured up to 1.7x the loop's time per block on a slow host (docs/planner.md, "Device and host
+            # times"); taking the larger of the two put that excess into every host-bound prediction.
             pre = "recompute_" if recompute else ""
-            f, b = np.maximum(f, situ[pre + "forward"]), np.maximum(b, situ[pre + "backward"])
+            f = np.broadcast_to(np.float64(situ[pre + "forward"]), np.shape(f)).copy()
+            b = np.broadcast_to(np.float64(situ[pre + "backward"]), np.shape(b)).copy()
         return f, b
 
     def layer_memory(self, kind: LayerKind, microbatch_size: ArrayLike, seq_len: ArrayLike, *,

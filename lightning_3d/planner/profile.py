@@ -27,22 +27,32 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
-from lightning_3d.costs.host import in_situ_host_layers
+from lightning_3d.costs.host import in_situ_host_layers, microbatch_overhead_from
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
 from lightning_3d.strategies.wgrad_fusion import (check_fusion_mode, choose_fused, fusable_linears,
                                                   fuse_gradient_accumulation, register_slot,
                                                   unfuse_gradient_accumulation)
+from lightning_3d.utils.compat import device_busy_for
 
 
 class _Timer:
-    """Spans of work on ``device``: CUDA events (the GPU's time from the first to the last kernel, idle gaps waiting
-    for the host included) and the host's own seconds to issue the work (``perf_counter``, no synchronisation)."""
+    """Spans of work on ``device``: CUDA events (the GPU's time from the first to the last kernel) and the host's own
+    seconds to issue the work (``perf_counter``, no synchronisation).
+
+    ``lead`` (seconds): the GPU is kept busy that long before the span's first kernel (``compat.device_busy_for``), so
+    that a host slower than the layer's kernels has queued them all before the GPU reaches them: the events then time
+    the kernels alone. Without it, a host-bound layer's span is its host's launch time (the GPU idles between
+    launches), and the planner, which takes the host's time as a term of its own (``costs.host``: max of the two per
+    pass), would hold the host in its device term too (docs/planner.md, "Device and host times")."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
 
-    def span(self, fn):
+    def span(self, fn, lead: float = 0.0):
         if self.cuda:
+            if lead > 0:
+                device_busy_for(lead, self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
@@ -61,6 +71,11 @@ class _Timer:
         return mark
 
 
+#: the GPU's lead over a timed device span: this many times the host's seconds for the same pass on an idle GPU, plus
+#: ``LEAD_FLOOR`` seconds (a lead shorter than the host's time lets the GPU catch up and idle inside the span)
+LEAD_FACTOR, LEAD_FLOOR = 2.0, 1e-3
+
+
 #: layers applied this many times in a row for the per-layer (marginal) time: see ``profile_model``
 CHAIN = 3
 
@@ -69,8 +84,8 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
             warmup: int, repeats: int, chain: int = 1) -> dict | None:
     """Medians of one forward and backward through ``module`` applied ``chain`` times in a row (the output fed
     back as the first input: blocks only), or None when the shape runs out of memory. Keys: forward, backward
-    (span seconds), host_forward, host_backward (seconds the host took to issue them), stored, peak (bytes; chain 1
-    only, else 0)."""
+    (span seconds; on a GPU the kernels' alone, timed behind a lead: ``_Timer``), host_forward, host_backward
+    (seconds the host took to issue them, on an idle GPU), stored, peak (bytes; chain 1 only, else 0)."""
     timer = _Timer(device)
     cuda = device.type == "cuda"
     rows = {k: [] for k in ("forward", "backward", "host_forward", "host_backward", "stored", "peak")}
@@ -87,40 +102,53 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
                 out = once((out, *inputs[1:]))
             return out
 
+    def one_pass(lead_f: float, lead_b: float):
+        """One forward and backward: (forward span, backward span, host forward, host backward, stored, peak)."""
+        for p in module.parameters():
+            p.grad = None
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.grad = None
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        out, f_mark, f_host = timer.span(forward, lead_f)
+        if cuda:
+            after = torch.cuda.memory_allocated(device)
+        grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+        if cuda:
+            # The gradient's random numbers are not the layer's work: done before the backward's span starts.
+            torch.cuda.synchronize(device)
+        _, b_mark, b_host = timer.span(lambda: out.backward(grad), lead_b)
+        stored = peak = 0
+        if cuda:
+            torch.cuda.synchronize(device)
+            top = torch.cuda.max_memory_allocated(device)
+            # Kept for the backward: what the forward left allocated, its output included (the next layer keeps it
+            # as its input, which was allocated before this layer's baseline: each tensor between layers is counted
+            # once, by its producer); and the transient on top while forward and backward ran.
+            stored, peak = max(0, after - base), max(0, top - after)
+        del out, grad
+        return timer.seconds(f_mark), timer.seconds(b_mark), f_host, b_host, stored, peak
+
     try:
         for i in range(warmup + repeats):
-            for p in module.parameters():
-                p.grad = None
-            for x in inputs:
-                if isinstance(x, torch.Tensor) and x.requires_grad:
-                    x.grad = None
+            # On a GPU two passes per repeat: the host's times and the memory on an idle GPU (the state a host-bound
+            # step is in), then the device spans with the GPU kept busy for longer than the host takes to issue the
+            # pass, so that they hold the kernels alone (docs/planner.md, "Device and host times"). Elsewhere the
+            # span is the host's time: one pass.
+            f_dev, b_dev, f_host, b_host, stored, peak = one_pass(0.0, 0.0)
             if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
-            out, f_mark, f_host = timer.span(forward)
-            if cuda:
-                after = torch.cuda.memory_allocated(device)
-            grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
-            if cuda:
-                # The gradient's random numbers are not the layer's work: done before the backward's span starts.
-                torch.cuda.synchronize(device)
-            _, b_mark, b_host = timer.span(lambda: out.backward(grad))
-            if cuda:
-                torch.cuda.synchronize(device)
-                top = torch.cuda.max_memory_allocated(device)
+                f_dev, b_dev, *_ = one_pass(LEAD_FACTOR * f_host + LEAD_FLOOR, LEAD_FACTOR * b_host + LEAD_FLOOR)
             if i >= warmup:
-                rows["forward"].append(timer.seconds(f_mark))
-                rows["backward"].append(timer.seconds(b_mark))
+                rows["forward"].append(f_dev)
+                rows["backward"].append(b_dev)
                 rows["host_forward"].append(f_host)
                 rows["host_backward"].append(b_host)
                 if cuda and chain == 1:
-                    # Kept for the backward: what the forward left allocated, its output included (the next layer
-                    # keeps it as its input, which was allocated before this layer's baseline: each tensor between
-                    # layers is counted once, by its producer); and the transient on top while forward and backward ran.
-                    rows["stored"].append(max(0, after - base))
-                    rows["peak"].append(max(0, top - after))
-            del out, grad
+                    rows["stored"].append(stored)
+                    rows["peak"].append(peak)
     except torch.OutOfMemoryError:
         if cuda:
             torch.cuda.empty_cache()
@@ -135,17 +163,33 @@ def _marginal(one: float, many: float, chain: int) -> float:
     return min(max((many - one) / (chain - 1), 0.0), one)
 
 
-def measure_optimizer(module: nn.Module | list[torch.Tensor], device: torch.device, warmup: int, repeats: int) -> dict:
-    """An AdamW step and ``zero_grad`` as the recipes run them (fp32 state, torch's default implementation), on
-    ``module``'s parameters or on a list of tensors shaped like a whole model's: seconds per step and per parameter
-    (the host's per-tensor launches are part of it, which is why the whole model's tensor list is timed)."""
+def optimizer_implementation(cfg: dict, device: torch.device) -> dict:
+    """The AdamW implementation a config's recipe builds on ``device`` (``foreach``/``fused`` keyword arguments): its
+    ``optimizer_foreach``/``optimizer_fused`` when set, else the recipes' default (``recipes/training.py``
+    ``default_fused``: fused where every parameter is on a GPU, torch's own choice elsewhere). The planner sits beside
+    the recipes and cannot import them: the rule is read here from the same config. Fused and foreach steps differ by
+    several times on a GPU (one kernel over all tensors against a launch per tensor group)."""
+    init = ((cfg.get("model") or {}).get("init_args") or {})
+    foreach, fused = init.get("optimizer_foreach"), init.get("optimizer_fused")
+    if fused is None and not foreach:
+        fused = True if device.type == "cuda" else None
+    return {"foreach": foreach, "fused": fused}
+
+
+def measure_optimizer(module: nn.Module | list[torch.Tensor], device: torch.device, warmup: int, repeats: int,
+                      implementation: dict | None = None) -> dict:
+    """An AdamW step and ``zero_grad`` as the recipes run them (fp32 state; ``implementation``: the ``foreach``/
+    ``fused`` arguments, ``optimizer_implementation``'s answer; None: torch's default), on ``module``'s parameters or
+    on a list of tensors shaped like a whole model's: seconds per step and per parameter (the host's per-tensor
+    launches are part of it, which is why the whole model's tensor list is timed)."""
+    implementation = dict(implementation or {})
     if isinstance(module, nn.Module):
         module.to(device)
         params = [p for p in module.parameters()]
     else:
         params = module
     grads = [torch.randn_like(p) for p in params]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, **implementation)
     times = []
     for i in range(warmup + repeats):
         for p, g in zip(params, grads):
@@ -167,7 +211,7 @@ def measure_optimizer(module: nn.Module | list[torch.Tensor], device: torch.devi
             p.grad = None
     del optimizer, grads
     return {"seconds_per_parameter": step / count, "step_seconds": step, "parameters": int(count),
-            "tensors": len(params), "optimizer": "torch.optim.AdamW"}
+            "tensors": len(params), "optimizer": "torch.optim.AdamW", "implementation": implementation}
 
 
 def model_tensors(layers: dict, shape: ModelShape, device: torch.device) -> list[torch.Tensor] | None:
@@ -358,12 +402,13 @@ def _profile_rest(doc, cfg, shape, layers, fused, device, precision, warmup, rep
     """The optimizer, the overheads and the collectives (with ``tp``: and the tensor-parallel layers), after the
     layers."""
     tensors = model_tensors(layers, shape, device)
+    implementation = optimizer_implementation(cfg, device)
     if tensors is not None:
-        doc["optimizer"] = measure_optimizer(tensors, device, warmup, repeats)
+        doc["optimizer"] = measure_optimizer(tensors, device, warmup, repeats, implementation)
         del tensors
     else:
         block = layers.get("block", layers.get("encoder_block"))[0]
-        doc["optimizer"] = measure_optimizer(block, device, warmup, repeats)
+        doc["optimizer"] = measure_optimizer(block, device, warmup, repeats, implementation)
     log("optimizer measured")
     for weights in fused.values():
         unfuse_gradient_accumulation(weights)
@@ -443,8 +488,8 @@ IN_SITU_STEPS = 10
 
 
 def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precision: str, *, microbatches: int = 4,
-                      warmup: int = 3, steps: int = 10, in_situ: bool = True, fuse_gradients: bool | str = "auto",
-                      log=print) -> dict:
+                      warmup: int = 3, steps: int = IN_SITU_STEPS, in_situ: bool = True, fuse_gradients: bool | str = "auto",
+                      fresh_process: bool = True, log=print) -> dict:
     """The per-micro-batch and per-step seconds a step spends outside the layers and the optimizer's kernels: a
     one-layer model of the same recipe (``_TINY``) trains under ``Compressed3DStrategy`` (one GPU, exact: no
     compression) with 1 and then ``microbatches`` micro-batches of one sample; step(m) = step_s + optimizer_tiny
@@ -464,38 +509,30 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
 
     ``fuse_gradients``: the gradient-accumulation fusion the tiny models train and are profiled with, the profile's
     own (``profile_model`` passes it): a fused layer adds a custom op per linear per micro-batch to the backward, host
-    time that the in-situ floor must hold when the step it predicts runs it (and not when it does not)."""
-    import logging
+    time that the in-situ floor must hold when the step it predicts runs it (and not when it does not).
 
+    ``fresh_process``: the tiny models train in a spawned process (the state of a `lightning-3d fit` run), not in this
+    one (False: in this process, a few seconds faster)."""
     if shape.family not in _TINY:
         return {}
     module_path, data_path, model_args, data_args = _TINY[shape.family]
-    # Lightning's and the strategy's start-up notes would fill the profiler's output: quiet while the tiny model trains.
-    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning_3d")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    # Lightning sets the rendezvous variables (MASTER_PORT, WORLD_SIZE, ...) in this process's environment: restored,
-    # so that processes started after the profile (a benchmark's workers) do not inherit them.
-    environ = dict(os.environ)
     deep_args = dict(model_args, num_layers=shape.num_layers)
     if shape.family == "t5":
         deep_args["num_decoder_layers"] = shape.num_decoder_layers
-    deep = {}
-    try:
-        step_s = _train_tiny(module_path, data_path, model_args, data_args, shape.family, device, precision,
-                             microbatches, warmup, steps, fuse_gradients)
-        if in_situ:
-            for rc in (False, True):
-                # Ten timed steps each: the host's seconds per step vary from step to step (the medians of five
-                # differed by tens of per cent between two profiles of the same tiny model on one machine).
-                deep[rc] = _train_tiny(module_path, data_path, dict(deep_args, activation_checkpointing=rc), data_args,
-                                       shape.family, device, precision, microbatches, 3, IN_SITU_STEPS, fuse_gradients)
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-        os.environ.clear()
-        os.environ.update(environ)
+    args = (module_path, data_path, model_args, deep_args, data_args, shape.family, device, precision, microbatches,
+            warmup, steps, in_situ, fuse_gradients)
+    if fresh_process:
+        # The loop's host seconds are what the planner predicts for `lightning-3d fit`, a fresh process. Timed inside
+        # the profiler's own process, after it has built and timed every layer (its allocator's state, the objects
+        # the collector walks), the same tiny models measured up to 1.7x a fresh process's seconds per micro-batch
+        # on one machine minutes apart (docs/planner.md, "Device and host times").
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            step_s, deep = pool.submit(_tiny_runs, *args).result(timeout=FRESH_PROCESS_TIMEOUT_S)
+    else:
+        step_s, deep = _tiny_runs(*args)
     one, many = statistics.median(step_s[1]), statistics.median(step_s[microbatches])
     per_mb = max(0.0, (many - one) / (microbatches - 1))
     # The tiny model's own layers and optimizer, measured as the real model's are, come off those times.
@@ -506,21 +543,68 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
                          overheads=False, fuse_gradients=fuse_gradients, log=lambda *a: None)
     tiny_shape = ModelShape(**tiny["model"])
     host = _tiny_cells(tiny, ("host_forward", "host_backward"))
-    layers_s = 0.0
-    for kind in tiny_shape.layer_kinds():
-        f, b = _tiny_cells(tiny, ("forward", "backward"))[(kind, False)]
-        layers_s += f + b
-    microbatch_s = max(0.0, per_mb - layers_s)
-    step_only = max(0.0, one - per_mb - tiny["optimizer"]["step_seconds"])
-    log(f"overheads: {microbatch_s * 1e3:.2f} ms per micro-batch, {step_only * 1e3:.2f} ms per step")
-    out = {"microbatch_seconds": microbatch_s, "step_seconds": step_only, "measured_step_seconds": [one, many],
-           "microbatches": [1, microbatches], "tiny_layers_seconds": layers_s, "model": module_path,
-           "gradient_accumulation_fusion": fuse_gradients, "tiny_fused_weights": tiny["fused_weights"]}
+    device_cells = _tiny_cells(tiny, ("forward", "backward"))
+    out = {"step_seconds": 0.0, "measured_step_seconds": [one, many], "microbatches": [1, microbatches],
+           "model": module_path, "gradient_accumulation_fusion": fuse_gradients,
+           "tiny_fused_weights": tiny["fused_weights"]}
     if in_situ:
         out.update(host_layers_in_situ(host, tiny_shape, shape, per_mb, {rc: _per_microbatch(d, microbatches)
                                                                           for rc, d in deep.items()}))
         log(f"in-situ host: scale {out['host_scale']}, per micro-batch {out['host_microbatch_seconds']}")
+    # The tiny model's own layers, priced as the planner prices a stage's pass (max of the device's and the host's
+    # sums per pass, the blocks' host at its in-situ time), come off its measured micro-batch: what is left is the
+    # per-micro-batch cost outside the layers, which the planner adds on top of that max (costs.host).
+    tiny_layers = {}
+    for kind in tiny_shape.layer_kinds():
+        (f, b), (hf, hb) = device_cells[(kind, False)], host[(kind, False)]
+        situ = out.get("host_layers", {}).get(kind)
+        if situ is not None:
+            hf, hb = situ["forward"], situ["backward"]
+        tiny_layers[kind] = {"forward": f, "backward": b, "host_forward": hf, "host_backward": hb}
+    microbatch_s = microbatch_overhead_from(per_mb, [tiny_layers[k] for k in tiny_shape.layer_kinds()])
+    step_only = max(0.0, one - per_mb - tiny["optimizer"]["step_seconds"])
+    log(f"overheads: {microbatch_s * 1e3:.2f} ms per micro-batch, {step_only * 1e3:.2f} ms per step")
+    out.update({"microbatch_seconds": microbatch_s, "step_seconds": step_only, "tiny_layers": tiny_layers,
+                "tiny_layers_seconds": sum(tiny_layers[k]["forward"] + tiny_layers[k]["backward"]
+                                           for k in tiny_shape.layer_kinds())})
     return out
+
+
+#: seconds the fresh process of ``measure_overheads`` may take (three short fits of tiny models)
+FRESH_PROCESS_TIMEOUT_S = 600
+
+
+def _tiny_runs(module_path: str, data_path: str, model_args: dict, deep_args: dict, data_args: dict, family: str,
+               device: torch.device, precision: str, microbatches: int, warmup: int, steps: int, in_situ: bool,
+               fuse_gradients: bool | str) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]]]:
+    """The tiny models' timed steps for ``measure_overheads``: the one-layer model at 1 and ``microbatches``
+    micro-batches, and (``in_situ``) the tiny widths at the real depth without and with checkpointing."""
+    import logging
+
+    # Lightning's and the strategy's start-up notes would fill the profiler's output: quiet while the tiny model trains.
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning_3d")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    # Lightning sets the rendezvous variables (MASTER_PORT, WORLD_SIZE, ...) in this process's environment: restored,
+    # so that processes started after the profile (a benchmark's workers) do not inherit them.
+    environ = dict(os.environ)
+    deep = {}
+    try:
+        step_s = _train_tiny(module_path, data_path, model_args, data_args, family, device, precision,
+                             microbatches, warmup, steps, fuse_gradients)
+        if in_situ:
+            for rc in (False, True):
+                # Ten timed steps each: the host's seconds per step vary from step to step (the medians of five
+                # differed by tens of per cent between two profiles of the same tiny model on one machine).
+                deep[rc] = _train_tiny(module_path, data_path, dict(deep_args, activation_checkpointing=rc), data_args,
+                                       family, device, precision, microbatches, 3, IN_SITU_STEPS, fuse_gradients)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        os.environ.clear()
+        os.environ.update(environ)
+    return step_s, deep
 
 
 def _tiny_cells(doc: dict, quantities: tuple[str, str]) -> dict[tuple[str, bool], tuple[float, float]]:

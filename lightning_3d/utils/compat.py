@@ -265,3 +265,28 @@ def attention_block_ops(device_type: str, dtype) -> tuple[Any, Any, str]:
                 aten._scaled_dot_product_flash_attention_backward.default, "grad_out")
     return (aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_efficient_attention_backward.default, "grad_out_")
+
+
+_CYCLES_PER_SECOND: dict[int, float] = {}
+
+
+def device_busy_for(seconds: float, device: torch.device) -> None:
+    """Queue a kernel that keeps ``device``'s current stream busy for about ``seconds`` (``torch.cuda._sleep``, a
+    spin of a given number of GPU clock cycles, calibrated once per device). The profiler queues one before a timed
+    span so that the host has issued the whole span's kernels before the GPU reaches them: the span's CUDA events then
+    time the kernels alone, not the GPU waiting for a host-bound layer's launches (docs/planner.md, "Device and host
+    times")."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    rate = _CYCLES_PER_SECOND.get(index)
+    if rate is None:
+        with torch.cuda.device(index):
+            probe = 10_000_000
+            torch.cuda._sleep(probe)  # first call: module load, not timed
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(probe)
+            end.record()
+            end.synchronize()
+            rate = _CYCLES_PER_SECOND[index] = probe / max(start.elapsed_time(end) / 1e3, 1e-6)
+    with torch.cuda.device(index):
+        torch.cuda._sleep(int(rate * seconds))
