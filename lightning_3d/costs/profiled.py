@@ -246,8 +246,8 @@ class ProfiledCostModel:
         if situ is not None:
             # The in-situ time is the eager block's host time inside the training loop, at every micro-batch size and
             # shard (the same launches): it replaces the isolated grid, which times the block alone in a tight loop
-            # and measured up to 1.7x the loop's time per block on a slow host (docs/planner.md, "Device and host
-            # times"); taking the larger of the two put that excess into every host-bound prediction.
+            # and can measure well above the loop's time per block (docs/planner.md, "in-situ host times"); taking
+            # the larger of the two put that excess into every host-bound prediction.
             pre = "recompute_" if recompute else ""
             f = np.broadcast_to(np.float64(situ[pre + "forward"]), np.shape(f)).copy()
             b = np.broadcast_to(np.float64(situ[pre + "backward"]), np.shape(b)).copy()

@@ -524,8 +524,8 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     if fresh_process:
         # The loop's host seconds are what the planner predicts for `lightning-3d fit`, a fresh process. Timed inside
         # the profiler's own process, after it has built and timed every layer (its allocator's state, the objects
-        # the collector walks), the same tiny models measured up to 1.7x a fresh process's seconds per micro-batch
-        # on one machine minutes apart (docs/planner.md, "Device and host times").
+        # the collector walks), the same tiny models measured above a fresh process's seconds per micro-batch on the
+        # same machine (docs/planner.md, "in-situ host times").
         import concurrent.futures
         import multiprocessing
 
