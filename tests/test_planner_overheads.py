@@ -570,3 +570,24 @@ def test_the_overheads_train_and_profile_the_tiny_model_with_the_profiles_fusion
     assert out["gradient_accumulation_fusion"] is True
     # Every nn.Linear of the tiny block fused (q, k, v, output projection and the MLP's two), none of the others.
     assert out["tiny_fused_weights"] == {"embedding": 0, "block": 6, "head": 0}
+
+
+def test_the_fresh_process_past_its_timeout_is_ended_and_the_error_raised(monkeypatch) -> None:
+    # The tiny models' process must not hold a profile up: past FRESH_PROCESS_TIMEOUT_S the caller gets the pool's
+    # TimeoutError (profile_model records it as "overheads not measured") and no worker is left behind. Half a second
+    # is far less than the spawned process takes to import torch and Lightning, let alone fit three models.
+    import multiprocessing
+
+    import torch
+
+    import lightning_3d.planner.profile as prof
+    from lightning_3d.costs import ModelShape
+
+    monkeypatch.setattr(prof, "FRESH_PROCESS_TIMEOUT_S", 0.5)
+    shape = ModelShape(family="gpt", num_layers=2, hidden_size=128, num_heads=4, ffn_hidden_size=512, vocab_size=512)
+    cfg = {"trainer": {"precision": "32-true"}, "model": {"class_path": "lightning_3d.recipes.GPT",
+                                                          "init_args": {"preset_name": "tiny"}}}
+    with pytest.raises(multiprocessing.TimeoutError):
+        prof.measure_overheads(cfg, shape, torch.device("cpu"), "32-true", microbatches=2, warmup=1, steps=2,
+                               log=lambda *a: None)
+    assert multiprocessing.active_children() == []

@@ -526,11 +526,12 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
         # the profiler's own process, after it has built and timed every layer (its allocator's state, the objects
         # the collector walks), the same tiny models measured above a fresh process's seconds per micro-batch on the
         # same machine (docs/planner.md, "in-situ host times").
-        import concurrent.futures
+        # A pool, not an executor: leaving its block terminates the worker, so a worker past the timeout (a
+        # multiprocessing.TimeoutError, which the caller reports) cannot hold the profile up.
         import multiprocessing
 
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            step_s, deep = pool.submit(_tiny_runs, *args).result(timeout=FRESH_PROCESS_TIMEOUT_S)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            step_s, deep = pool.apply_async(_tiny_runs, args).get(timeout=FRESH_PROCESS_TIMEOUT_S)
     else:
         step_s, deep = _tiny_runs(*args)
     one, many = statistics.median(step_s[1]), statistics.median(step_s[microbatches])
