@@ -44,7 +44,11 @@ def test_ten_fits_leave_nothing_behind_and_a_reused_strategy_trains_like_a_fresh
         counts = result["counts"]
         # The first fit may make one-time things (the default group, Lightning's and torch's own threads); from the
         # second on, one set of groups (the last run's, kept for validate/test) exists at the end of every fit.
-        assert counts[9] == counts[1], counts
+        # Nothing grows from the second fit to the tenth: a leak adds a descriptor, thread, task or group per fit
+        # (eight more by the tenth). A descriptor the first fits left open may be closed later, when the collector
+        # frees its owner: one fewer descriptor at the tenth fit is no leak (seen once on a loaded CI machine).
+        assert {k: v for k, v in counts[9].items() if k != "fds"} == {k: v for k, v in counts[1].items() if k != "fds"}, counts
+        assert counts[9]["fds"] <= counts[1]["fds"], counts
         assert counts[9]["groups"] == 7  # the default group + the last fit's 6 at (1, 2, 1) (one of them the pipeline's)
         assert result["after_validate"] == counts[9]  # validate after fit reuses the fit's groups
         # Bitwise: the same model, data, seeds and group topology give the same floating-point operations.
