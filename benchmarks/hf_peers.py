@@ -46,25 +46,7 @@ def recipe_module(args: argparse.Namespace, system: dict, compile: bool | str | 
     else:
         extra = {"fused_head_loss": True} if system.get("fusedce") else {}
         module = GPT(seq_length=args.seq_length, fp32_residual=system["fp32res"], **common, **extra)
-    if system["name"] == "ours" and system.get("cudagraphs"):
-        _stages_as_cuda_graphs(module)
     return module
-
-
-def _stages_as_cuda_graphs(module: Any) -> None:
-    """``ours+cudagraphs`` (an experiment, not a recipe option): each pipeline stage compiled with
-    ``mode="reduce-overhead"``, so its forward and backward replay as CUDA graphs (the loss keeps its default
-    compile). The recipes refuse CUDA-graph modes because pipeline stages may run variable shapes; at pp = 1 with
-    fixed shapes this measures what the host's kernel launches cost the step."""
-    build = module.build_pipeline_stages
-
-    def build_then_recompile(layouts):
-        stages = build(layouts)
-        for stage in stages:
-            stage.compile(backend=COMPILE_BACKEND, mode="reduce-overhead" if COMPILE_BACKEND == "inductor" else None)
-        return stages
-
-    module.build_pipeline_stages = build_then_recompile
 
 
 def build_recipe_model(args: argparse.Namespace, system: dict, device: torch.device, compile: bool | str | None = None):

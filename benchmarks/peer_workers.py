@@ -202,7 +202,9 @@ def ours_strategy(args: argparse.Namespace, system: dict) -> Any:
     return Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=args.num_microbatches,
                                 schedule=args.schedule if system["pp"] > 1 else "1f1b",
                                 compression=system["cc"], fused_embedding_sync=system["cc"],
-                                gradient_accumulation_fusion=fusion_option(system),
+                                gradient_accumulation_fusion=fusion_option(system), 
+                                # CPU runs of the script (its tests) ignore CUDA-graph modes, as for the plain model
+                                cuda_graphs=bool(system["cudagraphs"]) and torch.cuda.is_available(),
                                 **({"gc_interval": None} if system["pygc"]
                                    else {"gc_interval": 1} if system["gc1"] else {}),
                                 **({"on_nonfinite": "ignore"} if system["nocheck"] else {}))

@@ -16,7 +16,7 @@ chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
 value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per
 attention), ``+cudagraphs`` (plain with +whole: the compiled model and loss replayed as CUDA graphs,
-``mode="reduce-overhead"``; ours with +compile+stage+nofuse: each stage so, the loss compiled as usual),
+``mode="reduce-overhead"``; ours: the strategy's ``cuda_graphs=True``, each stage's forward and backward replayed),
 ``+torchsdpa`` (our recipes' systems: ``sdpa_backends="torch"``, SDPA under torch's own backend choice, cuDNN included),
 ``+nocudnn`` (our recipes' systems: ``sdpa_backends="no_cudnn"``, never cuDNN's attention); without either the recipes'
 default ``"auto"``, which on these fixed shapes is ``"torch"`` (recipes/attention.py), ``+pygc`` (ours only:
@@ -85,10 +85,8 @@ def parse_system(text: str, gpus: int) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: +fusedce runs its chunks outside the compiled model; not with +whole")
     if "cudagraphs" in suffixes and name == "plain" and "whole" not in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays the whole-model compile; add +whole")
-    if "cudagraphs" in suffixes and name == "ours" and not {"compile", "stage", "nofuse"} <= set(suffixes):
-        # The fused gradient op's Python body (the gradient slot's bookkeeping) would not run on a graph replay.
-        raise argparse.ArgumentTypeError(f"{text!r}: +cudagraphs replays whole stages without gradient-accumulation"
-                                         " fusion; add +compile+stage+nofuse")
+    if "cudagraphs" in suffixes and name == "ours" and "fuse" in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: cuda_graphs=True refuses gradient_accumulation_fusion=True; drop +fuse")
     for backends in ("torchsdpa", "nocudnn"):
         if backends in suffixes and "explicit" in suffixes:
             raise argparse.ArgumentTypeError(f"{text!r}: +{backends} picks SDPA's backends and +explicit runs no SDPA;"

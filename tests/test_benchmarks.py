@@ -335,7 +335,8 @@ def test_peers_system_suffixes() -> None:
                          ("plain+whole+nocheck", r"\+nocheck is for ours only, not plain"),
                          ("ours@1,1,1+pygc+gc1", r"\+pygc and \+gc1 are two garbage-collection settings; pick one"),
                          ("plain+compile+cudagraphs", r"\+cudagraphs replays the whole-model compile; add \+whole"),
-                         ("ours@1,1,1+compile+stage+cudagraphs", r"without gradient-accumulation fusion; add \+comp")):
+                         ("ours@1,1,1+fuse+cudagraphs", r"cuda_graphs=True refuses gradient_accumulation_fusion=True;"
+                                                        r" drop \+fuse")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse_system(bad, gpus=1)
 

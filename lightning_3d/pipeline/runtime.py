@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.codec import GradientCodec, IdentityCodec
 from lightning_3d.pipeline.exchange import StepExchange
+from lightning_3d.pipeline.graphs import StageGraphs
 from lightning_3d.pipeline.microbatch import signature
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.rounds import lockstep_rounds
@@ -80,6 +81,8 @@ class PipelineRuntime:
         self.replicas = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.codec: GradientCodec = IdentityCodec()
         self.observer: RuntimeObserver | None = None
+        # CUDA graphs of the stages' training forwards and backwards (the strategy's cuda_graphs=True), else None.
+        self.graphs: StageGraphs | None = None
         # The transport of this rank (None in unit tests that only exercise the schedule bookkeeping).
         self.exchange = StepExchange(channels, device, num_stages, pp_size) if channels is not None else None
         self._checked: set[tuple] = set()
@@ -153,6 +156,8 @@ class PipelineRuntime:
             if self.replicas > 1:
                 self._terms_work = dist.all_reduce(self._terms, group=self.dp_group, async_op=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self.graphs is not None:
+            self.graphs.begin_step()
         if self.observer is not None:
             self.observer.on_step("begin", train, len(mbs))
         index = 0
@@ -184,7 +189,10 @@ class PipelineRuntime:
             if self.observer is not None:
                 self.observer.on_received(stage, m, inputs)
         with self.forward_context(), self._span("forward", stage, m):
-            output = self.stages[stage](*inputs, microbatch=mb)
+            if train and self.graphs is not None:
+                output = self.graphs.forward(stage, self.stages[stage], inputs, mb)
+            else:
+                output = self.stages[stage](*inputs, microbatch=mb)
         if stage == self.num_stages - 1:
             with self.loss_context(), self.forward_context():
                 loss = scalar_loss(self.loss_fn(output, mb))

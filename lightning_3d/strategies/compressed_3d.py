@@ -121,6 +121,12 @@ class Compressed3DStrategy(ParallelStrategy):
             survived it (compiled graphs, the model, the optimizer) to Python's permanent generation
             (``gc.freeze()``), so later full collections walk only what was allocated since; cyclic garbage still
             reachable at that moment is never collected. Undone at ``teardown``.
+        cuda_graphs: capture each stage's training forward and backward as CUDA graphs on its first micro-batch and
+            replay them for every later micro-batch of the same shapes (one launch instead of one per kernel: for
+            steps the host's kernel launches slow down, e.g. T5 or small GPTs). Needs CUDA devices,
+            pipeline_parallel_size=1, tensor_parallel_size=1, context_parallel_size=1 and fixed micro-batch shapes
+            (a micro-batch of other shapes runs eagerly, with a warning); gradient_accumulation_fusion="auto" then
+            fuses nothing. Results equal the eager step's up to kernel choice. docs/speed.md, "CUDA graphs".
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
     """
@@ -170,6 +176,7 @@ class Compressed3DStrategy(ParallelStrategy):
         memory_check: Literal["error", "warn", "off"] = "error",
         gc_interval: int | None = 50,
         gc_freeze: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
         # Every check here runs on every rank before any process group exists.
         options = resolve_options(
@@ -180,7 +187,7 @@ class Compressed3DStrategy(ParallelStrategy):
             gradient_accumulation_fusion=gradient_accumulation_fusion, on_nonfinite=on_nonfinite,
             max_consecutive_nonfinite=max_consecutive_nonfinite, checkpoint_io=checkpoint_io,
             context_parallel=context_parallel_config(context_parallel_size, context_parallel_layout, context_parallel_attention),
-            shard_optimizer_state=shard_optimizer_state,
+            shard_optimizer_state=shard_optimizer_state, cuda_graphs=cuda_graphs,
         )
         check_memory_option(memory_check)
         self.garbage_collection = GarbageCollection(gc_interval, gc_freeze)

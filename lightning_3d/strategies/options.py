@@ -33,6 +33,7 @@ class PipelineOptions:
     max_consecutive_nonfinite: int = 10
     context_parallel: ContextParallelConfig = ContextParallelConfig()
     shard_optimizer_state: bool = False
+    cuda_graphs: bool = False
 
 
 def default_microbatches(pipeline_parallel_size: Any) -> int:
@@ -49,6 +50,7 @@ def resolve_options(
     stage_activation_checkpointing: Sequence[bool] | None, bucket_size_mb: float, gradient_accumulation_fusion: bool | str,
     on_nonfinite: str, max_consecutive_nonfinite: int, checkpoint_io: Any,
     context_parallel: ContextParallelConfig = ContextParallelConfig(), shard_optimizer_state: bool = False,
+    cuda_graphs: bool = False,
 ) -> PipelineOptions:
     if checkpoint_io is not None:
         raise ValueError(
@@ -71,6 +73,8 @@ def resolve_options(
     if num_microbatches is None:
         num_microbatches = default_microbatches(pipeline_parallel_size)
     virtual_stages = resolve_schedule_options(schedule, pipeline_parallel_size, virtual_stages, num_microbatches)
+    check_cuda_graphs(cuda_graphs, pipeline_parallel_size, tensor_parallel_size, context_parallel.size, schedule,
+                      num_microbatches, gradient_accumulation_fusion)
     checkpointing = None
     if stage_activation_checkpointing is not None:
         stages = pipeline_parallel_size * virtual_stages
@@ -86,4 +90,33 @@ def resolve_options(
         num_microbatches, schedule, virtual_stages, sequence_parallel,
         tuple(pipeline_layer_split) if pipeline_layer_split is not None else None, checkpointing, bucket_size_mb,
         gradient_accumulation_fusion, on_nonfinite, max_consecutive_nonfinite, context_parallel, shard_optimizer_state,
+        cuda_graphs,
     )
+
+
+def check_cuda_graphs(cuda_graphs: object, pp: int, tp: int, cp: int, schedule: str, num_microbatches: int,
+                      fusion: bool | str) -> None:
+    """Where ``cuda_graphs=True`` can replay every training micro-batch (pipeline/graphs.py): one micro-batch in
+    flight per stage, no collective inside a stage, no host code inside the backward."""
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"`cuda_graphs={cuda_graphs!r}` must be True or False.")
+    if not cuda_graphs:
+        return
+    for name, value, why in (
+        ("pipeline_parallel_size", pp, "a pipeline keeps several micro-batches in flight on its first stages, and a"
+         " graph's activations live in fixed buffers that the next replay overwrites"),
+        ("tensor_parallel_size", tp, "its blocks run collectives, which these graphs do not capture"),
+        ("context_parallel_size", cp, "its attention runs collectives, which these graphs do not capture"),
+    ):
+        if value != 1:
+            raise ValueError(f"cuda_graphs=True needs {name}=1, got {value}: {why}. Use {name}=1 (data parallelism"
+                             " over the GPUs), or cuda_graphs=False.")
+    if schedule == "gpipe" and num_microbatches > 1:
+        raise ValueError(f"cuda_graphs=True with schedule='gpipe' and num_microbatches={num_microbatches}: GPipe runs"
+                         " every forward before the first backward, but a graphed stage holds one micro-batch's"
+                         " activations at a time. Use schedule='1f1b' (at pipeline_parallel_size=1 each forward is"
+                         " followed by its backward).")
+    if fusion is True:
+        raise ValueError("cuda_graphs=True with gradient_accumulation_fusion=True: the fused op hands gradients over in"
+                         " host code that a replayed graph does not run. Use gradient_accumulation_fusion='auto' (which"
+                         " fuses nothing under cuda_graphs) or False.")

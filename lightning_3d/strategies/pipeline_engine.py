@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from lightning_3d.dynamic.consistency import check_same_plan
 from lightning_3d.pipeline.microbatch import split_batch
+from lightning_3d.pipeline.graphs import StageGraphs
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.context_parallel import (
@@ -102,6 +103,7 @@ class PipelineEngine:
              "use accumulate_grad_batches for plain modules"),
             ("stage_activation_checkpointing", list(o.stage_activation_checkpointing or []) or None,
              "leave it unset for plain modules"),
+            ("cuda_graphs", True if o.cuda_graphs else None, "leave it False for plain modules"),
         ):
             if value is not None:
                 raise TypeError(
@@ -122,6 +124,9 @@ class PipelineEngine:
     def prepare_pipeline(self, module: pl.LightningModule, groups: ProcessGroups, device: torch.device, precision) -> None:
         """Cut a protocol module into this rank's stages and build the runtime and the synchronizer that run them."""
         o, dims, pp_rank = self.options, groups.dims, groups.pp_rank
+        if o.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True replays CUDA graphs, but this run trains on {device.type!r} devices."
+                             " Train on GPUs (accelerator='gpu'), or set cuda_graphs=False.")
         check_tensor_parallel_shapes(module, dims.tp)
         check_tied_names(module)
         plan = plan_pipeline(module, dims.pp, pp_rank, o.virtual_stages, o.schedule, o.pipeline_layer_split,
@@ -151,6 +156,8 @@ class PipelineEngine:
         codec = self.compression.build_codec(dims, groups.tp_mesh.get_group() if dims.tp > 1 else None, o.sequence_parallel)
         if codec is not None:
             self.runtime.codec = codec
+        if o.cuda_graphs:
+            self.runtime.graphs = StageGraphs()
 
     def fuse_gradient_accumulation(self, stages: dict[int, nn.Module], tp: int) -> None:
         if not self.options.gradient_accumulation_fusion:
@@ -160,6 +167,9 @@ class PipelineEngine:
                            " (the weights are DTensors); their gradients accumulate as autograd's.")
             return
         mode = self.options.gradient_accumulation_fusion
+        if self.options.cuda_graphs:  # "auto" (True is refused with cuda_graphs): the fused op's host code would not replay
+            rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion='auto' fuses nothing under cuda_graphs=True.")
+            return
         linears = [m for stage in stages.values() for m in fusable_linears(stage, exclude={id(p) for p in self.tied})]
         fused, small = choose_fused(linears, mode)
         self.fused_weights = fuse_gradient_accumulation(fused)
@@ -219,6 +229,8 @@ class PipelineEngine:
         self._drop_grad_sync()
         self._stashed_grads = None
         self.drop_verdict()
+        if self.runtime is not None and self.runtime.graphs is not None:
+            self.runtime.graphs.release()  # the graphs' memory pool, and their references to the stages
 
     def release(self) -> None:
         """Forget the module: undo the gradient fusion, drop the runtime, groups, tied weights and every per-step
