@@ -166,6 +166,17 @@ def test_a_microbatch_that_is_not_a_flat_mapping_always_runs_eagerly() -> None:
         graphs.forward(0, Stage(), [], [torch.ones(1, 2)])
 
 
+def test_a_stage_that_cannot_be_captured_stops_with_what_failed() -> None:
+    def refuse(stage, received, microbatch, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = StageGraphs(capture=refuse)
+    with pytest.raises(RuntimeError, match=r"cuda_graphs: capturing stage 3 \(Linear\) on micro-batch shapes"
+                                           r" \{x=\[2, 4\]\} failed: RuntimeError: operation not permitted when stream"
+                                           r" is capturing\. A captured stage may not synchronise with the host"):
+        graphs.forward(3, torch.nn.Linear(4, 4), [], {"x": torch.ones(2, 4)})
+
+
 # ----- the real capture (GPU) -----------------------------------------------------------------------------------------
 def _gpu_fit(recipe: str, cuda_graphs: bool, steps: int = 4, accumulate: int = 1, data=None, **kwargs):
     losses: list[float] = []

@@ -196,7 +196,18 @@ class StageGraphs:
         if entry is None and key is not None:
             if self.pool is None and self.capture is GraphedStage:
                 self.pool = torch.cuda.graph_pool_handle()
-            entry = self.graphs[index] = (key, self.capture(stage, received, microbatch, self.pool))
+            try:
+                captured = self.capture(stage, received, microbatch, self.pool)
+            except Exception as error:
+                # A stage that cannot be captured (host synchronisation inside it, an op CUDA graphs refuse): the
+                # user asked for graphs, so stop with what failed rather than train slower than they planned.
+                raise RuntimeError(
+                    f"cuda_graphs: capturing stage {index} ({type(stage).__name__}) on micro-batch shapes"
+                    f" {_describe(key)} failed: {type(error).__name__}: {error}. A captured stage may not synchronise"
+                    " with the host (.item(), .cpu(), data-dependent shapes) or change shapes between runs; fix the"
+                    " stage, or set cuda_graphs=False."
+                ) from error
+            entry = self.graphs[index] = (key, captured)
         if entry is not None and entry[0] == key and not entry[1].pending:
             self.replays += 1
             return entry[1](received, microbatch)
