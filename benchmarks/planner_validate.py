@@ -2,7 +2,7 @@
 and peak memory of training configurations, measure them with benchmarks/train_throughput.py (a fresh process per
 configuration, synthetic data, bf16-mixed) and compare. Two suites, each sized for one device call of <= 9 minutes:
 
-    python benchmarks/planner_validate.py --suite one    # 1 GPU: GPT-350M, GPT-1.3B, T5-770M (14 configurations)
+    python benchmarks/planner_validate.py --suite one    # 1 GPU: GPT-350M, GPT-1.3B, T5-770M (17 configurations)
     python benchmarks/planner_validate.py --suite four   # 4 GPUs: GPT-350M, every (dp, pp, tp) of 4 (14 configurations)
     L3D_COMPILE_BACKEND=aot_eager python benchmarks/planner_validate.py --suite one --device cpu   # CPU smoke test
     python benchmarks/planner_validate.py --suite four --device cpu   # CPU smoke test (tiny GPT, 4 processes)
@@ -45,7 +45,7 @@ from lightning_3d.planner.profile import measure_tp_layers, profile_model  # noq
 @dataclass(frozen=True)
 class Config:
     """One training configuration: layout (dp, pp, tp), micro-batch size and count, checkpointing, compile, schedule,
-    virtual stages, and the layers per stage (None: even)."""
+    virtual stages, the layers per stage (None: even), and CUDA graphs (the strategy's cuda_graphs; pp = tp = 1)."""
 
     mbs: int
     m: int
@@ -55,6 +55,7 @@ class Config:
     schedule: str = "1f1b"
     v: int = 1
     split: tuple[int, ...] | None = None
+    graphs: bool = False
 
     def label(self) -> str:
         dp, pp, tp = self.layout
@@ -63,7 +64,8 @@ class Config:
             text += f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "")
         if self.split:
             text += " split=" + "/".join(map(str, self.split))
-        return text + (" ckpt" if self.ckpt else "") + (" compile" if self.compile else "")
+        return (text + (" ckpt" if self.ckpt else "") + (" compile" if self.compile else "")
+                + (" graphs" if self.graphs else ""))
 
 
 @dataclass
@@ -89,9 +91,12 @@ C = Config
 ONE = {
     # In the order they are measured (round-robin over the models): a budget cut drops the last.
     "gpt_350m": Model("gpt", "350m", 50257, 1024, None, 16, [
-        C(2, 8), C(4, 4, ckpt=True), C(8, 2), C(1, 16), C(4, 4), C(16, 1, ckpt=True), C(16, 1), C(8, 2, compile=True)]),
+        C(2, 8), C(4, 4, ckpt=True), C(8, 2), C(1, 16), C(4, 4), C(16, 1, ckpt=True), C(16, 1), C(8, 2, compile=True),
+        C(2, 8, compile=True, graphs=True)]),
     "gpt_1.3b": Model("gpt", "1.3b", 50257, 1024, None, 8, [C(2, 4), C(4, 2), C(8, 1, ckpt=True)]),
-    "t5_770m": Model("t5", "770m", 32128, 512, 128, 16, [C(4, 4), C(8, 2), C(16, 1, ckpt=True)]),
+    # Graphed configurations (docs/planner.md, "CUDA graphs"): the planner predicts their device time.
+    "t5_770m": Model("t5", "770m", 32128, 512, 128, 16, [C(4, 4), C(8, 2), C(16, 1, ckpt=True),
+                                                         C(8, 2, compile=True, graphs=True), C(4, 4, graphs=True)]),
 }
 ONE_CPU = {  # smoke test of the script on the CPU: times of the CPU, no memory figures
     "gpt_tiny": Model("gpt", "tiny", 4096, 64, None, 4, [C(1, 4), C(2, 2), C(4, 1, ckpt=True), C(2, 2, compile=True)]),
@@ -142,6 +147,7 @@ def measure(m: Model, c: Config, *, steps: int, warmup: int, timeout: float, log
     cmd += ["--pipeline-layer-split", ",".join(map(str, c.split))] if c.split else []
     cmd += ["--activation-checkpointing"] if c.ckpt else []
     cmd += ["--compile", "default"] if c.compile else []
+    cmd += ["--cuda-graphs"] if c.graphs else []
     # The driver's own --timeout stops its workers first; past ours, SIGTERM lets it clean up (its workers run in
     # sessions of their own, which a SIGKILL of the driver would leave on the GPUs), SIGKILL only if it does not.
     t0 = time.monotonic()
@@ -172,7 +178,7 @@ def candidate(m: Model, c: Config, cm: ProfiledCostModel) -> Candidate:
     dp, pp, tp = c.layout
     stages = pp * c.v
     split = c.split or tuple(layers // stages + (1 if i < layers % stages else 0) for i in range(stages))
-    return Candidate(dp, pp, tp, c.mbs, c.m, c.schedule, c.v, tuple(split), (c.ckpt,) * stages, False)
+    return Candidate(dp, pp, tp, c.mbs, c.m, c.schedule, c.v, tuple(split), (c.ckpt,) * stages, False, c.graphs)
 
 
 def seconds_needed(launch_s: list[float], default_launch_s: float, steps: int, step_s: float) -> float:
@@ -322,7 +328,9 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
     order = sorted(work, key=lambda t: (ns.compile_round if t[2].compile else position[id(t[2])], t[2].compile))
     for name, m, c in order:
         row: dict = {"config": c.label()}
-        if c.compile and not any(e.get("compiled") for e in docs[name]["layers"].get("block", [])):
+        # Compiled grids of the blocks (GPT's "block", T5's encoder and decoder blocks) profiled once per model.
+        if c.compile and not any(e.get("compiled") for kind, entries in docs[name]["layers"].items()
+                                 if kind not in ("embedding", "head") for e in entries):
             if left() < ns.compile_reserve_s:
                 row.update(predicted_step_s=None, error=f"skipped: {left():.0f} s left, a compiled configuration"
                            f" needs --compile-reserve-s {ns.compile_reserve_s:.0f}")

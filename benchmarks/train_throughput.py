@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="the strategy's cuda_graphs=True (pp = tp = 1, GPUs)")
     p.add_argument("--compile", default="off", choices=["off", "default", "max-autotune-no-cudagraphs"],
                    help="per-block torch.compile of the recipe (GPT or T5)")
     p.add_argument("--out", type=Path, default=Path("results.json"))
@@ -242,7 +243,7 @@ def worker(args: argparse.Namespace) -> None:
                                         pipeline_layer_split=[int(x) for x in args.pipeline_layer_split.split(",")]
                                         if args.pipeline_layer_split else None,
                                         cb_rank=args.cb_rank, sc_rank=args.sc_rank, sc_warmup=args.sc_warmup,
-                                        **mode_options(mode, pp), **diagnosis_timeout())
+                                        cuda_graphs=args.cuda_graphs, **mode_options(mode, pp), **diagnosis_timeout())
         timer = StepTimer(variant_result_path(args.result, variant))
         log_dir = args.result.with_name(f"{args.result.stem}.{variant}.logs")
         trainer = pl.Trainer(

@@ -37,12 +37,12 @@ def _quiet():
 def _brute_force(w: Workload, gpus: int, opts: SearchOptions):
     best = None
     L = len(w.block_kinds())
-    for dp, pp, tp, mbs, m, schedule, v, comp in skeletons(w, gpus, opts):
+    for dp, pp, tp, mbs, m, schedule, v, comp, graphs in skeletons(w, gpus, opts):
         S = pp * v
         for cut in itertools.combinations(range(1, L), S - 1):
             split = tuple(b - a for a, b in zip((0, *cut), (*cut, L)))
             for ckpt in itertools.product((False, True), repeat=S):
-                p = predict(Candidate(dp, pp, tp, mbs, m, schedule, v, split, ckpt, comp), w)
+                p = predict(Candidate(dp, pp, tp, mbs, m, schedule, v, split, ckpt, comp, graphs), w)
                 if p.fits and (best is None or p.step_time < best.step_time):
                     best = p
     return best

@@ -37,6 +37,15 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
     return min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1)
 
 
+def graph_gradient_bytes(params: float, grad_bytes_per_param: float) -> float:
+    """The extra bytes of a stage trained with ``cuda_graphs=True`` (pipeline/graphs.py): its backward graph writes
+    every trainable parameter's gradient into a fixed output buffer of the parameters' dtype, held for the whole run
+    on top of ``.grad``. Not counted: the graph's input buffers (one micro-batch's token ids: KiB) and its memory
+    pool, which holds the micro-batch's activations and working memory, what an eager stage holds at its peak too.
+    docs/planner.md, "CUDA graphs"."""
+    return params * grad_bytes_per_param
+
+
 def rank_memory(state: float, held_chunks: int, stored: float, transient: float) -> float:
     """One rank's memory: training state + ``held_chunks`` micro-batches' stored activations (the rank's largest
     stage's) + the largest transient."""
@@ -90,6 +99,7 @@ class MemoryLayout:
     chunked_loss: bool = False
     position_parameters: int = 0
     tied_head: bool = False
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,14 +112,18 @@ class RankMemory:
     activations: float  # stored activations × micro-batches in flight
     transient: float  # the largest working set above them (a recomputed block, the logits and loss)
     in_flight: int
+    graph_buffers: float = 0.0  # cuda_graphs: the backward graph's gradient buffers (``graph_gradient_bytes``)
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.transient
+        return self.weights + self.grads + self.optimizer + self.activations + self.transient + self.graph_buffers
 
     def components(self) -> dict[str, float]:
-        return {"weights": self.weights, "gradients": self.grads, "optimizer state": self.optimizer,
-                "activations": self.activations, "transient (recompute, logits, loss)": self.transient}
+        out = {"weights": self.weights, "gradients": self.grads, "optimizer state": self.optimizer,
+               "activations": self.activations, "transient (recompute, logits, loss)": self.transient}
+        if self.graph_buffers:
+            out["CUDA graphs' gradient buffers"] = self.graph_buffers
+        return out
 
 
 def stage_activations(cost_model: CostModel, shape: ModelShape, kinds: Sequence[str], layout: MemoryLayout,
@@ -178,6 +192,7 @@ def layout_memory(cost_model: CostModel, shape: ModelShape, seq_len: int, layout
         params = sum(p for p, _, _ in mine)
         held = in_flight(layout.schedule, layout.pp, layout.virtual_stages, layout.num_microbatches, r)
         stored, transient = max(s for _, s, _ in mine), max(t for _, _, t in mine)
+        graphs = graph_gradient_bytes(params, state.grads) if layout.cuda_graphs else 0.0
         out.append(RankMemory(params * state.weights, params * state.grads, params * state.optimizer,
-                              rank_memory(0.0, held, stored, 0.0), transient, held))
+                              rank_memory(0.0, held, stored, 0.0), transient, held, graphs))
     return out

@@ -106,6 +106,20 @@ def workload_from_config(cfg: dict, cluster: ClusterSpec, cost_model: CostModel 
                     state_bytes_per_param=16.0 if precision != "bf16-true" else 8.0)
 
 
+def eager_only(cfg: dict) -> str | None:
+    """Why the config cannot take ``cuda_graphs=True`` whatever the layout (then the search does not offer it), or
+    None: it trains on the CPU, or its strategy asks for gradient_accumulation_fusion=True (which the strategy refuses
+    with graphs; the planner keeps the config's choice)."""
+    trainer = cfg.get("trainer") or {}
+    if str(trainer.get("accelerator", "auto")).lower() == "cpu":
+        return "trainer.accelerator is 'cpu' (CUDA graphs need CUDA devices)"
+    strategy = trainer.get("strategy")
+    init = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    if init.get("gradient_accumulation_fusion") is True:
+        return "the strategy sets gradient_accumulation_fusion=True, which cuda_graphs=True refuses"
+    return None
+
+
 def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_batch_size: int) -> dict:
     """The training config for prediction ``p``, checked by the strategy's constructor."""
     c = p.candidate
@@ -119,6 +133,8 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
     }
     if c.schedule == "interleaved_1f1b":
         init["virtual_stages"] = c.virtual_stages
+    if c.cuda_graphs:
+        init["cuda_graphs"] = True
     from lightning_3d.planner.search import even_split
 
     if c.num_stages > 1 and tuple(c.layer_split) != even_split(sum(c.layer_split), c.num_stages):
@@ -138,7 +154,7 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
     old = trainer.get("strategy")
     old_init = (old.get("init_args") or {}) if isinstance(old, dict) else {}
     keep = {k: v for k, v in old_init.items() if k not in init and k not in (
-        "virtual_stages", "pipeline_layer_split", "stage_activation_checkpointing")}
+        "virtual_stages", "pipeline_layer_split", "stage_activation_checkpointing", "cuda_graphs")}
     trainer["strategy"] = {"class_path": "lightning_3d.Compressed3DStrategy", "init_args": {**init, **keep}}
     data = out.setdefault("data", {}).setdefault("init_args", {})
     data["batch_size"] = global_batch_size // c.dp
@@ -180,6 +196,10 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
         from dataclasses import replace
 
         opts = replace(opts, per_stage_checkpointing=False)
+    if any(opts.cuda_graphs) and eager_only(cfg):
+        from dataclasses import replace
+
+        opts = replace(opts, cuda_graphs=(False,))
     result = search(w, gpus, opts)
     if not result.top:
         raise ValueError(f"No configuration of {w.shape.family.upper()} ({len(w.block_kinds())} layers, hidden"
@@ -215,6 +235,7 @@ def plan_main(argv: list[str]) -> int:
         s = p.summary()
         print(f"#{k}: dp={s['dp']} pp={s['pp']} tp={s['tp']} mbs={s['microbatch_size']} m={s['num_microbatches']}"
               f" {s['schedule']} v={s['virtual_stages']} split={s['layer_split']} ckpt={s['stage_checkpointing']}"
-              f" compression={s['compression']}: {s['step_time_s'] * 1e3:.1f} ms, {s['peak_memory_gib']:.2f} GiB")
+              f" compression={s['compression']} cuda_graphs={s['cuda_graphs']}: {s['step_time_s'] * 1e3:.1f} ms,"
+              f" {s['peak_memory_gib']:.2f} GiB")
     print(f"wrote {out}")
     return 0

@@ -23,14 +23,15 @@ from lightning_3d.costs import ClusterSpec, CostModel, ModelShape, layer_paramet
 from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_pass_seconds
 # The memory terms per rank are shared with the strategy's fit check (costs/memory.py: the strategies may not import
 # the planner); re-exported here for the planner's users.
-from lightning_3d.costs.memory import in_flight, rank_memory
+from lightning_3d.costs.memory import graph_gradient_bytes, in_flight, rank_memory
 
 GIB = 2**30
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration: what the emitted YAML sets. ``layer_split``/``stage_checkpointing`` have pp × v entries."""
+    """One configuration: what the emitted YAML sets. ``layer_split``/``stage_checkpointing`` have pp × v entries.
+    ``cuda_graphs``: the strategy's ``cuda_graphs=True`` (pp = tp = 1 only; docs/planner.md, "CUDA graphs")."""
 
     dp: int
     pp: int
@@ -42,6 +43,7 @@ class Candidate:
     layer_split: tuple[int, ...]
     stage_checkpointing: tuple[bool, ...]
     compression: bool
+    cuda_graphs: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -173,7 +175,8 @@ class Prediction:
             "optimizer_s": round(self.optimizer_time, 6), "step_overhead_s": round(self.overhead_time, 6), "dp": c.dp, "pp": c.pp, "tp": c.tp,
             "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches, "schedule": c.schedule,
             "virtual_stages": c.virtual_stages, "layer_split": list(c.layer_split),
-            "stage_checkpointing": list(c.stage_checkpointing), "compression": c.compression, "costs": self.source,
+            "stage_checkpointing": list(c.stage_checkpointing), "compression": c.compression,
+            "cuda_graphs": c.cuda_graphs, "costs": self.source,
         }
 
 
@@ -182,7 +185,8 @@ def stage_costs(c: Candidate, w: Workload) -> tuple[list[float], list[float], li
 
     A stage's pass over a micro-batch takes max(its layers' device seconds, their host seconds): the host issues the
     next layers' kernels while the device runs the earlier ones, so the two overlap across the stage's layers, not
-    only within each (a per-layer max would charge every layer the slower of the two)."""
+    only within each (a per-layer max would charge every layer the slower of the two). A graphed stage
+    (``c.cuda_graphs``) takes its layers' device seconds alone: the host issues one replay for all of them."""
     return stage_terms(c, w)[:5]
 
 
@@ -210,6 +214,12 @@ def stage_terms(c: Candidate, w: Workload) -> tuple[list[float], ...]:
             if is_end:
                 st, pk, p = st + x[2], max(pk, x[3]), p + x[4]
                 df, db, hf, hb = df + x[5], db + x[6], hf + x[7], hb + x[8]
+        if c.cuda_graphs:
+            # One replay launches the embedding's, blocks' and head's (the loss's) kernels: no per-layer host time.
+            # The per-micro-batch overhead below stays: the engine's Python around each micro-batch, the forward and
+            # backward calls, the input copies and the replay call run on the host outside the graph
+            # (docs/planner.md, "CUDA graphs").
+            hf = hb = 0.0
         # The rule dynamic micro-batching prices its micro-batches by too (costs/host.py): max(device, host) per
         # pass, plus half the per-micro-batch overhead on each (one forward and one backward call per stage).
         f, b = stage_pass_seconds(df, db, hf, hb, mb_overhead)
@@ -340,6 +350,8 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
         state = params_rank[r] * w.state_bytes_per_param
         if c.compression and c.dp > 1 and w.cluster.bandwidth(c.dp, pp * c.tp) < w.sc_max_link_gbps * 1e9:
             state += params_rank[r] * w.grad_bytes_per_param  # SC's error feedback
+        if c.cuda_graphs:
+            state += graph_gradient_bytes(params_rank[r], w.grad_bytes_per_param)
         memory.append(rank_memory(state, held, max(stored[s] for s in stages), max(peak[s] for s in stages)))
     tokens = w.global_batch_size * (w.target_len if w.shape.family == "t5" and w.target_len else w.seq_len)
     fixed = float(getattr(w.cost_model, "step_overhead_seconds", 0.0) or 0.0)  # measured by the profiler

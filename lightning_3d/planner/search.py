@@ -32,6 +32,7 @@ class SearchOptions:
     max_virtual_stages: int = 4
     microbatch_sizes: tuple[int, ...] | None = None  # default: powers of two up to 64 that divide the replica batch
     compression: tuple[bool, ...] = (False, True)
+    cuda_graphs: tuple[bool, ...] = (False, True)  # offered where the strategy accepts it: pp = tp = 1
     tensor_parallel_sizes: tuple[int, ...] | None = None
     pipeline_parallel_sizes: tuple[int, ...] | None = None
     per_stage_checkpointing: bool = True
@@ -58,7 +59,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def skeletons(w: Workload, num_gpus: int, opts: SearchOptions):
-    """Every uniform configuration that the strategy accepts, as (dp, pp, tp, mbs, m, schedule, v, compression)."""
+    """Every uniform configuration that the strategy accepts, as (dp, pp, tp, mbs, m, schedule, v, compression,
+    cuda_graphs). ``cuda_graphs=True`` only at pp = tp = 1 (the strategy's check_cuda_graphs: the planner's layouts
+    have no context parallelism, and at pp = 1 the schedule is 1F1B), eager first."""
     shape, cl = w.shape, w.cluster
     blocks = len(w.block_kinds())
     tps = opts.tensor_parallel_sizes or [t for t in _divisors(num_gpus) if t <= cl.gpus_per_node]
@@ -89,7 +92,8 @@ def skeletons(w: Workload, num_gpus: int, opts: SearchOptions):
                         vs = [v for v in range(2, opts.max_virtual_stages + 1) if pp * v <= blocks]
                     for v in vs:
                         for comp in opts.compression if (pp > 1 or dp > 1) else (False,):
-                            yield dp, pp, tp, mbs, m, schedule, v, comp
+                            for graphs in sorted(set(opts.cuda_graphs)) if (pp == 1 and tp == 1) else (False,):
+                                yield dp, pp, tp, mbs, m, schedule, v, comp, graphs
 
 
 def even_split(layers: int, stages: int) -> tuple[int, ...]:
@@ -105,11 +109,13 @@ class _Skeleton:
         self.S = base.num_stages
         self.L = len(w.block_kinds())
         self.pref, self.ends = {}, {}
+        # Per layer: max(device, host) seconds; a graphed stage's layers cost their device seconds (model.stage_terms).
+        f, b = (5, 6) if base.cuda_graphs else (0, 1)
         for ckpt in (False, True):
             blocks, emb, head = w.layer_costs(base.microbatch_size, base.tp, ckpt)
             # Unprofiled layers (inf) as a huge finite time: the bisection stays well defined and avoids them.
-            self.pref[ckpt] = np.concatenate([[0.0], np.cumsum(np.minimum(blocks[0] + blocks[1], 1e30))])
-            self.ends[ckpt] = (min(emb[0] + emb[1], 1e30), min(head[0] + head[1], 1e30))
+            self.pref[ckpt] = np.concatenate([[0.0], np.cumsum(np.minimum(blocks[f] + blocks[b], 1e30))])
+            self.ends[ckpt] = (min(emb[f] + emb[b], 1e30), min(head[f] + head[b], 1e30))
 
     def stage_time(self, s: int, lo: int, hi: int, ckpt: bool) -> float:
         t = self.pref[ckpt][hi] - self.pref[ckpt][lo]
@@ -251,7 +257,8 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
     found: list[Prediction] = []
     count = evaluated = 0
     truncated = False
-    for dp, pp, tp, mbs, m, schedule, v, comp in skeletons(w, num_gpus, opts):
+    eager: dict[tuple, float] = {}  # each skeleton's best eager step time, for its graphed twin
+    for dp, pp, tp, mbs, m, schedule, v, comp, graphs in skeletons(w, num_gpus, opts):
         if time.perf_counter() - start > opts.time_budget_s:
             truncated = True
             break
@@ -259,10 +266,15 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
         if lower_bound_memory(w, tp, pp) > w.memory_budget:
             continue
         S = pp * v
-        base = Candidate(dp, pp, tp, mbs, m, schedule, v, even_split(L, S), (False,) * S, comp)
+        base = Candidate(dp, pp, tp, mbs, m, schedule, v, even_split(L, S), (False,) * S, comp, graphs)
         best, n = optimise_skeleton(w, base, opts)
         evaluated += n
-        if best is not None:
+        key = (dp, pp, tp, mbs, m, schedule, v, comp)
+        if best is not None and not graphs:
+            eager[key] = best.step_time
+        # Graphs cost memory (model.predict): a graphed layout is kept only where it is predicted faster than the same
+        # layout eager (a device-bound one, or any under a cost model without host times, would tie).
+        if best is not None and (not graphs or best.step_time < eager.get(key, math.inf)):
             found.append(best)
     found.sort(key=lambda p: p.step_time)
     relieved = []
@@ -313,7 +325,7 @@ def explain_shortfall(w: Workload, num_gpus: int, opts: SearchOptions, skeleton_
                 continue
             S = pp
             c = Candidate(num_gpus // (tp * pp), pp, tp, 1, max(replica, pp), "1f1b", 1, even_split(L, S),
-                          (opts.allow_checkpointing,) * S, False)
+                          (opts.allow_checkpointing,) * S, False)  # eager: graphs only add memory
             p = predict(c, w)
             if best is None or p.peak_memory < best.peak_memory:
                 best = p

@@ -145,7 +145,7 @@ def read_workload(module: Any, datamodule: Any, *, dp: int, pp: int, tp: int, cp
     layout = MemoryLayout(split, tuple(checkpointing), microbatch, m, options.schedule, options.virtual_stages, dp, pp,
                           tp, cp, options.sequence_parallel, precision, options.shard_optimizer_state,
                           bool(hparams.get("fused_head_loss", False)), positions,
-                          bool(getattr(config, "tie_embeddings", False)))
+                          bool(getattr(config, "tie_embeddings", False)), options.cuda_graphs)
     return Workload(cls.__name__, shape, seq_len, target_len, layout)
 
 
