@@ -9,7 +9,10 @@ import copy
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -573,10 +576,10 @@ def test_the_overheads_train_and_profile_the_tiny_model_with_the_profiles_fusion
 
 
 def test_the_fresh_process_past_its_timeout_is_ended_and_the_error_raised(monkeypatch) -> None:
-    # The tiny models' process must not hold a profile up: past FRESH_PROCESS_TIMEOUT_S the caller gets the pool's
-    # TimeoutError (profile_model records it as "overheads not measured") and no worker is left behind. Half a second
-    # is far less than the spawned process takes to import torch and Lightning, let alone fit three models.
-    import multiprocessing
+    # The tiny models' process must not hold a profile up: past FRESH_PROCESS_TIMEOUT_S it is killed and the caller
+    # gets subprocess.TimeoutExpired (profile_model records it as "overheads not measured"). Half a second is far
+    # less than the new interpreter takes to import torch and Lightning, let alone fit three models.
+    import subprocess
 
     import torch
 
@@ -587,7 +590,33 @@ def test_the_fresh_process_past_its_timeout_is_ended_and_the_error_raised(monkey
     shape = ModelShape(family="gpt", num_layers=2, hidden_size=128, num_heads=4, ffn_hidden_size=512, vocab_size=512)
     cfg = {"trainer": {"precision": "32-true"}, "model": {"class_path": "lightning_3d.recipes.GPT",
                                                           "init_args": {"preset_name": "tiny"}}}
-    with pytest.raises(multiprocessing.TimeoutError):
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
         prof.measure_overheads(cfg, shape, torch.device("cpu"), "32-true", microbatches=2, warmup=1, steps=2,
                                log=lambda *a: None)
-    assert multiprocessing.active_children() == []
+    assert time.monotonic() - started < 30  # killed at the timeout, not waited for
+
+
+def test_the_fresh_interpreter_does_not_run_the_callers_main_module(tmp_path) -> None:
+    """A script that profiles without an ``if __name__ == "__main__":`` guard runs once: the tiny models' process is a
+    new interpreter, not a multiprocessing worker that would import the script again. Its failure (here an unknown
+    model class, so that nothing trains) comes back as an error with the worker's own message."""
+    script = tmp_path / "unguarded.py"
+    marker = tmp_path / "runs.txt"
+    script.write_text(f"""
+import torch
+import lightning_3d.planner.profile as prof
+with open({str(marker)!r}, "a") as f:
+    f.write("run\\n")
+args = ("no_such_package.Model", "no_such_package.Data", {{}}, {{}}, {{}}, "gpt", torch.device("cpu"), "32-true", 2, 0,
+        1, True, False)
+try:
+    prof._tiny_runs_in_fresh_interpreter(args)
+except RuntimeError as error:
+    assert "the tiny models' process exited with 1" in str(error) and "no_such_package" in str(error), error
+else:
+    raise AssertionError("no error")
+""")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    subprocess.run([sys.executable, str(script)], check=True, timeout=300, env=env, cwd=tmp_path)
+    assert marker.read_text() == "run\n"  # the script ran once

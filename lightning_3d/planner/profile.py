@@ -511,8 +511,8 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     own (``profile_model`` passes it): a fused layer adds a custom op per linear per micro-batch to the backward, host
     time that the in-situ floor must hold when the step it predicts runs it (and not when it does not).
 
-    ``fresh_process``: the tiny models train in a spawned process (the state of a `lightning-3d fit` run), not in this
-    one (False: in this process, a few seconds faster)."""
+    ``fresh_process``: the tiny models train in a new Python interpreter (the state of a `lightning-3d fit` run), not
+    in this one (False: in this process, a few seconds faster)."""
     if shape.family not in _TINY:
         return {}
     module_path, data_path, model_args, data_args = _TINY[shape.family]
@@ -526,12 +526,7 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
         # the profiler's own process, after it has built and timed every layer (its allocator's state, the objects
         # the collector walks), the same tiny models measured above a fresh process's seconds per micro-batch on the
         # same machine (docs/planner.md, "in-situ host times").
-        # A pool, not an executor: leaving its block terminates the worker, so a worker past the timeout (a
-        # multiprocessing.TimeoutError, which the caller reports) cannot hold the profile up.
-        import multiprocessing
-
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            step_s, deep = pool.apply_async(_tiny_runs, args).get(timeout=FRESH_PROCESS_TIMEOUT_S)
+        step_s, deep = _tiny_runs_in_fresh_interpreter(args)
     else:
         step_s, deep = _tiny_runs(*args)
     one, many = statistics.median(step_s[1]), statistics.median(step_s[microbatches])
@@ -573,6 +568,43 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
 
 #: seconds the fresh process of ``measure_overheads`` may take (three short fits of tiny models)
 FRESH_PROCESS_TIMEOUT_S = 600
+
+
+def _tiny_runs_in_fresh_interpreter(args: tuple) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]]]:
+    """``_tiny_runs(*args)`` in a new Python interpreter, killed past ``FRESH_PROCESS_TIMEOUT_S``
+    (``subprocess.TimeoutExpired``).
+
+    A new interpreter (``python -c``) rather than a multiprocessing "spawn" worker: spawn re-imports the caller's main
+    module in the worker, so a user's script that calls the profiler without an ``if __name__ == "__main__":`` guard
+    would run again, profile included, inside it. The caller's ``sys.path`` is handed over (``PYTHONPATH``), so the
+    worker imports the same ``lightning_3d`` and recipes; the result comes back as JSON in a file."""
+    import subprocess
+    import sys
+
+    (module_path, data_path, model_args, deep_args, data_args, family, device, precision, microbatches, warmup, steps,
+     in_situ, fuse_gradients) = args
+    with tempfile.TemporaryDirectory(prefix="l3d_tiny_") as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request.write_text(json.dumps([module_path, data_path, model_args, deep_args, data_args, family, str(device),
+                                       precision, microbatches, warmup, steps, in_situ, fuse_gradients]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        code = f"from lightning_3d.planner.profile import _tiny_main; _tiny_main({str(request)!r}, {str(result)!r})"
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=FRESH_PROCESS_TIMEOUT_S)
+        if proc.returncode != 0 or not result.exists():
+            raise RuntimeError(f"the tiny models' process exited with {proc.returncode}: {proc.stderr[-1500:]}")
+        step_s, deep = json.loads(result.read_text())
+    # JSON keys are strings: the micro-batch counts and the checkpointing flags come back as their types.
+    return ({int(k): v for k, v in step_s.items()},
+            {k == "true": {int(m): v for m, v in runs.items()} for k, runs in deep.items()})
+
+
+def _tiny_main(request: str, result: str) -> None:
+    """The fresh interpreter's side of ``_tiny_runs_in_fresh_interpreter``."""
+    args = json.loads(Path(request).read_text())
+    args[6] = torch.device(args[6])
+    step_s, deep = _tiny_runs(*args)
+    Path(result).write_text(json.dumps([step_s, {"true" if k else "false": v for k, v in deep.items()}]))
 
 
 def _tiny_runs(module_path: str, data_path: str, model_args: dict, deep_args: dict, data_args: dict, family: str,
