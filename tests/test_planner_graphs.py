@@ -161,11 +161,15 @@ def test_the_plan_sets_cuda_graphs_and_the_cli_parses_it(tmp_path, monkeypatch, 
     fused["trainer"]["strategy"].setdefault("init_args", {})["gradient_accumulation_fusion"] = True
     cpu = _gpu_config()
     cpu["trainer"]["accelerator"] = "cpu"
-    for other in (fused, cpu):
-        q = plan(other, 1, profile=profile, options=SearchOptions(top_k=3))
+    cpu_doc = _doc(0.05, 2e-3, 1e-3)
+    cpu_doc["device"]["name"] = "cpu"  # a profile measured on a CPU (`lightning-3d profile --device cpu`)
+    cpu_profile = tmp_path / "cpu_profile.json"
+    cpu_profile.write_text(json.dumps(cpu_doc))
+    for other, source in ((fused, profile), (cpu, profile), (_gpu_config(), cpu_profile)):
+        q = plan(other, 1, profile=source, options=SearchOptions(top_k=3))
         assert not any(x.candidate.cuda_graphs for x in q.predictions)
         assert all("cuda_graphs" not in x["trainer"]["strategy"]["init_args"] for x in q.configs)
-    assert q.predictions[0].step_time > p.predictions[0].step_time
+        assert q.predictions[0].step_time > p.predictions[0].step_time
 
     # A config asking for graphs, planned onto a pipeline: the plan decides, and drops the option.
     graphs = _gpu_config()

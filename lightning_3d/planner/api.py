@@ -106,10 +106,14 @@ def workload_from_config(cfg: dict, cluster: ClusterSpec, cost_model: CostModel 
                     state_bytes_per_param=16.0 if precision != "bf16-true" else 8.0)
 
 
-def eager_only(cfg: dict) -> str | None:
+def eager_only(cfg: dict, cost_model: CostModel | None = None) -> str | None:
     """Why the config cannot take ``cuda_graphs=True`` whatever the layout (then the search does not offer it), or
-    None: it trains on the CPU, or its strategy asks for gradient_accumulation_fusion=True (which the strategy refuses
-    with graphs; the planner keeps the config's choice)."""
+    None: it trains on the CPU, its profile was measured on a CPU (it plans for the machine it measured), or its
+    strategy asks for gradient_accumulation_fusion=True (which the strategy refuses with graphs; the planner keeps the
+    config's choice)."""
+    device = getattr(cost_model, "device", None)
+    if device is not None and getattr(device, "name", None) == "cpu":
+        return "the profile was measured on a CPU (CUDA graphs need CUDA devices)"
     trainer = cfg.get("trainer") or {}
     if str(trainer.get("accelerator", "auto")).lower() == "cpu":
         return "trainer.accelerator is 'cpu' (CUDA graphs need CUDA devices)"
@@ -196,7 +200,7 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
         from dataclasses import replace
 
         opts = replace(opts, per_stage_checkpointing=False)
-    if any(opts.cuda_graphs) and eager_only(cfg):
+    if any(opts.cuda_graphs) and eager_only(cfg, cost_model):
         from dataclasses import replace
 
         opts = replace(opts, cuda_graphs=(False,))
