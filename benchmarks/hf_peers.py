@@ -148,8 +148,11 @@ def plain_peer(args: argparse.Namespace, system: dict, device: torch.device) -> 
     loss = RecipeLoss(module, args)
     if not system["whole"]:
         return loss, optimizer
-    # +cudagraphs: the compiled model and loss replayed as CUDA graphs (what a launch-bound step gains without host work)
-    mode = "reduce-overhead" if system.get("cudagraphs") and COMPILE_BACKEND == "inductor" else None
+    # +cudagraphs: the compiled model and loss replayed as CUDA graphs (what a launch-bound step gains without host
+    # work); +autotune: inductor benchmarks GEMM kernels (Triton templates with fused epilogues) against cuBLAS.
+    modes = {(False, False): None, (True, False): "reduce-overhead", (False, True): "max-autotune-no-cudagraphs",
+             (True, True): "max-autotune"}
+    mode = modes[bool(system.get("cudagraphs")), bool(system.get("autotune"))] if COMPILE_BACKEND == "inductor" else None
     return torch.compile(loss, backend=COMPILE_BACKEND, mode=mode), optimizer
 
 

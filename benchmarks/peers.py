@@ -7,8 +7,8 @@ Systems (each in fresh processes started by torchrun, same model, same initial w
   fsdp@DP,TP     Lightning ``ModelParallelStrategy``: FSDP2 (bf16 params, fp32 reduce) over DP, DTensor TP over TP
   ours@DP,PP,TP  ``Compressed3DStrategy`` (compression off unless ``+cc``)
 Suffixes: ``+compile`` (per-block torch.compile, and the loss; hf: the whole model and loss), ``+autotune`` (compile
-with "max-autotune-no-cudagraphs"), ``+whole`` (plain only: ``torch.compile`` of the whole model with its loss, as a
-user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (ours only: the default compression
+with "max-autotune-no-cudagraphs"; with +whole, the whole model's compile in that mode), ``+whole`` (plain only:
+``torch.compile`` of the whole model with its loss, as a user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (ours only: the default compression
 stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``, no layer fused), ``+fuse`` (ours only:
 ``gradient_accumulation_fusion=True``, every fusable layer fused; without either, ours runs the strategy's default
 ``"auto"``: only weights of at least 2**23 elements, docs/speed.md), ``+fusedce`` (GPT, plain and ours: the
@@ -79,8 +79,9 @@ def parse_system(text: str, gpus: int) -> dict:
             only = ONLY_FOR[suffix]
             raise argparse.ArgumentTypeError(f"{text!r}: +{suffix} is for {' and '.join(only)}"
                                              f"{' only' if len(only) == 1 else ''}, not {name}")
-    if "whole" in suffixes and ("compile" in suffixes or "autotune" in suffixes):
-        raise argparse.ArgumentTypeError(f"{text!r}: +whole compiles the whole model; drop +compile/+autotune")
+    if "whole" in suffixes and "compile" in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +whole compiles the whole model; drop +compile (+autotune sets"
+                                         " its mode)")
     if "whole" in suffixes and "fusedce" in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +fusedce runs its chunks outside the compiled model; not with +whole")
     if "cudagraphs" in suffixes and name == "plain" and "whole" not in suffixes:

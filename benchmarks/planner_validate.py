@@ -170,6 +170,8 @@ def measure(m: Model, c: Config, *, steps: int, warmup: int, timeout: float, log
     ms = row["step_ms"]
     return {"step_s": ms["median"] / 1e3, "step_p10_s": ms["p10"] / 1e3, "step_p90_s": ms["p90"] / 1e3,
             "peak_bytes": row["peak_mem_gb"] * 1e9 if row.get("peak_mem_gb") else None,
+            # CUDA graphs' pool, of which peak_bytes includes what the allocator does not count (train_throughput)
+            "graph_pool_bytes": row["graph_pool_gb"] * 1e9 if row.get("graph_pool_gb") else None,
             "run_s": round(time.monotonic() - t0, 1)}
 
 

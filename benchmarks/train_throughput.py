@@ -172,6 +172,11 @@ def worker(args: argparse.Namespace) -> None:
             self._start = self._last_end = 0.0
             self.loss = float("nan")
 
+        @staticmethod
+        def _graphs(trainer: pl.Trainer) -> Any:
+            runtime = trainer.strategy.pipeline_runtime
+            return getattr(runtime, "graphs", None)
+
         def _now(self, trainer: pl.Trainer) -> float:
             if cuda:
                 torch.cuda.synchronize(trainer.strategy.root_device)
@@ -191,6 +196,11 @@ def worker(args: argparse.Namespace) -> None:
                 self.loop_s.append(end - self._last_end)
             self._last_end = end
             self.loss = float(out["loss"]) if isinstance(out, dict) else float(out)
+            if cuda and trainer.global_step == 1 and self._graphs(trainer) is not None:
+                # The captures happened in this first step, each counted while it ran; from here on the replays use
+                # pool memory the allocator does not count, added at the end (StageGraphs.memory).
+                self.capture_peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
+                torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
             if getattr(self, "profiler", None) is not None and trainer.global_step == args.warmup + 2:
                 self.profiler.__exit__(None, None, None)
                 averages = self.profiler.key_averages()
@@ -205,8 +215,13 @@ def worker(args: argparse.Namespace) -> None:
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             # Peak over the fit, and what was still allocated when this variant started (earlier variants of the same
             # processes leave next to nothing: tests/test_teardown.py).
-            mem = ([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), self.start_mem]
-                   if cuda else [0, 0, 0])
+            peak, pool = (torch.cuda.max_memory_allocated(device), {"reserved": 0, "allocated": 0}) if cuda else (0, None)
+            graphs = self._graphs(trainer) if cuda else None
+            if graphs is not None:
+                pool = graphs.memory()
+                peak = max(getattr(self, "capture_peak", 0), peak + pool["reserved"] - pool["allocated"])
+            mem = ([peak, torch.cuda.max_memory_reserved(device), self.start_mem, pool["reserved"]]
+                   if cuda else [0, 0, 0, 0])
             mem = torch.tensor(mem, dtype=torch.float64, device=device)  # max over ranks, on the NCCL device
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             # Bytes of the last step summed over ranks, per traffic kind (the strategy's own accounting).
@@ -224,6 +239,8 @@ def worker(args: argparse.Namespace) -> None:
                     "peak_mem_gb": mem[0].item() / 1e9 if cuda else None,
                     "peak_reserved_gb": mem[1].item() / 1e9 if cuda else None,
                     "start_mem_gb": mem[2].item() / 1e9 if cuda else None,
+                    # CUDA graphs' pool (0 without graphs); peak_mem_gb adds the part of it the allocator does not count
+                    "graph_pool_gb": mem[3].item() / 1e9 if cuda else None,
                     "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}))
 
     schedule, virtual_stages = layout_schedule(args, pp)

@@ -302,6 +302,7 @@ def test_peers_system_suffixes() -> None:
     assert ours_strategy(knobs, parse_system("ours@1,1,1+nocheck", gpus=1)).on_nonfinite == "ignore"
     assert ours_strategy(knobs, parse_system("ours@1,1,1", gpus=1)).on_nonfinite == "skip"
     assert parse_system("plain+whole+explicit", gpus=1)["explicit"]
+    assert parse_system("plain+whole+autotune", gpus=1)["autotune"]  # the whole model's compile, autotuned
     assert not parse_system("plain+whole", gpus=1)["explicit"]
     # +torchsdpa / +nocudnn: our recipes under sdpa_backends="torch" / "no_cudnn"; without them the recipes' default
     # "auto", resolved when the model is built (static here: "torch")

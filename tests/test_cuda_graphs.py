@@ -125,6 +125,7 @@ def test_graphs_replay_the_captured_shape_and_run_other_shapes_eagerly(monkeypat
     assert install.graphs.replays == 4 and install.graphs.eager == 2  # the full batches' four; the last batch's two
     assert [tuple(ids.shape) for ids in capture.calls] == [(2, 16)] * 4
     assert not capture.pending  # every replayed forward got its backward
+    assert install.graphs.memory() == {"reserved": 0, "allocated": 0}  # the stand-in holds no CUDA pool
 
 
 @pytest.mark.skipif(GPU, reason="the stand-in is for CPU runs")
@@ -180,10 +181,15 @@ def test_a_stage_that_cannot_be_captured_stops_with_what_failed() -> None:
 # ----- the real capture (GPU) -----------------------------------------------------------------------------------------
 def _gpu_fit(recipe: str, cuda_graphs: bool, steps: int = 4, accumulate: int = 1, data=None, **kwargs):
     losses: list[float] = []
+    pool: dict[str, int] = {}
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             losses.append(float(outputs["loss"]))
+
+        def on_train_end(self, trainer, module) -> None:  # before the strategy's teardown frees the graphs
+            graphs = trainer.strategy.pipeline_runtime.graphs
+            pool.update(graphs.memory() if graphs is not None else {})
 
     torch.manual_seed(0)
     if recipe == "gpt":
@@ -198,6 +204,9 @@ def _gpu_fit(recipe: str, cuda_graphs: bool, steps: int = 4, accumulate: int = 1
     trainer.fit(module, datamodule=data)
     graphs = strategy.engine.runtime.graphs
     counts = (graphs.replays, graphs.eager) if graphs is not None else None
+    if graphs is not None:
+        assert graphs.memory() == {"reserved": 0, "allocated": 0}  # released at teardown
+        counts += (pool,)
     return losses, [p.detach().float().cpu() for p in module.parameters()], counts
 
 
@@ -222,18 +231,23 @@ LOSS_RTOL = 2**-8
 )
 def test_graphed_fits_equal_eager_fits(recipe: str, kwargs: dict, accumulate: int) -> None:
     eager_losses, eager_params, _ = _gpu_fit(recipe, False, accumulate=accumulate, **kwargs)
-    graphed_losses, graphed_params, (replays, eager) = _gpu_fit(recipe, True, accumulate=accumulate, **kwargs)
+    graphed_losses, graphed_params, (replays, eager, pool) = _gpu_fit(recipe, True, accumulate=accumulate, **kwargs)
     assert replays == 4 * accumulate * 2 and eager == 0  # every micro-batch replays (the first after its capture)
     torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=LOSS_RTOL, atol=0)
     for a, b in zip(graphed_params, eager_params):
         torch.testing.assert_close(a, b, rtol=0, atol=2 * 3e-4 * 4)  # the recipes' learning rate, 4 steps
-    print(f"{recipe} {kwargs} accumulate={accumulate}: bitwise equal losses: {graphed_losses == eager_losses}")
+    # The pool holds the backward graph's gradient buffers, counted as allocated (fp32 parameters: 4 bytes each), and
+    # the activations kept between the two graphs, which the allocator counts as free (StageGraphs.memory).
+    gradient_bytes = sum(4 * p.numel() for p in graphed_params)
+    assert pool["allocated"] >= gradient_bytes and pool["reserved"] > pool["allocated"], (pool, gradient_bytes)
+    print(f"{recipe} {kwargs} accumulate={accumulate}: bitwise equal losses: {graphed_losses == eager_losses};"
+          f" graph pool {pool}")
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
 def test_a_last_batch_of_other_shapes_runs_eagerly_on_the_gpu() -> None:
     with pytest.warns(UserWarning, match="such micro-batches run eagerly"):
-        graphed_losses, graphed_params, (replays, eager) = _gpu_fit("gpt", True, steps=3, data=Batches([8, 8, 4], 64, 512))
+        graphed_losses, graphed_params, (replays, eager, _) = _gpu_fit("gpt", True, steps=3, data=Batches([8, 8, 4], 64, 512))
     eager_losses, eager_params, _ = _gpu_fit("gpt", False, steps=3, data=Batches([8, 8, 4], 64, 512))
     assert (replays, eager) == (4, 2)  # batches of 8, 8, 4: four micro-batches of 4 replayed, two of 2 eager
     torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=LOSS_RTOL, atol=0)

@@ -236,6 +236,21 @@ class StageGraphs:
         self.eager += 1
         return stage(*received, microbatch=microbatch)
 
+    def memory(self) -> dict[str, int]:
+        """Bytes of the graphs' memory pool on this device: ``reserved`` (the pool's segments) and ``allocated`` (what
+        the caching allocator counts as live in them: the graphs' static outputs and gradient buffers).
+
+        The difference is what the replays use and ``torch.cuda.max_memory_allocated`` never sees: a replay allocates
+        nothing, so activations saved between a micro-batch's forward and backward graph and the graphs' temporaries
+        live in blocks the allocator counts as free. A run's resident peak is its counted peak after the captures
+        plus ``reserved - allocated`` (docs/speed.md, "CUDA graphs")."""
+        if self.pool is None:
+            return {"reserved": 0, "allocated": 0}
+        pool = tuple(self.pool)
+        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool]
+        return {"reserved": sum(s["total_size"] for s in segments),
+                "allocated": sum(s["allocated_size"] for s in segments)}
+
     def begin_step(self) -> None:
         """A step starts: a graphed forward whose backward never ran (a step that raised) is no longer pending."""
         for _, graphed in self.graphs.values():
