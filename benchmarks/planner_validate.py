@@ -30,14 +30,14 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import lightning_3d.recipes  # noqa: E402,F401  (registers the GPT and T5 recipes with the planner)
-from lightning_3d.costs import ClusterSpec, ProfiledCostModel  # noqa: E402
+from lightning_3d.costs import ClusterSpec, ModelShape, ProfiledCostModel, recipe_costs  # noqa: E402
 from lightning_3d.planner.model import Candidate, Workload, predict, simulate_candidate  # noqa: E402
 from lightning_3d.planner.profile import measure_tp_layers, profile_model  # noqa: E402
 
@@ -194,6 +194,18 @@ def without_tp_grids(doc: dict) -> dict:
     return dict(doc, layers={k: [e for e in v if not e.get("collectives")] for k, v in doc["layers"].items()})
 
 
+def shape_of(m: Model, cm: ProfiledCostModel) -> ModelShape:
+    """The profile's shape with the config's ``tied_embeddings`` (what the planner's API takes from the config;
+    profiles written before that field have it False)."""
+    cfg = config_dict(m, cpu=False)
+    try:
+        config_shape = recipe_costs(cfg["model"]["class_path"]).workload(cfg["model"]["init_args"],
+                                                                         cfg["data"]["init_args"], 2)[0]
+    except ValueError:  # not a recipe preset (the tests' synthetic profile): the profile's own shape
+        return cm.shape
+    return replace(cm.shape, tied_embeddings=config_shape.tied_embeddings)
+
+
 def has_tp_grids(doc: dict) -> bool:
     return any(e.get("collectives") for v in doc["layers"].values() for e in v)
 
@@ -201,20 +213,20 @@ def has_tp_grids(doc: dict) -> bool:
 def predict_both(m: Model, c: Config, doc: dict, cluster: ClusterSpec, cm: ProfiledCostModel):
     """The prediction with the profile as it is, and (when it holds measured tp grids and ``c`` uses tp) the one
     with those grids left out (derived from tp = 1 as before), for the before/after of the same run."""
-    w = Workload(cm.shape, m.seq, m.batch, cm, cluster, target_len=m.target)
+    w = Workload(shape_of(m, cm), m.seq, m.batch, cm, cluster, target_len=m.target)
     cand = candidate(m, c, cm)
     p = simulate_candidate(cand, w) if cand.pp > 1 else predict(cand, w)
     if cand.tp == 1 or not has_tp_grids(doc):
         return p, None
     cm0 = ProfiledCostModel(without_tp_grids(doc), derive_tp=True, compiled=c.compile)
-    w0 = Workload(cm0.shape, m.seq, m.batch, cm0, cluster, target_len=m.target)
+    w0 = Workload(shape_of(m, cm0), m.seq, m.batch, cm0, cluster, target_len=m.target)
     return p, simulate_candidate(cand, w0) if cand.pp > 1 else predict(cand, w0)
 
 
 def runahead_prediction(m: Model, c: Config, cm: ProfiledCostModel, cluster: ClusterSpec):
     """The prediction with ``Workload(host_runahead=True)``: the simulator times each pipeline rank's device and host
     apart, the host one action ahead (docs/planner.md); the rows record it beside the default's for pp > 1."""
-    w = Workload(cm.shape, m.seq, m.batch, cm, cluster, target_len=m.target, host_runahead=True)
+    w = Workload(shape_of(m, cm), m.seq, m.batch, cm, cluster, target_len=m.target, host_runahead=True)
     return simulate_candidate(candidate(m, c, cm), w)
 
 
@@ -224,7 +236,7 @@ def tp_grid_lines(m: Model, doc: dict, cluster: ClusterSpec) -> list[str]:
     if not has_tp_grids(doc):
         return []
     cm0 = ProfiledCostModel(without_tp_grids(doc), derive_tp=True)
-    w0 = Workload(cm0.shape, m.seq, m.batch, cm0, cluster, target_len=m.target)
+    w0 = Workload(shape_of(m, cm0), m.seq, m.batch, cm0, cluster, target_len=m.target)
     out = []
     for kind, entries in doc["layers"].items():
         for e in entries:
@@ -508,22 +520,28 @@ def recompute(report_path: str, profiles: dict[str, str], host_runahead: bool = 
                 continue
             c = next(c for c in m.configs if c.label() == row["config"])
             cm = ProfiledCostModel(doc, derive_tp=True, compiled=c.compile)
-            w = Workload(cm.shape, m.seq, m.batch, cm, ClusterSpec(1, gpus, cm.device, intra, intra), target_len=m.target,
+            w = Workload(shape_of(m, cm), m.seq, m.batch, cm, ClusterSpec(1, gpus, cm.device, intra, intra), target_len=m.target,
                          host_runahead=host_runahead)
             cand = candidate(m, c, cm)
             p = simulate_candidate(cand, w) if cand.pp > 1 else predict(cand, w)
-            new = dict(row, predicted_step_s=p.step_time, time_error=p.step_time / row["step_s"] - 1)
+            new = dict(row, predicted_step_s=p.step_time, time_error=p.step_time / row["step_s"] - 1,
+                       predicted_peak_bytes=p.peak_memory,
+                       memory_error=p.peak_memory / row["peak_bytes"] - 1 if row.get("peak_bytes") else None)
             rows_old.append(row), rows_new.append(new)
             terms = breakdown(cand, w) if cand.pp == 1 else {}
+            memory = (f"; memory old {100 * row['memory_error']:+.1f} % new {100 * new['memory_error']:+.1f} %"
+                      if row.get("memory_error") is not None and new["memory_error"] is not None else "")
             print(f"  {name:9s} {row['config']:24s} meas {row['step_s'] * 1e3:7.1f} old {row['predicted_step_s'] * 1e3:7.1f}"
                   f" ({100 * row['time_error']:+6.1f} %) new {p.step_time * 1e3:7.1f} ({100 * new['time_error']:+6.1f} %)"
-                  f"  per-mb ms {terms}", flush=True)
+                  f"{memory}  per-mb ms {terms}", flush=True)
         out["models"][name] = {"old": summarize(rows_old), "new": summarize(rows_new), "rows": rows_new}
         every_old += rows_old
         every_new += rows_new
         old, new = out["models"][name]["old"], out["models"][name]["new"]
         print(f"  {name}: MAPE old {100 * old.get('time_mape', 0):.1f} % new {100 * new.get('time_mape', 0):.1f} %;"
-              f" spearman old {old.get('spearman') or 0:.3f} new {new.get('spearman') or 0:.3f}; tp grids measured:"
+              f" spearman old {old.get('spearman') or 0:.3f} new {new.get('spearman') or 0:.3f}; memory max error old"
+              f" {100 * (old.get('memory_max_abs_error') or 0):.1f} % new {100 * (new.get('memory_max_abs_error') or 0):.1f} %;"
+              " tp grids measured:"
               f" {'yes' if has_tp_grids(doc) else 'no (derived from tp = 1)'}")
     out["all"] = {"old": summarize(every_old), "new": summarize(every_new)}
     print(f"ALL: MAPE old {100 * out['all']['old'].get('time_mape', 0):.1f} % new {100 * out['all']['new'].get('time_mape', 0):.1f} %")

@@ -1,6 +1,7 @@
 """The planner and ``Compressed3DStrategy(cuda_graphs=True)`` (docs/planner.md, "CUDA graphs"): the search offers it
 where the strategy accepts it (pp = tp = 1), a graphed micro-batch costs its layers' device seconds plus the
-per-micro-batch overhead, a graphed rank holds one more gradient per parameter, and the plan sets the option.
+per-micro-batch overhead, a graphed rank holds the gradient buffers its stored activations do not cover, and the
+plan sets the option.
 On the checked-in synthetic profile with version-2 host and overhead fields added (as tests/test_planner_overheads.py
 does)."""
 
@@ -109,21 +110,33 @@ def test_a_device_bound_step_predicts_the_same_with_and_without_graphs() -> None
     assert not any(p.candidate.cuda_graphs for p in search(w, 1, SearchOptions(top_k=10)).top)
 
 
-def test_a_graphed_rank_holds_one_more_gradient_per_parameter() -> None:
-    w = _workload(_doc(1e-4, 1e-3, 0.0))
-    c = Candidate(1, 1, 1, 2, 4, "1f1b", 1, (LAYERS,), (False,), False)
-    eager, graphed = predict(c, w), predict(replace(c, cuda_graphs=True), w)
-    assert graphed.peak_memory - eager.peak_memory == 4 * _params(w)  # fp32 gradients: 4 bytes per parameter
-    # The strategy's fit check (costs/memory.py) adds the same buffers, in the gradients' dtype.
-    layout = MemoryLayout((LAYERS,), (False,), 2, 4, precision="bf16-mixed")
-    for precision, size in (("bf16-mixed", 4), ("bf16-true", 2)):
-        lay = replace(layout, precision=precision)
-        base = layout_memory(w.cost_model, w.shape, SEQ, lay)[0]
-        on = layout_memory(w.cost_model, w.shape, SEQ, replace(lay, cuda_graphs=True))[0]
-        assert on.graph_buffers == on.grads == size * _params(w) and base.graph_buffers == 0
-        assert on.total - base.total == size * _params(w)
-        assert on.components()["CUDA graphs' gradient buffers"] == on.graph_buffers
-        assert "CUDA graphs' gradient buffers" not in base.components()
+def test_a_graphed_rank_holds_the_gradients_its_activations_do_not_cover() -> None:
+    # The backward graph's gradient buffers take the pool blocks the micro-batch's stored activations free
+    # (costs/memory.py, graph_gradient_bytes): the rank holds max(0, gradient bytes - one micro-batch's stored
+    # activations) more than eager. The synthetic model's 4-byte gradients (0.67 GB) exceed the activations of one
+    # sequence checkpointed (0.09 GB) and plain (0.34 GB), and are covered by those of two sequences and more.
+    w = _workload(_doc(1e-4, 1e-3, 0.0), batch=16)
+    seen = set()
+    for mbs, m, ckpt in ((1, 16, True), (1, 16, False), (2, 8, False), (8, 2, False)):
+        c = Candidate(1, 1, 1, mbs, m, "1f1b", 1, (LAYERS,), (ckpt,), False)
+        eager, graphed = predict(c, w), predict(replace(c, cuda_graphs=True), w)
+        layout = MemoryLayout((LAYERS,), (ckpt,), mbs, m, precision="bf16-mixed")
+        stored = layout_memory(w.cost_model, w.shape, SEQ, layout)[0].activations  # one micro-batch in flight at pp = 1
+        extra = max(0.0, 4 * _params(w) - stored)  # fp32 gradients: 4 bytes per parameter
+        assert graphed.peak_memory - eager.peak_memory == pytest.approx(extra, rel=1e-12, abs=0)
+        seen.add(extra > 0)
+        # The strategy's fit check (costs/memory.py) adds the same buffers, in the gradients' dtype.
+        for precision, size in (("bf16-mixed", 4), ("bf16-true", 2)):
+            lay = replace(layout, precision=precision)
+            base = layout_memory(w.cost_model, w.shape, SEQ, lay)[0]
+            on = layout_memory(w.cost_model, w.shape, SEQ, replace(lay, cuda_graphs=True))[0]
+            assert on.grads == size * _params(w) and base.graph_buffers == 0
+            assert on.graph_buffers == max(0.0, size * _params(w) - base.activations)
+            assert on.total - base.total == on.graph_buffers
+            if on.graph_buffers:
+                assert on.components()["CUDA graphs' gradient buffers"] == on.graph_buffers
+            assert "CUDA graphs' gradient buffers" not in base.components()
+    assert seen == {True, False}  # both regimes ran
 
 
 def _gpu_config() -> dict:

@@ -131,3 +131,24 @@ def test_host_runahead_times_device_and_host_apart_in_the_simulator() -> None:
     p, q = simulate_candidate(c, ahead), simulate_candidate(c, w)
     assert p.pipeline_time == pytest.approx(t.makespan, rel=1e-12)
     assert p.pipeline_time <= q.pipeline_time <= pipeline_time("1f1b", 2, 1, 4, fwd, bwd, fsend, bsend) * (1 + 1e-12)
+
+
+def test_one_stage_holds_a_tied_head_once() -> None:
+    """The recipes tie the head to the embedding (model_shape reads it): a rank holding both, at pp = 1, holds the
+    weight once, with its gradient and AdamW state (16 bytes per parameter); at pp = 2 each end stage holds a copy
+    (the strategy's tied-gradient synchronisation), as the fit check counts it (costs/memory.py, ``tied_head``)."""
+    from lightning_3d.costs import AnalyticCostModel, model_shape
+    from lightning_3d.recipes.gpt.config import preset
+
+    tied = model_shape(preset("tiny", vocab_size=4096, seq_length=64))
+    untied = model_shape(preset("tiny", vocab_size=4096, seq_length=64, tie_embeddings=False))
+    assert tied.tied_embeddings and not untied.tied_embeddings and tied == untied  # the layers are the same
+    cluster = ClusterSpec(1, 2, device_spec("h100"), 300e9, 25e9)
+    work = {t: Workload(s, 64, 8, AnalyticCostModel(s, cluster.device), cluster, memory_reserve=0.0)
+            for t, s in ((True, tied), (False, untied))}
+    layers = tied.num_layers
+    one = Candidate(1, 1, 1, 2, 4, "1f1b", 1, (layers,), (False,), False)
+    two = Candidate(1, 2, 1, 2, 4, "1f1b", 1, (layers // 2, layers - layers // 2), (False, False), False)
+    embedding = layer_parameters(tied, "embedding", 1)
+    assert predict(one, work[False]).peak_memory - predict(one, work[True]).peak_memory == 16 * embedding
+    assert predict(two, work[False]).peak_memory == predict(two, work[True]).peak_memory

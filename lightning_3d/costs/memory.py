@@ -37,13 +37,16 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
     return min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1)
 
 
-def graph_gradient_bytes(params: float, grad_bytes_per_param: float) -> float:
+def graph_gradient_bytes(params: float, grad_bytes_per_param: float, stored: float = 0.0) -> float:
     """The extra bytes of a stage trained with ``cuda_graphs=True`` (pipeline/graphs.py): its backward graph writes
     every trainable parameter's gradient into a fixed output buffer of the parameters' dtype, held for the whole run
-    on top of ``.grad``. Not counted: the graph's input buffers (one micro-batch's token ids: KiB) and its memory
-    pool, which holds the micro-batch's activations and working memory, what an eager stage holds at its peak too.
-    docs/planner.md, "CUDA graphs"."""
-    return params * grad_bytes_per_param
+    on top of ``.grad``. The buffers live in the graphs' shared memory pool, where the backward's capture frees the
+    micro-batch's ``stored`` activations as it writes them, so the allocator hands the buffers those blocks first
+    (the forward replay of the next micro-batch overwrites them after autograd has taken the gradients): the rank
+    holds only what the gradients exceed one micro-batch's stored activations by. The pool otherwise holds the
+    micro-batch's activations and working memory, what an eager stage holds at its peak too. Not counted: the
+    graph's input buffers (one micro-batch's token ids: KiB). docs/planner.md, "CUDA graphs"."""
+    return max(0.0, params * grad_bytes_per_param - stored)
 
 
 def rank_memory(state: float, held_chunks: int, stored: float, transient: float) -> float:
@@ -192,7 +195,7 @@ def layout_memory(cost_model: CostModel, shape: ModelShape, seq_len: int, layout
         params = sum(p for p, _, _ in mine)
         held = in_flight(layout.schedule, layout.pp, layout.virtual_stages, layout.num_microbatches, r)
         stored, transient = max(s for _, s, _ in mine), max(t for _, _, t in mine)
-        graphs = graph_gradient_bytes(params, state.grads) if layout.cuda_graphs else 0.0
+        graphs = graph_gradient_bytes(params, state.grads, stored) if layout.cuda_graphs else 0.0
         out.append(RankMemory(params * state.weights, params * state.grads, params * state.optimizer,
                               rank_memory(0.0, held, stored, 0.0), transient, held, graphs))
     return out

@@ -9,7 +9,7 @@ profiled, outside the profiled grid) cost ``inf``, so a search never picks them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -58,6 +58,9 @@ class ModelShape:
     ``num_layers`` × "encoder_block", ``num_decoder_layers`` × "decoder_block", head). ``head_dim`` defaults to
     hidden_size / num_heads; ``gated_ffn``: two input projections in the feed-forward layer (T5 v1.1, SwiGLU).
     ``bytes_per_element``: of activations and weights in the compute dtype (2 for bf16, 4 for fp32).
+    ``tied_embeddings``: the head's weight is the embedding's (GPT and T5 v1.0 by default): a rank holding both (one
+    pipeline stage) holds it once. Not part of the shape's equality: a profile's layers are the same either way, and
+    profiles written before the field have it False.
     """
 
     family: Literal["gpt", "t5"]
@@ -70,6 +73,7 @@ class ModelShape:
     head_dim: int | None = None
     gated_ffn: bool = False
     bytes_per_element: int = 2
+    tied_embeddings: bool = field(default=False, compare=False)
 
     def layer_kinds(self) -> list[LayerKind]:
         """The model's layers in pipeline order (what ``pipeline_layer_split`` cuts, plus embedding and head)."""

@@ -23,10 +23,11 @@ def model_shape(config: object, *, bytes_per_element: int = 2, tensor_parallel_s
     if hasattr(config, "decoder_layers") and hasattr(config, "feed_forward"):
         return ModelShape("t5", config.num_layers, config.hidden_size, config.num_heads, config.ffn_hidden_size, vocab,
                           num_decoder_layers=config.decoder_layers, head_dim=config.head_dim,
-                          gated_ffn=config.feed_forward != "relu", bytes_per_element=bytes_per_element)
+                          gated_ffn=config.feed_forward != "relu", bytes_per_element=bytes_per_element,
+                          tied_embeddings=bool(getattr(config, "tie_embeddings", False)))
     ffn = getattr(config, "ffn_size", None) or getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size
     return ModelShape("gpt", config.num_layers, config.hidden_size, config.num_heads, ffn, vocab,
-                      bytes_per_element=bytes_per_element)
+                      bytes_per_element=bytes_per_element, tied_embeddings=bool(getattr(config, "tie_embeddings", False)))
 
 
 # ----- recipes register how the planner and the profiler read them -------------------------------------------------

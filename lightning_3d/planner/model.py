@@ -214,6 +214,8 @@ def stage_terms(c: Candidate, w: Workload) -> tuple[list[float], ...]:
             if is_end:
                 st, pk, p = st + x[2], max(pk, x[3]), p + x[4]
                 df, db, hf, hb = df + x[5], db + x[6], hf + x[7], hb + x[8]
+        if c.num_stages == 1 and w.shape.tied_embeddings:
+            p -= emb[4]  # one stage holds the embedding and the head that shares its weight: one tensor, not two
         if c.cuda_graphs:
             # One replay launches the embedding's, blocks' and head's (the loss's) kernels: no per-layer host time.
             # The per-micro-batch overhead below stays: the engine's Python around each micro-batch, the forward and
@@ -351,7 +353,7 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
         if c.compression and c.dp > 1 and w.cluster.bandwidth(c.dp, pp * c.tp) < w.sc_max_link_gbps * 1e9:
             state += params_rank[r] * w.grad_bytes_per_param  # SC's error feedback
         if c.cuda_graphs:
-            state += graph_gradient_bytes(params_rank[r], w.grad_bytes_per_param)
+            state += graph_gradient_bytes(params_rank[r], w.grad_bytes_per_param, max(stored[s] for s in stages))
         memory.append(rank_memory(state, held, max(stored[s] for s in stages), max(peak[s] for s in stages)))
     tokens = w.global_batch_size * (w.target_len if w.shape.family == "t5" and w.target_len else w.seq_len)
     fixed = float(getattr(w.cost_model, "step_overhead_seconds", 0.0) or 0.0)  # measured by the profiler
