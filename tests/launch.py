@@ -93,6 +93,13 @@ def _run_rank(rank: int, world_size: int, nodes: int, name: str, report: Path, a
 
     rank_zero_only.rank = rank
     module = f"tests.scenarios.{name}"
+    # Data-loader workers start from a fork server (recipes/data/loader.worker_options), which this rank starts with a
+    # fresh interpreter at its first worker; each worker then imports the scenario (torch, Lightning, lightning_3d) to
+    # unpickle its dataset, once per fit. Imported once in the fork server instead, as tests/conftest.py does for the
+    # in-process tests; the workers are still started the library's way.
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload([module])
     sys.argv = [module, "--report", str(report), *args]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
