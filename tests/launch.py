@@ -16,6 +16,7 @@ On CPU, ranks other than 0 end after every exit handler has run (the library's o
 among them) without the interpreter's final teardown of its modules: that teardown is seconds of CPU per process with
 torch and Lightning loaded, and it ran for every rank on a machine with fewer cores than ranks. Rank 0 still exits
 through the whole shutdown, so every launch keeps checking that a rank ends cleanly after the library's teardown.
+The launcher, which only imported and forked, ends the same way as ranks 1 and up.
 """
 
 from __future__ import annotations
@@ -188,6 +189,8 @@ def main() -> None:
     report = Path(report)
     failed = _launch(int(world_size), int(nodes), name, report, float(timeout), args)
     report.with_suffix(".launch.json").write_text(json.dumps({"failed": failed}))
+    # The launcher only imported and forked: its own teardown, which the test waits for, would check nothing.
+    _SKIP_TEARDOWN.append(0)
 
 
 if __name__ == "__main__":
