@@ -225,11 +225,24 @@ def test_convergence_seeds_and_a_stop_by_sigterm(tmp_path: Path) -> None:
 
     data = _tiny_blocks(tmp_path / "data")
     first_loss = {}
+    # The two seeds' runs side by side (torchrun --standalone: each its own port); most of a run is its processes'
+    # imports, which use one core each.
+    runs = {}
     for seed in (None, 1):
         out = tmp_path / f"seed{seed}.json"
         cmd = _convergence_cmd(data, out, 2, "--modes", "off", *([] if seed is None else ["--seed", str(seed)]))
-        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
-        summary = json.loads(out.read_text())
+        runs[seed] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for seed, run in runs.items():
+            output = run.communicate(timeout=600)[0]
+            assert run.returncode == 0, (seed, output[-4000:])
+    finally:  # a failed or hung run must not leave the other one training
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    for seed in runs:
+        summary = json.loads((tmp_path / f"seed{seed}.json").read_text())
         assert summary["seed"] == (seed or 0)
         curve = summary["curves"]["off"]
         assert curve["done"] and len(curve["val"]) == 1 and [s for s, _ in curve["train"]] == [1, 2]

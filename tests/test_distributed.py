@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,15 @@ def test_checkpoint_saved_at_222_resumes_in_other_layouts(tmp_path: Path) -> Non
     folder = tmp_path / "ckpt"
     saved = run_scenario(8, "reshard", ["--world", "8", "--extra", f"save,{folder}"], tmp_path / "save.json", timeout=900)
     losses = {recipe: {"1,4,2": saved[recipe]["1,4,2"]} for recipe in ("gpt", "t5")}
-    for world, layout in ((2, "2,1,1"), (1, "1,1,1")):
-        report = run_scenario(world, "reshard", ["--world", str(world), "--extra", f"resume,{folder},{layout}"],
-                              tmp_path / f"resume{world}.json", timeout=600)
-        for recipe in losses:
-            losses[recipe][layout] = report[recipe]
+    # The two resumes only read the checkpoint: side by side (3 processes; each launch has its own port and report).
+    with ThreadPoolExecutor(2) as pool:
+        reports = {layout: pool.submit(run_scenario, world, "reshard",
+                                       ["--world", str(world), "--extra", f"resume,{folder},{layout}"],
+                                       tmp_path / f"resume{world}.json", timeout=600)
+                   for world, layout in ((2, "2,1,1"), (1, "1,1,1"))}
+        for layout, report in reports.items():
+            for recipe in losses:
+                losses[recipe][layout] = report.result()[recipe]
     for recipe, by_layout in losses.items():
         expected = saved[recipe]["straight"][2]
         for layout, loss in by_layout.items():
