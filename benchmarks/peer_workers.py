@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from benchmarks.graph_memory import GraphedPeak
 from benchmarks.hf_peers import (compile_counters, plain_peer, recipe_module, sdpa_backends_of, synthetic_data,
                                  synthetic_datamodule)
 from lightning_3d.recipes import GPT
@@ -227,16 +228,18 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
         module, batch, accumulate = make_gpt(args, system, FSDPGPT), mb, m
     steps = total_steps(args)
     timer = StepTimer(accumulate, args.warmup, args.steps, StepProfiler(args))
+    graphed = GraphedPeak()  # with cuda_graphs, the resident peak (benchmarks/graph_memory.py)
     trainer = pl.Trainer(accelerator=args.accelerator, devices=system["world"], strategy=strategy,
                          precision="bf16-mixed", max_steps=steps, accumulate_grad_batches=accumulate,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[timer, graphed])
     data = synthetic_datamodule(args, batch, batch * system["dp"] * accumulate * (steps + 1))
     trainer.fit(module, datamodule=data)
     device = trainer.strategy.root_device
     times = torch.tensor(timer.step_s, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    return _result(times.tolist(), timer.losses, device, reduce=True)
+    return _result(times.tolist(), timer.losses, device, reduce=True, graphed=graphed)
 
 
 class StepProfiler:
@@ -279,9 +282,11 @@ def total_steps(args: argparse.Namespace) -> int:
     return args.warmup + args.steps + (2 if args.profile or args.trace else 0)
 
 
-def _result(step_s: list[float], losses: list[float], device: torch.device, reduce: bool = False) -> dict:
+def _result(step_s: list[float], losses: list[float], device: torch.device, reduce: bool = False,
+            graphed: GraphedPeak | None = None) -> dict:
     cuda = device.type == "cuda"
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], dtype=torch.float64, device=device)
+    counted = (graphed.peak(device) if graphed is not None else torch.cuda.max_memory_allocated(device)) if cuda else 0
+    peak = torch.tensor([counted], dtype=torch.float64, device=device)
     if reduce:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # Allocator retries (cudaMalloc failed, cache flushed, retried): a step near the memory limit that varies in time.

@@ -152,6 +152,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from lightning.pytorch.loggers import CSVLogger
 
+    from benchmarks.graph_memory import GraphedPeak
     from lightning_3d import Compressed3DStrategy
     from lightning_3d.utils.comm_stats import KINDS as TRAFFIC_KINDS
     from lightning_3d.recipes import GPT, T5
@@ -171,11 +172,7 @@ def worker(args: argparse.Namespace) -> None:
             self.step_s, self.loop_s = [], []  # loop: batch end to batch end, also data loading and H2D copy
             self._start = self._last_end = 0.0
             self.loss = float("nan")
-
-        @staticmethod
-        def _graphs(trainer: pl.Trainer) -> Any:
-            runtime = trainer.strategy.pipeline_runtime
-            return getattr(runtime, "graphs", None)
+            self.graphed = GraphedPeak()
 
         def _now(self, trainer: pl.Trainer) -> float:
             if cuda:
@@ -196,11 +193,8 @@ def worker(args: argparse.Namespace) -> None:
                 self.loop_s.append(end - self._last_end)
             self._last_end = end
             self.loss = float(out["loss"]) if isinstance(out, dict) else float(out)
-            if cuda and trainer.global_step == 1 and self._graphs(trainer) is not None:
-                # The captures happened in this first step, each counted while it ran; from here on the replays use
-                # pool memory the allocator does not count, added at the end (StageGraphs.memory).
-                self.capture_peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
-                torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+            if cuda:
+                self.graphed.on_train_batch_end(trainer, module, out, batch, idx)
             if getattr(self, "profiler", None) is not None and trainer.global_step == args.warmup + 2:
                 self.profiler.__exit__(None, None, None)
                 averages = self.profiler.key_averages()
@@ -215,13 +209,10 @@ def worker(args: argparse.Namespace) -> None:
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             # Peak over the fit, and what was still allocated when this variant started (earlier variants of the same
             # processes leave next to nothing: tests/test_teardown.py).
-            peak, pool = (torch.cuda.max_memory_allocated(device), {"reserved": 0, "allocated": 0}) if cuda else (0, None)
-            graphs = self._graphs(trainer) if cuda else None
-            if graphs is not None:
-                pool = graphs.memory()
-                peak = max(getattr(self, "capture_peak", 0), peak + pool["reserved"] - pool["allocated"])
-            mem = ([peak, torch.cuda.max_memory_reserved(device), self.start_mem, pool["reserved"]]
-                   if cuda else [0, 0, 0, 0])
+            if cuda:  # with cuda_graphs, the resident peak: the pool's uncounted bytes added (benchmarks/graph_memory.py)
+                self.graphed.on_train_end(trainer, module)
+            mem = ([self.graphed.peak(device), torch.cuda.max_memory_reserved(device), self.start_mem,
+                    self.graphed.pool_bytes] if cuda else [0, 0, 0, 0])
             mem = torch.tensor(mem, dtype=torch.float64, device=device)  # max over ranks, on the NCCL device
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             # Bytes of the last step summed over ranks, per traffic kind (the strategy's own accounting).

@@ -464,3 +464,41 @@ def test_host_time_t5_counts_the_fused_accumulations(tmp_path: Path) -> None:
     for r in (on, off):
         assert len(r["gc"]["garbage_per_step"]) == 1 and r["gc"]["garbage_per_step"][0]["objects"] >= 0
         assert r["gc"]["frozen_objects"] > r["gc"]["tracked_objects"] // 2 > 0
+
+
+def test_graphed_peak_adds_the_pool_bytes_the_allocator_does_not_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/graph_memory.py: without graphs the counted peak; with them, the larger of the first step's counted
+    peak (the captures) and the later steps' counted peak plus the pool's uncounted bytes."""
+    import types
+
+    import torch
+
+    from benchmarks.graph_memory import GraphedPeak
+
+    counted = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counted["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: counted.update(peak=-1))
+
+    class Graphs:
+        def memory(self) -> dict:
+            return {"reserved": 700, "allocated": 200}
+
+    def trainer(step: int, graphs) -> types.SimpleNamespace:
+        strategy = types.SimpleNamespace(root_device="cuda:0", pipeline_runtime=types.SimpleNamespace(graphs=graphs))
+        return types.SimpleNamespace(global_step=step, strategy=strategy)
+
+    eager = GraphedPeak()
+    counted["peak"] = 1000
+    eager.on_train_batch_end(trainer(1, None), None, None, None, 0)
+    eager.on_train_end(trainer(3, None), None)
+    assert eager.peak("cuda:0") == 1000 and eager.pool_bytes == 0 and counted["peak"] == 1000  # nothing reset
+    for first, later, resident in ((1000, 900, 1400), (2000, 900, 2000)):
+        graphed = GraphedPeak()
+        counted["peak"] = first
+        graphed.on_train_batch_end(trainer(1, Graphs()), None, None, None, 0)
+        assert counted["peak"] == -1  # reset after the captures' step
+        counted["peak"] = later
+        graphed.on_train_batch_end(trainer(2, Graphs()), None, None, None, 1)  # later steps reset nothing
+        assert counted["peak"] == later
+        graphed.on_train_end(trainer(3, Graphs()), None)
+        assert graphed.peak("cuda:0") == resident and graphed.pool_bytes == 700  # max(first, later + 700 - 200)
