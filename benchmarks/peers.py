@@ -16,7 +16,7 @@ chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
 value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per
 attention), ``+cudagraphs`` (plain with +whole: the compiled model and loss replayed as CUDA graphs,
-``mode="reduce-overhead"``; ours: the strategy's ``cuda_graphs=True``, each stage's forward and backward replayed),
+``mode="reduce-overhead"``, its peak GB the allocator's counted peak, below what the graphs' pool holds; ours: the strategy's ``cuda_graphs=True``, each stage's forward and backward replayed),
 ``+torchsdpa`` (our recipes' systems: ``sdpa_backends="torch"``, SDPA under torch's own backend choice, cuDNN included),
 ``+nocudnn`` (our recipes' systems: ``sdpa_backends="no_cudnn"``, never cuDNN's attention); without either the recipes'
 default ``"auto"``, which on these fixed shapes is ``"torch"`` (recipes/attention.py), ``+pygc`` (ours only:

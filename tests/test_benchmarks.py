@@ -502,3 +502,25 @@ def test_graphed_peak_adds_the_pool_bytes_the_allocator_does_not_count(monkeypat
         assert counted["peak"] == later
         graphed.on_train_end(trainer(3, Graphs()), None)
         assert graphed.peak("cuda:0") == resident and graphed.pool_bytes == 700  # max(first, later + 700 - 200)
+
+
+def test_the_whole_model_compiles_in_the_mode_its_suffixes_ask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plain+whole: torch.compile's mode from +cudagraphs and +autotune (under inductor; the CPU tests' backend takes
+    no mode)."""
+    import argparse
+
+    import torch
+
+    import benchmarks.hf_peers as hf
+    from benchmarks.peers import parse_system
+
+    modes = []
+    monkeypatch.setattr(hf, "COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(torch, "compile", lambda fn, backend=None, mode=None: modes.append((backend, mode)) or fn)
+    args = argparse.Namespace(model="gpt", preset="tiny", vocab_size=300, seq_length=32)
+    for text, mode in (("plain+whole", None), ("plain+whole+cudagraphs", "reduce-overhead"),
+                       ("plain+whole+autotune", "max-autotune-no-cudagraphs"),
+                       ("plain+whole+autotune+cudagraphs", "max-autotune")):
+        modes.clear()
+        hf.plain_peer(args, parse_system(text, gpus=1), torch.device("cpu"))
+        assert modes[-1] == ("inductor", mode), text

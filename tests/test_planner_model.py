@@ -13,7 +13,8 @@ import pytest
 from lightning_3d.costs import ClusterSpec, ProfiledCostModel, device_spec, layer_parameters
 from lightning_3d.pipeline.schedules import build_schedule
 from lightning_3d.pipeline.timing import simulate
-from lightning_3d.planner.model import (Candidate, Workload, dp_allreduce, in_flight, pipeline_time, predict, send_times,
+from lightning_3d.planner.model import (Candidate, Workload, dp_allreduce, in_flight, lower_bound_memory, pipeline_time,
+                                        predict, send_times,
                                         simulate_candidate, stage_costs)
 
 PROFILE = Path(__file__).parent / "data" / "profiles" / "gpt_synthetic.json"
@@ -152,3 +153,24 @@ def test_one_stage_holds_a_tied_head_once() -> None:
     embedding = layer_parameters(tied, "embedding", 1)
     assert predict(one, work[False]).peak_memory - predict(one, work[True]).peak_memory == 16 * embedding
     assert predict(two, work[False]).peak_memory == predict(two, work[True]).peak_memory
+    # The search's lower bound drops it alike (else it could skip a one-stage layout that predict() fits).
+    assert lower_bound_memory(work[False], 1, 1) - lower_bound_memory(work[True], 1, 1) == 16 * embedding
+    assert lower_bound_memory(work[False], 1, 2) == lower_bound_memory(work[True], 1, 2)
+    # The strategy's fit check counts the same difference (costs/memory.py, ``tied_head``).
+    from lightning_3d.costs.memory import MemoryLayout, layout_memory
+
+    for pp, candidate in ((1, one), (2, two)):
+        layout = MemoryLayout(candidate.layer_split, candidate.stage_checkpointing, 2, 4, pp=pp)
+        fit = {t: max(r.total for r in layout_memory(work[t].cost_model, work[t].shape, 64, replace(layout, tied_head=t)))
+               for t in (True, False)}
+        planned = {t: predict(candidate, work[t]).peak_memory for t in (True, False)}
+        assert fit[False] - fit[True] == planned[False] - planned[True] == (16 * embedding if pp == 1 else 0)
+    # The planner reads a config's own tie_embeddings (the presets' default otherwise).
+    from lightning_3d.costs import recipe_costs
+
+    gpt, t5 = recipe_costs("lightning_3d.recipes.GPT"), recipe_costs("lightning_3d.recipes.T5")
+    assert gpt.workload({"preset_name": "350m"}, {}, 2)[0].tied_embeddings
+    assert not gpt.workload({"preset_name": "350m", "tie_embeddings": False}, {}, 2)[0].tied_embeddings
+    assert t5.workload({"preset_name": "770m"}, {}, 2)[0].tied_embeddings  # T5 v1.0
+    assert not t5.workload({"preset_name": "large"}, {}, 2)[0].tied_embeddings  # v1.1: an untied head
+    assert t5.workload({"preset_name": "large", "tie_embeddings": True}, {}, 2)[0].tied_embeddings

@@ -541,6 +541,11 @@ def test_recompute_rebuilds_a_saved_reports_predictions_from_its_profiles(capsys
         rows = out["models"][name]["rows"]
         assert [r["step_s"] for r in rows] == [r["step_s"] for r in saved["models"][name]["rows"] if "step_s" in r]
         assert all(r["time_error"] == pytest.approx(r["predicted_step_s"] / r["step_s"] - 1) for r in rows)
+        # memory too: the current model's peak against the measured one
+        assert all(r["memory_error"] == pytest.approx(r["predicted_peak_bytes"] / r["peak_bytes"] - 1) for r in rows)
+        # the suite's presets tie their heads (the profiles of that day predate the field: the config says so)
+        cm = v.ProfiledCostModel(json.loads((results / f"2026-11-27_profile_one_{name}_1xh200.json").read_text()))
+        assert not cm.shape.tied_embeddings and v.shape_of(v.ONE[name], cm).tied_embeddings
     assert "ALL: MAPE old 15.0 %" in capsys.readouterr().out
 
 

@@ -398,8 +398,11 @@ def _activation_memory(c: Candidate, stored: list[float], peak: list[float]) -> 
 
 
 def lower_bound_memory(w: Workload, tp: int, pp: int) -> float:
-    """Weights + optimizer state per GPU at the most even split (what no micro-batch setting can reduce)."""
+    """Weights + optimizer state per GPU at the most even split (what no micro-batch setting can reduce); a tied
+    head is the embedding's tensor where one stage holds both (as ``stage_terms`` counts it)."""
     total = sum(layer_parameters(w.shape, k, tp) for k in w.shape.layer_kinds())
+    if pp == 1 and w.shape.tied_embeddings:
+        total -= layer_parameters(w.shape, "embedding", tp)
     return total / pp * w.state_bytes_per_param
 
 

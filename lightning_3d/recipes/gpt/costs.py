@@ -15,7 +15,8 @@ from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.recipes.gpt.model import Block, Embedding, LMHead
 
 CLASS_PATHS = ("lightning_3d.recipes.GPT", "lightning_3d.recipes.gpt.GPT", "lightning_3d.recipes.gpt.module.GPT")
-SHAPE_ARGS = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size")
+# tie_embeddings: the planner counts a tied head once where one stage holds it (ModelShape.tied_embeddings)
+SHAPE_ARGS = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "tie_embeddings")
 
 
 def config_of(model_args: dict, data_args: dict) -> GPTConfig:

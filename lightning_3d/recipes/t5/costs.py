@@ -18,7 +18,9 @@ from lightning_3d.recipes.t5.config import T5Config, preset
 from lightning_3d.recipes.t5.model import DecoderBlock, EncoderBlock, RMSNorm, position_bias
 
 CLASS_PATHS = ("lightning_3d.recipes.T5", "lightning_3d.recipes.t5.T5", "lightning_3d.recipes.t5.module.T5")
-SHAPE_ARGS = ("num_layers", "num_decoder_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size", "feed_forward")
+# tie_embeddings: the planner counts a tied head once where one stage holds it (ModelShape.tied_embeddings)
+SHAPE_ARGS = ("num_layers", "num_decoder_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size", "feed_forward",
+              "tie_embeddings")
 SPECIAL_TOKENS = 101  # <pad> and 100 sentinels on top of the text tokenizer (Seq2SeqDataModule)
 
 
