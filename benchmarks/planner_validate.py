@@ -445,7 +445,10 @@ def _save_profile(ns, name: str, doc: dict) -> None:
 
 def _overheads(doc: dict) -> str:
     o, c, opt = doc.get("overheads") or {}, doc.get("call_overhead") or {}, doc.get("optimizer") or {}
-    return (f"micro-batch {1e3 * o.get('microbatch_seconds', 0):.2f} ms, step {1e3 * o.get('step_seconds', 0):.2f} ms,"
+    per_block = (f" + {1e3 * o['step_seconds_per_block']:.3f} ms per block beyond {o.get('step_blocks', 0)}"
+                 if o.get("step_seconds_per_block") else "")
+    return (f"micro-batch {1e3 * o.get('microbatch_seconds', 0):.2f} ms, step {1e3 * o.get('step_seconds', 0):.2f} ms"
+            f"{per_block},"
             f" call fwd/bwd {1e3 * c.get('forward_seconds', 0):.2f}/{1e3 * c.get('backward_seconds', 0):.2f} ms,"
             f" optimizer {1e3 * opt.get('step_seconds', 0):.1f} ms"
             + (f"; in-situ host scale {o['host_scale'][0]:.2f} (checkpointed {o['host_scale'][1]:.2f}), tiny model per"

@@ -418,6 +418,46 @@ def test_trace_summary_accounts_every_microsecond(tmp_path: Path) -> None:
     assert s["largest_other_ms"] == {"aten::add_: void at::native::vectorized_elementwise_kernel<add>": 1.0}
 
 
+def test_trace_summary_gaps_name_the_late_kernel_and_the_hosts_wait(tmp_path: Path) -> None:
+    """--gaps: the idle stretch between two kernels, the operator of the kernel after it, how late the host issued
+    it, and the host's operators and waits inside the gap; every wait counted by the operator that waited."""
+    from benchmarks.trace_summary import summarize
+
+    def op(name: str, ts: float, dur: float) -> dict:
+        return {"cat": "cpu_op", "ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 1}
+
+    def rt(name: str, ts: float, dur: float, corr: int) -> dict:
+        return {"cat": "cuda_runtime", "ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 1,
+                "args": {"correlation": corr}}
+
+    def kernel(name: str, ts: float, dur: float, corr: int) -> dict:
+        return {"cat": "kernel", "ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 7, "args": {"correlation": corr}}
+
+    events = [
+        op("aten::mm", 0, 50), rt("cudaLaunchKernel", 10, 5, 1), kernel("nvjet_sm90_gemm", 100, 1000, 1),  # 0.1-1.1 ms
+        op("aten::add_", 60, 20), rt("cudaLaunchKernel", 65, 5, 2), kernel("elementwise_kernel<add>", 1100, 400, 2),
+        # 1.5 ms: the host waits for the device inside aten::item (0.5 ms), runs a long operator, then issues the mm.
+        op("aten::item", 1450, 600), rt("cudaStreamSynchronize", 1460, 500, 3), op("Optimizer.step", 0, 10000),
+        op("aten::linear", 2100, 1200), op("aten::mm", 2900, 300), rt("cudaLaunchKernel", 3000, 5, 4),
+        kernel("nvjet_sm90_gemm", 3100, 500, 4),  # 1.6 ms idle before it (1.5-3.1)
+        kernel("elementwise_kernel<mul>", 3700, 100, 5),  # 0.1 ms idle: not over 0.1 ms
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize(path, gaps=1)
+    assert s["idle_ms"] == pytest.approx(1.7) and s["gaps_total_ms"] == pytest.approx(1.7)
+    assert s["gaps_over_0.1ms"] == 1
+    (gap,) = s["gaps"]
+    assert gap["ms"] == pytest.approx(1.6) and gap["at_ms"] == pytest.approx(1.4)
+    assert gap["after"] == "aten::add_" and gap["before"] == "aten::mm"
+    assert gap["issued_late_ms"] == pytest.approx(1.5)  # launched at 3.0 ms, the gap began at 1.5 ms
+    assert gap["host_ops"] == ["aten::linear 1.00", "aten::item 0.55", "aten::mm 0.20"]  # ms inside the gap
+    assert gap["host_waits"] == ["cudaStreamSynchronize 0.50"]
+    assert s["waits"] == {"cudaStreamSynchronize in aten::item": 1}
+    assert "gaps" not in summarize(path)  # only when asked
+
+
 def test_host_microbatch_probe_times_both_counts_per_size(tmp_path: Path) -> None:
     """benchmarks/host_microbatch_probe.py (issue 22): per model and micro-batch size, the steps with 1 and 4
     micro-batches timed --steps times each, and the per-micro-batch seconds their medians' difference over 3."""

@@ -149,6 +149,64 @@ def test_the_step_overhead_is_added_once_per_step() -> None:
         assert p1.pipeline_time == p0.pipeline_time
 
 
+@pytest.mark.parametrize("pp, v, split, busiest", [(1, 1, (8,), 8), (2, 1, (4, 4), 4), (2, 1, (5, 3), 5),
+                                                     (2, 2, (1, 3, 2, 2), 3 + 2), (4, 1, (2, 2, 2, 2), 2)])
+def test_the_step_overhead_grows_with_the_busiest_ranks_blocks(pp, v, split, busiest) -> None:
+    """step_seconds + step_seconds_per_block * (blocks of the rank with the most - step_blocks): a rank holds the
+    virtual stages r, r + pp, ... (interleaved: rank 0 holds stages 0 and 2 of (1, 3, 2, 2), 3 blocks, rank 1 holds
+    3 + 2)."""
+    s, k, tiny_blocks = 0.002, 0.0004, 1
+    doc = _v2(step=s)
+    doc["overheads"].update(step_seconds_per_block=k, step_blocks=tiny_blocks)
+    base, over = _model(_v2(step=s)), _model(doc)
+    assert over.step_overhead_per_block_seconds == k and over.step_overhead_blocks == tiny_blocks
+    c = Candidate(1, pp, 1, 2, 4, "interleaved_1f1b" if v > 1 else "1f1b", v, split, (False,) * len(split), False)
+    p0, p1 = predict(c, _workload(base, gpus=pp)), predict(c, _workload(over, gpus=pp))
+    assert p1.overhead_time == pytest.approx(s + k * (busiest - tiny_blocks), rel=1e-12)
+    assert p1.step_time - p0.step_time == pytest.approx(k * (busiest - tiny_blocks), rel=1e-9)
+    assert p1.pipeline_time == p0.pipeline_time
+
+
+@pytest.mark.parametrize("field, value", [("step_seconds_per_block", -1e-3), ("step_seconds_per_block", "0.1"),
+                                          ("step_blocks", -1), ("step_blocks", 1.5), ("step_blocks", True)])
+def test_a_bad_per_block_step_overhead_is_refused_by_name(field, value) -> None:
+    doc = _v2(step=0.002)
+    doc["overheads"][field] = value
+    with pytest.raises(ValueError, match=r"'overheads.step_seconds_per_block' must be non-negative seconds and"
+                                         r" 'overheads.step_blocks' a non-negative count of blocks .*profile again"):
+        _model(doc)
+
+
+def test_the_step_seconds_per_block_come_from_the_tails_of_the_tiny_steps() -> None:
+    """The medians of the steps' tails (last backward to the step's end), each less its model's optimizer step: the
+    deep model's excess over the one-layer model's, per block beyond the tiny model's."""
+    from lightning_3d.costs import ModelShape
+    from lightning_3d.planner.profile import step_seconds_at_depth
+
+    tiny = ModelShape(family="gpt", num_layers=1, hidden_size=128, num_heads=4, ffn_hidden_size=512, vocab_size=512)
+    real = ModelShape(family="gpt", num_layers=25, hidden_size=1024, num_heads=16, ffn_hidden_size=4096,
+                      vocab_size=50257)
+    tails = {"tail_seconds": [0.003, 0.0025, 0.1, 0.0025], "deep_tail_seconds": [0.012, 0.5, 0.0122, 0.0118, 0.012],
+             "deep_optimizer_seconds": 0.001}
+    out = step_seconds_at_depth(0.002, tiny, real, tails, 0.0005)
+    # medians 0.00275 and 0.012; less the optimizers: 0.00225 and 0.011; 24 blocks beyond the tiny model's one
+    assert out["step_seconds_per_block"] == pytest.approx((0.011 - 0.00225) / 24, rel=1e-9)
+    assert out["step_blocks"] == 1 and out["deep_optimizer_seconds"] == 0.001
+    assert out["step_seconds_depth"] == pytest.approx(0.002 + (0.011 - 0.00225), rel=1e-9)
+    assert out["tail_seconds"] == tails["tail_seconds"] and out["deep_tail_seconds"] == tails["deep_tail_seconds"]
+    # A deep tail shorter than the one-layer model's (noise): no growth, never a negative one; no tails: none.
+    short = dict(tails, deep_tail_seconds=[0.001])
+    assert step_seconds_at_depth(0.002, tiny, real, short, 0.0005)["step_seconds_per_block"] == 0.0
+    assert step_seconds_at_depth(0.002, tiny, real, {}, 0.0005)["step_seconds_per_block"] == 0.0
+    # T5: the tiny model's two blocks (one encoder, one decoder) are the base.
+    t5_tiny = ModelShape(family="t5", num_layers=1, num_decoder_layers=1, hidden_size=128, num_heads=4,
+                         ffn_hidden_size=512, vocab_size=512)
+    t5 = ModelShape(family="t5", num_layers=24, num_decoder_layers=24, hidden_size=1024, num_heads=16,
+                    ffn_hidden_size=2816, vocab_size=32128)
+    t5_out = step_seconds_at_depth(0.002, t5_tiny, t5, tails, 0.0005)
+    assert t5_out["step_blocks"] == 2 and t5_out["step_seconds_per_block"] == pytest.approx(0.00875 / 46, rel=1e-9)
+
+
 def test_a_version_1_profile_reads_with_the_new_terms_absent() -> None:
     v1, v2 = _model(_v1()), _model(_v2())
     assert v1.version == 1 and v1.microbatch_overhead_seconds == 0.0 and v1.step_overhead_seconds == 0.0
@@ -262,6 +320,18 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
          "recompute_forward": s_rc * iso["recompute_forward"], "recompute_backward": s_rc * iso["recompute_backward"]},
         rel=1e-12)
     assert all(v > 0 for v in iso.values())  # a block's isolated host time: the host always takes some
+    # The step's growth per block: the tails of every timed step (the one-layer model's two fits, the two deep
+    # models' two fits each, the same steps per fit), the deep model (2 blocks) against the one-layer model, each
+    # less its optimizer step, recomputed from the stored seconds.
+    import statistics
+
+    assert o["step_blocks"] == 1 and o["deep_optimizer_seconds"] > 0 and o["tiny_optimizer_seconds"] > 0
+    assert len(o["tail_seconds"]) > 0 and len(o["deep_tail_seconds"]) == 2 * len(o["tail_seconds"])
+    assert all(t > 0 for t in o["tail_seconds"] + o["deep_tail_seconds"])
+    growth = ((statistics.median(o["deep_tail_seconds"]) - o["deep_optimizer_seconds"])
+              - (statistics.median(o["tail_seconds"]) - o["tiny_optimizer_seconds"]))
+    assert o["step_seconds_per_block"] == pytest.approx(max(0.0, growth), rel=1e-12, abs=0.0)
+    assert o["step_seconds_depth"] == pytest.approx(o["step_seconds"] + o["step_seconds_per_block"], rel=1e-12)
     assert doc["optimizer"]["parameters"] > 0 and doc["optimizer"]["step_seconds"] > 0
     assert set(doc["call_overhead"]) == {"forward_seconds", "backward_seconds"}
     path = tmp_path / "p.json"
@@ -271,7 +341,9 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
     assert float(cm.layer_host_time("block", 2, 32)[1]) >= o["host_layers"]["block"]["backward"]  # a floor
     p = predict(Candidate(1, 1, 1, 2, 2, "1f1b", 1, (2,), (False,), False),
                 Workload(cm.shape, 32, 4, cm, ClusterSpec(1, 1, cm.device, 1e11, 1e10)))
-    assert math.isfinite(p.step_time) and p.overhead_time == o["step_seconds"]
+    # One GPU holds both blocks: one more than the tiny model's.
+    assert math.isfinite(p.step_time)
+    assert p.overhead_time == pytest.approx(o["step_seconds"] + o["step_seconds_per_block"], rel=1e-12)
 
 
 def _validate_module():
@@ -280,6 +352,15 @@ def _validate_module():
     sys.modules.setdefault("planner_validate", module)  # dataclasses look their module up while being built
     spec.loader.exec_module(module)
     return module
+
+
+def test_validation_prints_the_step_seconds_growth_per_block() -> None:
+    v = _validate_module()
+    doc = {"overheads": {"microbatch_seconds": 4e-4, "step_seconds": 3.06e-3, "step_seconds_per_block": 1.95e-4,
+                         "step_blocks": 1}, "optimizer": {"step_seconds": 0.0127}}
+    assert "step 3.06 ms + 0.195 ms per block beyond 1, call" in v._overheads(doc)
+    del doc["overheads"]["step_seconds_per_block"]
+    assert "step 3.06 ms, call" in v._overheads(doc)
 
 
 def test_validation_summary_mape_rank_correlation_and_choice() -> None:

@@ -138,6 +138,11 @@ class ProfiledCostModel:
         #: 0 for version-1 profiles, which did not measure them
         self.microbatch_overhead_seconds = float(overheads.get("microbatch_seconds") or 0.0)
         self.step_overhead_seconds = float(overheads.get("step_seconds") or 0.0)
+        #: how the step's own seconds grow per block a rank holds beyond ``step_overhead_blocks`` (the tiny model's
+        #: blocks, where ``step_overhead_seconds`` was measured): the tiny widths at the real depth measure it
+        #: (``planner.profile.step_seconds_at_depth``); 0 where a profile lacks it
+        self.step_overhead_per_block_seconds = float(overheads.get("step_seconds_per_block") or 0.0)
+        self.step_overhead_blocks = int(overheads.get("step_blocks") or 0)
         #: per block kind, the host's seconds to issue the layer inside the training loop (the profiler's tiny model
         #: at the real depth: ``measure_overheads``), a floor besides the isolated ``host_forward``/``host_backward``
         #: grids of that kind; absent from older profiles
@@ -316,6 +321,12 @@ def check_profile(data: object, where: str = "profile") -> None:
                 for k in ("microbatch_seconds", "step_seconds")):
             raise ValueError(f"{where}: 'overheads' must hold microbatch_seconds and step_seconds as non-negative"
                              f" numbers (got {overheads!r}).")
+        per_block, blocks = overheads.get("step_seconds_per_block", 0.0), overheads.get("step_blocks", 0)
+        if (not isinstance(per_block, (int, float)) or isinstance(per_block, bool) or not per_block >= 0
+                or not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0):
+            raise ValueError(f"{where}: 'overheads.step_seconds_per_block' must be non-negative seconds and"
+                             f" 'overheads.step_blocks' a non-negative count of blocks (got {per_block!r} and"
+                             f" {blocks!r}); profile again with `lightning-3d profile`.")
         for field in ("host_layers", "host_layers_isolated"):
             _check_in_situ(overheads.get(field), field, where)
         seconds, tiny = overheads.get("host_microbatch_seconds"), overheads.get("host_tiny_blocks")

@@ -323,6 +323,20 @@ def _stage_kinds(c: Candidate, w: Workload, stages: list[int]) -> dict[str, int]
     return counts
 
 
+def step_overhead(c: Candidate, w: Workload, rank_stages: list[list[int]]) -> float:
+    """The step's own seconds outside the micro-batches and the optimizer's kernels (the loop, the non-finite check,
+    per-parameter bookkeeping), measured by the profiler: its value at the tiny model's blocks, plus its growth per
+    block for the blocks the busiest rank holds beyond those (docs/planner.md, "The step's own seconds grow with
+    depth"). Every rank does its own in parallel, so the rank with the most blocks sets it."""
+    cm = w.cost_model
+    fixed = float(getattr(cm, "step_overhead_seconds", 0.0) or 0.0)
+    per_block = float(getattr(cm, "step_overhead_per_block_seconds", 0.0) or 0.0)
+    if per_block:
+        blocks = max(sum(c.layer_split[s] for s in stages) for stages in rank_stages)
+        fixed += per_block * max(0, blocks - int(getattr(cm, "step_overhead_blocks", 0) or 0))
+    return fixed
+
+
 def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | None = None) -> Prediction:
     """Step time and memory of ``c`` (closed form; ``timeline`` = (makespan, per-rank end) from the simulator)."""
     fwd, bwd, stored, peak, params = stage_costs(c, w)
@@ -356,7 +370,7 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
             state += graph_gradient_bytes(params_rank[r], w.grad_bytes_per_param, max(stored[s] for s in stages))
         memory.append(rank_memory(state, held, max(stored[s] for s in stages), max(peak[s] for s in stages)))
     tokens = w.global_batch_size * (w.target_len if w.shape.family == "t5" and w.target_len else w.seq_len)
-    fixed = float(getattr(w.cost_model, "step_overhead_seconds", 0.0) or 0.0)  # measured by the profiler
+    fixed = step_overhead(c, w, rank_stages)
     return Prediction(c, total + exposed + optimizer + fixed, total, exposed, optimizer, fwd, bwd, memory, max(memory),
                       w.memory_budget, tokens, getattr(w.cost_model, "source", ""), fixed)
 

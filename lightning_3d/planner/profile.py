@@ -526,9 +526,9 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
         # the profiler's own process, after it has built and timed every layer (its allocator's state, the objects
         # the collector walks), the same tiny models measured above a fresh process's seconds per micro-batch on the
         # same machine (docs/planner.md, "in-situ host times").
-        step_s, deep = _tiny_runs_in_fresh_interpreter(args)
+        step_s, deep, tails = _tiny_runs_in_fresh_interpreter(args)
     else:
-        step_s, deep = _tiny_runs(*args)
+        step_s, deep, tails = _tiny_runs(*args)
     one, many = statistics.median(step_s[1]), statistics.median(step_s[microbatches])
     per_mb = max(0.0, (many - one) / (microbatches - 1))
     # The tiny model's own layers and optimizer, measured as the real model's are, come off those times.
@@ -559,7 +559,10 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
         tiny_layers[kind] = {"forward": f, "backward": b, "host_forward": hf, "host_backward": hb}
     microbatch_s = microbatch_overhead_from(per_mb, [tiny_layers[k] for k in tiny_shape.layer_kinds()])
     step_only = max(0.0, one - per_mb - tiny["optimizer"]["step_seconds"])
-    log(f"overheads: {microbatch_s * 1e3:.2f} ms per micro-batch, {step_only * 1e3:.2f} ms per step")
+    if in_situ:
+        out.update(step_seconds_at_depth(step_only, tiny_shape, shape, tails, tiny["optimizer"]["step_seconds"]))
+    log(f"overheads: {microbatch_s * 1e3:.2f} ms per micro-batch, {step_only * 1e3:.2f} ms per step"
+        + (f" + {out['step_seconds_per_block'] * 1e3:.3f} ms per block beyond {out['step_blocks']}" if in_situ else ""))
     out.update({"microbatch_seconds": microbatch_s, "step_seconds": step_only, "tiny_layers": tiny_layers,
                 "tiny_layers_seconds": sum(tiny_layers[k]["forward"] + tiny_layers[k]["backward"]
                                            for k in tiny_shape.layer_kinds())})
@@ -570,7 +573,8 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
 FRESH_PROCESS_TIMEOUT_S = 600
 
 
-def _tiny_runs_in_fresh_interpreter(args: tuple) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]]]:
+def _tiny_runs_in_fresh_interpreter(args: tuple) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]],
+                                                           dict]:
     """``_tiny_runs(*args)`` in a new Python interpreter, killed past ``FRESH_PROCESS_TIMEOUT_S``
     (``subprocess.TimeoutExpired``).
 
@@ -593,25 +597,28 @@ def _tiny_runs_in_fresh_interpreter(args: tuple) -> tuple[dict[int, list[float]]
                               timeout=FRESH_PROCESS_TIMEOUT_S)
         if proc.returncode != 0 or not result.exists():
             raise RuntimeError(f"the tiny models' process exited with {proc.returncode}: {proc.stderr[-1500:]}")
-        step_s, deep = json.loads(result.read_text())
+        step_s, deep, tails = json.loads(result.read_text())
     # JSON keys are strings: the micro-batch counts and the checkpointing flags come back as their types.
     return ({int(k): v for k, v in step_s.items()},
-            {k == "true": {int(m): v for m, v in runs.items()} for k, runs in deep.items()})
+            {k == "true": {int(m): v for m, v in runs.items()} for k, runs in deep.items()}, tails)
 
 
 def _tiny_main(request: str, result: str) -> None:
     """The fresh interpreter's side of ``_tiny_runs_in_fresh_interpreter``."""
     args = json.loads(Path(request).read_text())
     args[6] = torch.device(args[6])
-    step_s, deep = _tiny_runs(*args)
-    Path(result).write_text(json.dumps([step_s, {"true" if k else "false": v for k, v in deep.items()}]))
+    step_s, deep, tails = _tiny_runs(*args)
+    Path(result).write_text(json.dumps([step_s, {"true" if k else "false": v for k, v in deep.items()}, tails]))
 
 
 def _tiny_runs(module_path: str, data_path: str, model_args: dict, deep_args: dict, data_args: dict, family: str,
                device: torch.device, precision: str, microbatches: int, warmup: int, steps: int, in_situ: bool,
-               fuse_gradients: bool | str) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]]]:
+               fuse_gradients: bool | str) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]], dict]:
     """The tiny models' timed steps for ``measure_overheads``: the one-layer model at 1 and ``microbatches``
-    micro-batches, and (``in_situ``) the tiny widths at the real depth without and with checkpointing."""
+    micro-batches, and (``in_situ``) the tiny widths at the real depth without and with checkpointing; and the
+    steps' tails (``_train_tiny``'s ``tails_out``) of the one-layer model (``tail_seconds``) and of the deep ones
+    (``deep_tail_seconds``), with the deep model's optimizer step (``deep_optimizer_seconds``; None without
+    ``in_situ``)."""
     import logging
 
     # Lightning's and the strategy's start-up notes would fill the profiler's output: quiet while the tiny model trains.
@@ -622,22 +629,49 @@ def _tiny_runs(module_path: str, data_path: str, model_args: dict, deep_args: di
     # Lightning sets the rendezvous variables (MASTER_PORT, WORLD_SIZE, ...) in this process's environment: restored,
     # so that processes started after the profile (a benchmark's workers) do not inherit them.
     environ = dict(os.environ)
-    deep = {}
+    deep, deep_optimizer, tails, deep_tails = {}, {}, {}, {}
     try:
         step_s = _train_tiny(module_path, data_path, model_args, data_args, family, device, precision,
-                             microbatches, warmup, steps, fuse_gradients)
+                             microbatches, warmup, steps, fuse_gradients, tails_out=tails)
         if in_situ:
             for rc in (False, True):
                 # Ten timed steps each: the host's seconds per step vary from step to step (the medians of five
                 # differed by tens of per cent between two profiles of the same tiny model on one machine).
                 deep[rc] = _train_tiny(module_path, data_path, dict(deep_args, activation_checkpointing=rc), data_args,
-                                       family, device, precision, microbatches, 3, IN_SITU_STEPS, fuse_gradients)
+                                       family, device, precision, microbatches, 3, IN_SITU_STEPS, fuse_gradients,
+                                       optimizer_out=None if rc else deep_optimizer, tails_out=deep_tails)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
         os.environ.clear()
         os.environ.update(environ)
-    return step_s, deep
+    return step_s, deep, {"tail_seconds": [t for m in sorted(tails) for t in tails[m]],
+                          "deep_tail_seconds": [t for m in sorted(deep_tails) for t in deep_tails[m]],
+                          "deep_optimizer_seconds": deep_optimizer.get("step_seconds")}
+
+
+def step_seconds_at_depth(step_1: float, tiny: ModelShape, shape: ModelShape, tails: dict,
+                          tiny_optimizer: float) -> dict:
+    """How the per-step seconds outside the micro-batches and the optimizer's step grow with a rank's blocks.
+
+    After the last backward a step walks every parameter tensor: the non-finite check's norm over all gradients, the
+    optimizer step's launches, the strategy's per-parameter bookkeeping. The tails of the tiny models' steps (end of
+    the last backward to the step's end, ``_train_tiny``) time exactly that part, directly: the one-layer model's
+    (``tail_seconds``) and those of the tiny widths at the real depth (``deep_tail_seconds``, as many tensors as the
+    real model). Each less its own model's optimizer step, their medians' difference per block beyond the tiny
+    model's (``step_blocks``) is ``step_seconds_per_block``; the planner charges a rank ``step_seconds + per_block
+    * (its blocks - step_blocks)`` (docs/planner.md, "The step's own seconds grow with depth"). A direct timing, not
+    the difference of a one-micro-batch step and the per-micro-batch seconds: those are tens of milliseconds each at
+    depth and move by more than this term from one run to the next."""
+    blocks = sum(1 for k in shape.layer_kinds() if k not in ("embedding", "head"))
+    tiny_blocks = sum(1 for k in tiny.layer_kinds() if k not in ("embedding", "head"))
+    out = {"step_seconds_per_block": 0.0, "step_blocks": tiny_blocks, **tails, "tiny_optimizer_seconds": tiny_optimizer}
+    if blocks > tiny_blocks and tails.get("tail_seconds") and tails.get("deep_tail_seconds"):
+        one = statistics.median(tails["tail_seconds"]) - tiny_optimizer
+        deep = statistics.median(tails["deep_tail_seconds"]) - (tails.get("deep_optimizer_seconds") or 0.0)
+        out["step_seconds_per_block"] = max(0.0, (deep - one) / (blocks - tiny_blocks))
+    out["step_seconds_depth"] = step_1 + out["step_seconds_per_block"] * max(0, blocks - tiny_blocks)
+    return out
 
 
 def _tiny_cells(doc: dict, quantities: tuple[str, str]) -> dict[tuple[str, bool], tuple[float, float]]:
@@ -678,9 +712,14 @@ def host_layers_in_situ(host: dict[tuple[str, bool], tuple[float, float]], tiny:
 
 def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: dict, family: str, device: torch.device,
                 precision: str, microbatches: int, warmup: int, steps: int,
-                fuse_gradients: bool | str = "auto", samples: int = 1) -> dict[int, list[float]]:
+                fuse_gradients: bool | str = "auto", samples: int = 1,
+                optimizer_out: dict | None = None, tails_out: dict | None = None) -> dict[int, list[float]]:
     """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count
-    (1 and ``microbatches``, each of ``samples`` sequences)."""
+    (1 and ``microbatches``, each of ``samples`` sequences). ``optimizer_out``: filled with ``measure_optimizer``'s
+    timing of the trained model's parameters (the recipes' AdamW implementation on ``device``). ``tails_out``: per
+    micro-batch count, each timed step's tail, from the end of its last backward (Lightning's ``on_after_backward``,
+    which the strategy calls once the engine has run every micro-batch) to the step's GPU-synchronised end: the
+    non-finite check, the optimizer step, the loop's and the strategy's per-step work."""
     import lightning.pytorch as pl
 
     step_s: dict[int, list[float]] = {}
@@ -693,12 +732,19 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             self.t0 = time.perf_counter()
+            self.backward_done = None
+
+        def on_after_backward(self, trainer, module) -> None:
+            self.backward_done = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, out, batch, idx) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if trainer.global_step > warmup:
-                step_s.setdefault(self.m, []).append(time.perf_counter() - self.t0)
+                end = time.perf_counter()
+                step_s.setdefault(self.m, []).append(end - self.t0)
+                if tails_out is not None and self.backward_done is not None:
+                    tails_out.setdefault(self.m, []).append(end - self.backward_done)
 
     accelerator = "gpu" if device.type == "cuda" else "cpu"
     # On a CPU the tiny model's values turn subnormal within a few steps, and subnormal arithmetic is many times
@@ -706,7 +752,7 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
     flushed = device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
-                  warmup, steps, Timer, fuse_gradients, samples)
+                  warmup, steps, Timer, fuse_gradients, samples, optimizer_out)
     finally:
         if flushed:
             torch.set_flush_denormal(False)
@@ -714,7 +760,7 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
 
 
 def _fit_tiny(module_path, data_path, model_args, data_args, family, device, accelerator, precision, microbatches,
-              warmup, steps, Timer, fuse_gradients="auto", samples=1) -> None:
+              warmup, steps, Timer, fuse_gradients="auto", samples=1, optimizer_out=None) -> None:
     import lightning.pytorch as pl
 
     from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
@@ -733,6 +779,8 @@ def _fit_tiny(module_path, data_path, model_args, data_args, family, device, acc
                                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                                  default_root_dir=tmp, callbacks=[Timer(m)])
             trainer.fit(model, datamodule=data)
+            if optimizer_out is not None and m == microbatches:
+                optimizer_out.update(measure_optimizer(model, device, 2, 5, optimizer_implementation({}, device)))
             del trainer, model, data
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
