@@ -168,13 +168,35 @@ def test_the_step_overhead_grows_with_the_busiest_ranks_blocks(pp, v, split, bus
 
 
 @pytest.mark.parametrize("field, value", [("step_seconds_per_block", -1e-3), ("step_seconds_per_block", "0.1"),
-                                          ("step_blocks", -1), ("step_blocks", 1.5), ("step_blocks", True)])
+                                          ("step_blocks", -1), ("step_blocks", 1.5), ("step_blocks", True),
+                                          ("step_seconds_per_block", 1e-4)])  # a growth without its base count
 def test_a_bad_per_block_step_overhead_is_refused_by_name(field, value) -> None:
     doc = _v2(step=0.002)
     doc["overheads"][field] = value
     with pytest.raises(ValueError, match=r"'overheads.step_seconds_per_block' must be non-negative seconds and"
-                                         r" 'overheads.step_blocks' a non-negative count of blocks .*profile again"):
+                                         r" 'overheads.step_blocks' a non-negative count of blocks, given with it"
+                                         r" \(got .*\); profile again"):
         _model(doc)
+    doc["overheads"].update(step_seconds_per_block=1e-4, step_blocks=1)  # both, well formed: read
+    assert _model(doc).step_overhead_per_block_seconds == 1e-4
+
+
+def test_a_tiny_steps_tail_is_timed_once_per_step_inside_the_step() -> None:
+    """A tail for every timed step and none for the warm-up, each shorter than its step, with several micro-batches
+    and activation checkpointing (the engine's recomputing backward): Lightning's on_after_backward reaches the
+    profiler's timer under the strategy's engine."""
+    import torch
+
+    from lightning_3d.planner.profile import _TINY, _train_tiny
+
+    module, data, model_args, data_args = _TINY["gpt"]
+    tails: dict = {}
+    steps = _train_tiny(module, data, dict(model_args, num_layers=2, activation_checkpointing=True), data_args, "gpt",
+                        torch.device("cpu"), "32-true", 3, 1, 3, tails_out=tails)
+    assert sorted(tails) == sorted(steps) == [1, 3]
+    for m in (1, 3):
+        assert len(tails[m]) == len(steps[m]) == 3
+        assert all(0 < t < s for t, s in zip(tails[m], steps[m])), (m, tails[m], steps[m])
 
 
 def test_the_step_seconds_per_block_come_from_the_tails_of_the_tiny_steps() -> None:

@@ -655,8 +655,8 @@ def step_seconds_at_depth(step_1: float, tiny: ModelShape, shape: ModelShape, ta
     """How the per-step seconds outside the micro-batches and the optimizer's step grow with a rank's blocks.
 
     After the last backward a step walks every parameter tensor: the non-finite check's norm over all gradients, the
-    optimizer step's launches, the strategy's per-parameter bookkeeping. The tails of the tiny models' steps (end of
-    the last backward to the step's end, ``_train_tiny``) time exactly that part, directly: the one-layer model's
+    optimizer step's launches, the strategy's per-parameter bookkeeping. The tails of the tiny models' steps (the
+    host's return from the last backward to the step's end, ``_train_tiny``) time that part directly: the one-layer model's
     (``tail_seconds``) and those of the tiny widths at the real depth (``deep_tail_seconds``, as many tensors as the
     real model). Each less its own model's optimizer step, their medians' difference per block beyond the tiny
     model's (``step_blocks``) is ``step_seconds_per_block``; the planner charges a rank ``step_seconds + per_block
@@ -717,9 +717,10 @@ def _train_tiny(module_path: str, data_path: str, model_args: dict, data_args: d
     """Seconds of each timed step (GPU-synchronised batch start to end) of the tiny model, per micro-batch count
     (1 and ``microbatches``, each of ``samples`` sequences). ``optimizer_out``: filled with ``measure_optimizer``'s
     timing of the trained model's parameters (the recipes' AdamW implementation on ``device``). ``tails_out``: per
-    micro-batch count, each timed step's tail, from the end of its last backward (Lightning's ``on_after_backward``,
-    which the strategy calls once the engine has run every micro-batch) to the step's GPU-synchronised end: the
-    non-finite check, the optimizer step, the loop's and the strategy's per-step work."""
+    micro-batch count, each timed step's tail, from the host's return from its last backward (Lightning's
+    ``on_after_backward``, which the strategy calls once, after the engine has run every micro-batch) to the step's
+    GPU-synchronised end: the non-finite check, the optimizer step, the loop's and the strategy's per-step work (and
+    whatever backward work the GPU still had queued, little at tiny widths, whose steps are host-bound)."""
     import lightning.pytorch as pl
 
     step_s: dict[int, list[float]] = {}
