@@ -6,8 +6,8 @@ compute time by kernel family (cuBLAS GEMMs, attention, Triton from torch.compil
 with the largest non-GEMM kernels named by the operator that launched them. ``--gaps N``: the N longest stretches
 the GPU idled between kernels, each with the operator that launched the kernel after it, how late the host issued
 that kernel, and what the host ran meanwhile (its operators, and its waits on the device: ``cudaStreamSynchronize``
-and the other synchronising calls of ``WAITS``); and every such wait, by the operator that waited. A device-bound step whose measured
-time exceeds its kernels' sum loses the difference in these gaps.
+and the other synchronising calls of ``WAITS``); and every such wait, by the operator that waited. A device-bound
+step whose measured time exceeds its kernels' sum loses the difference in these gaps.
 
     python benchmarks/trace_summary.py peers_logs/00.trace.json.gz peers_logs/02.trace.json.gz
     python benchmarks/trace_summary.py --gaps 12 peers_logs/00.trace.json.gz

@@ -325,9 +325,10 @@ def check_profile(data: object, where: str = "profile") -> None:
         if (not isinstance(per_block, (int, float)) or isinstance(per_block, bool) or not per_block >= 0
                 or not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0
                 or (per_block > 0 and "step_blocks" not in overheads)):
+            given = overheads.get("step_blocks", "none")
             raise ValueError(f"{where}: 'overheads.step_seconds_per_block' must be non-negative seconds and"
-                             f" 'overheads.step_blocks' a non-negative count of blocks, given with it (got {per_block!r}"
-                             f" and {overheads.get('step_blocks', 'none')!r}); profile again with `lightning-3d profile`.")
+                             f" 'overheads.step_blocks' a non-negative count of blocks, given with it (got"
+                             f" {per_block!r} and {given!r}); profile again with `lightning-3d profile`.")
         for field in ("host_layers", "host_layers_isolated"):
             _check_in_situ(overheads.get(field), field, where)
         seconds, tiny = overheads.get("host_microbatch_seconds"), overheads.get("host_tiny_blocks")

@@ -656,9 +656,9 @@ def step_seconds_at_depth(step_1: float, tiny: ModelShape, shape: ModelShape, ta
 
     After the last backward a step walks every parameter tensor: the non-finite check's norm over all gradients, the
     optimizer step's launches, the strategy's per-parameter bookkeeping. The tails of the tiny models' steps (the
-    host's return from the last backward to the step's end, ``_train_tiny``) time that part directly: the one-layer model's
-    (``tail_seconds``) and those of the tiny widths at the real depth (``deep_tail_seconds``, as many tensors as the
-    real model). Each less its own model's optimizer step, their medians' difference per block beyond the tiny
+    host's return from the last backward to the step's end, ``_train_tiny``) time that part directly: the one-layer
+    model's (``tail_seconds``) and those of the tiny widths at the real depth (``deep_tail_seconds``, as many tensors
+    as the real model). Each less its own model's optimizer step, their medians' difference per block beyond the tiny
     model's (``step_blocks``) is ``step_seconds_per_block``; the planner charges a rank ``step_seconds + per_block
     * (its blocks - step_blocks)`` (docs/planner.md, "The step's own seconds grow with depth"). A direct timing, not
     the difference of a one-micro-batch step and the per-micro-batch seconds: those are tens of milliseconds each at
