@@ -366,9 +366,10 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
         state = params_rank[r] * w.state_bytes_per_param
         if c.compression and c.dp > 1 and w.cluster.bandwidth(c.dp, pp * c.tp) < w.sc_max_link_gbps * 1e9:
             state += params_rank[r] * w.grad_bytes_per_param  # SC's error feedback
+        top = max(stored[s] for s in stages)  # the rank's largest stored activations of one micro-batch
         if c.cuda_graphs:
-            state += graph_gradient_bytes(params_rank[r], w.grad_bytes_per_param, max(stored[s] for s in stages))
-        memory.append(rank_memory(state, held, max(stored[s] for s in stages), max(peak[s] for s in stages)))
+            state += graph_gradient_bytes(params_rank[r], w.grad_bytes_per_param, top)
+        memory.append(rank_memory(state, held, top, max(peak[s] for s in stages)))
     tokens = w.global_batch_size * (w.target_len if w.shape.family == "t5" and w.target_len else w.seq_len)
     fixed = step_overhead(c, w, rank_stages)
     return Prediction(c, total + exposed + optimizer + fixed, total, exposed, optimizer, fwd, bwd, memory, max(memory),
