@@ -15,11 +15,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from benchmarks.graph_memory import GraphedPeak
 from benchmarks.hf_peers import (compile_counters, plain_peer, recipe_module, sdpa_backends_of, synthetic_data,
                                  synthetic_datamodule)
 from lightning_3d.recipes import GPT
+from lightning_3d.recipes.data.loader import worker_options
 from lightning_3d.recipes.gpt.model import GPTModel
 from lightning_3d.recipes.training import compile_blocks, count_target_tokens
 from lightning_3d.strategies.stage_builder import replicate_plain_parameters
@@ -85,20 +87,24 @@ def make_gpt(args: argparse.Namespace, system: dict, cls: type[GPT] = GPT) -> GP
 def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> dict:
     """The loop a user writes by hand: autocast forward, backward per micro-batch, one fused AdamW step."""
     step_loss, optimizer = plain_peer(args, system, device)
-    data = synthetic_data(args)
     m, mb = args.num_microbatches, args.micro_batch_size
-    step_s, losses, index = [], [], 0
+    # The samples in order, micro-batch by micro-batch, collated by --num-workers processes as our data modules do
+    # (none: in this process, as the loop's own indexing and stacking would).
+    workers = getattr(args, "num_workers", 0)
+    batches = iter(DataLoader(synthetic_data(args), batch_size=mb, shuffle=False, num_workers=workers,
+                              **worker_options(workers)))
+    step_s, losses, start = [], [], 0.0
     profiler = StepProfiler(args)
     for step in range(total_steps(args)):
-        profiler.at_step(step, 0)
-        GC_TIME.timing(args.warmup <= step < args.warmup + args.steps)
         _sync(device)
+        if timed(args, step - 1):  # a step is timed from its start to the next one's, as StepTimer times ours
+            step_s.append(time.perf_counter() - start)
+        profiler.at_step(step, 0)
+        GC_TIME.timing(timed(args, step))
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for _ in range(m):
-            samples = [data[i] for i in range(index, index + mb)]
-            index += mb
-            batch = {k: torch.stack([s[k] for s in samples]).to(device, non_blocking=True) for k in samples[0]}
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 summed = step_loss(batch)
             loss = summed / count_target_tokens(batch["labels"]) / m
@@ -108,8 +114,6 @@ def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> 
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))  # synchronises, as Lightning's loss logging does
         _sync(device)
-        if args.warmup <= step < args.warmup + args.steps:
-            step_s.append(time.perf_counter() - start)
     profiler.finish()
     return _result(step_s, losses, device)
 
@@ -157,10 +161,14 @@ class FSDPGPT(GPT):
 
 
 class StepTimer(pl.Callback):
-    """Wall time from the first batch of an optimizer step to the end of its last (GPU-synchronised)."""
+    """Wall time of an optimizer step: from the start of its first batch to the start of the next step's first batch,
+    both GPU-synchronised. So a step holds everything the loop does for it (Lightning's hooks between batches, the
+    data loader's fetch and collation, the copy to the device), as the plain loop's steps hold their own; timed from
+    batch start to batch end, those would fall between the timed windows and a Lightning system would look faster
+    than its throughput."""
 
-    def __init__(self, batches_per_step: int, warmup: int, timed: int, profiler: "StepProfiler") -> None:
-        self.batches_per_step, self.warmup, self.timed, self.profiler = batches_per_step, warmup, timed, profiler
+    def __init__(self, batches_per_step: int, args: argparse.Namespace, profiler: "StepProfiler") -> None:
+        self.batches_per_step, self.args, self.profiler = batches_per_step, args, profiler
         self.step_s: list[float] = []
         self.losses: list[float] = []
         self._start = 0.0
@@ -168,10 +176,12 @@ class StepTimer(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, idx: int) -> None:
         if idx % self.batches_per_step == 0:
-            self.profiler.at_step(trainer.global_step, trainer.global_rank)
-            # global_step counts finished steps here: the timed ones follow the warm-up (as in on_train_batch_end)
-            GC_TIME.timing(self.warmup <= trainer.global_step < self.warmup + self.timed)
             _sync(trainer.strategy.root_device)
+            step = trainer.global_step  # finished steps: this step's index
+            if timed(self.args, step - 1):
+                self.step_s.append(time.perf_counter() - self._start)
+            self.profiler.at_step(step, trainer.global_rank)
+            GC_TIME.timing(timed(self.args, step))
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, out: Any, batch: Any, idx: int) -> None:
@@ -182,8 +192,6 @@ class StepTimer(pl.Callback):
         if (idx + 1) % self.batches_per_step == 0:
             loss = float(self._loss)
             _sync(trainer.strategy.root_device)
-            if self.warmup < trainer.global_step <= self.warmup + self.timed:  # global_step counts this step
-                self.step_s.append(time.perf_counter() - self._start)
             self.losses.append(loss)
             self._loss = 0.0
 
@@ -227,7 +235,7 @@ def lightning_fit(args: argparse.Namespace, system: dict) -> dict:
                                          save_distributed_checkpoint=True)
         module, batch, accumulate = make_gpt(args, system, FSDPGPT), mb, m
     steps = total_steps(args)
-    timer = StepTimer(accumulate, args.warmup, args.steps, StepProfiler(args))
+    timer = StepTimer(accumulate, args, StepProfiler(args))
     graphed = GraphedPeak()  # with cuda_graphs, the resident peak (benchmarks/graph_memory.py)
     trainer = pl.Trainer(accelerator=args.accelerator, devices=system["world"], strategy=strategy,
                          precision="bf16-mixed", max_steps=steps, accumulate_grad_batches=accumulate,
@@ -278,8 +286,14 @@ class StepProfiler:
 
 
 def total_steps(args: argparse.Namespace) -> int:
-    """Warm-up and timed steps, and the two profiled steps after them if asked for."""
-    return args.warmup + args.steps + (2 if args.profile or args.trace else 0)
+    """Warm-up and timed steps, then the two profiled steps if asked for, else one more: the start of the step after
+    the last timed one ends its timing."""
+    return args.warmup + args.steps + (2 if args.profile or args.trace else 1)
+
+
+def timed(args: argparse.Namespace, step: int) -> bool:
+    """Whether step ``step`` (0-based) is one of the timed steps, which follow the warm-up."""
+    return args.warmup <= step < args.warmup + args.steps
 
 
 def _result(step_s: list[float], losses: list[float], device: torch.device, reduce: bool = False,

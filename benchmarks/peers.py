@@ -128,6 +128,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--num-microbatches", type=int, default=1, help="per replica and optimizer step")
     p.add_argument("--systems", nargs="+", default=["plain", "plain+compile", "ours@1,1,1", "ours@1,1,1+compile"])
+    p.add_argument("--num-workers", type=int, default=0, help="data loader worker processes of every system: our and"
+                   " Lightning's data modules get num_workers=N, the plain loops read through a torch DataLoader with"
+                   " N workers; 0 collates in the training process (the step's batch fetched between steps)")
     p.add_argument("--schedule", default="1f1b", help="ours with pp > 1")
     p.add_argument("--gpus", type=int, default=1, help="GPUs of the run (ddp uses them all)")
     p.add_argument("--regime", default="nvlink", choices=tuple(REGIMES))
@@ -150,6 +153,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for key, value in MODEL_DEFAULTS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.num_workers < 0:
+        p.error(f"--num-workers {args.num_workers}: give 0 (collate in the training process) or more worker processes")
     if args.model == "gpt" and args.target_length is not None:
         p.error("--target-length is for --model t5 (GPT trains on --seq-length tokens)")
     if args.model == "t5" and args.target_length is None:

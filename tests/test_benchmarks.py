@@ -144,12 +144,12 @@ def test_peers_train_the_same_model_on_the_same_tokens(tmp_path: Path) -> None:
     """benchmarks/peers.py: a plain loop, Lightning's ModelParallelStrategy (FSDP2 + TP, vocab-parallel loss), our
     strategy (two stages, each compiled as one graph, with the fused head/loss), transformers' GPT-2 compiled whole and
     our model compiled whole with its loss start from the same weights and see the same first tokens, so their
-    first-step losses agree (bf16)."""
+    first-step losses agree (bf16), also when every system's samples are collated by a worker process."""
     out = tmp_path / "p.json"
     systems = ["plain", "fsdp@1,2", "ours@1,2,1+compile+stage+fusedce", "hf+compile", "plain+whole"]
     cmd = [sys.executable, str(ROOT / "benchmarks/peers.py"), "--accelerator", "cpu", "--preset", "tiny",
            "--vocab-size", "4096", "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "2",
-           "--gpus", "2", "--systems", *systems, "--warmup", "1", "--steps", "2",
+           "--gpus", "2", "--systems", *systems, "--warmup", "1", "--steps", "2", "--num-workers", "1",
            "--trace", "--timeout", "300", "--out", str(out)]
     env = {**os.environ, "L3D_COMPILE_BACKEND": "aot_eager"}  # compiled systems without a C++ build on CI
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=900, env=env)
@@ -564,3 +564,31 @@ def test_the_whole_model_compiles_in_the_mode_its_suffixes_ask(monkeypatch: pyte
         modes.clear()
         hf.plain_peer(args, parse_system(text, gpus=1), torch.device("cpu"))
         assert modes[-1] == ("inductor", mode), text
+
+
+def test_peers_time_a_step_from_its_start_to_the_next_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peers' StepTimer: a step's time includes what the loop does after its last batch (Lightning's hooks, the next
+    batch's fetch) up to the next step's start, as the plain loop's steps do; warm-up steps are not timed, and the
+    run has one step more than it times, whose start ends the last timed step."""
+    from types import SimpleNamespace
+
+    import benchmarks.peer_workers as workers
+
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(workers.time, "perf_counter", lambda: next(clock))
+    args = SimpleNamespace(warmup=1, steps=2, profile=False, trace=False)
+    assert workers.total_steps(args) == 4
+    timer = workers.StepTimer(2, args, SimpleNamespace(at_step=lambda step, rank: None))
+    cpu = SimpleNamespace(root_device=workers.torch.device("cpu"))
+    trainer = SimpleNamespace(global_step=0, global_rank=0, strategy=cpu)
+    gap = {0: 0, 1: 5, 2: 9, 3: 0}  # clock ticks spent between a step's end and the next step's start
+    for step in range(workers.total_steps(args)):
+        trainer.global_step = step
+        for idx in (2 * step, 2 * step + 1):
+            timer.on_train_batch_start(trainer, None, None, idx)
+            timer.on_train_batch_end(trainer, None, workers.torch.tensor(1.0), None, idx)
+        for _ in range(gap[step]):
+            next(clock)
+    # A step's start reads the clock to end the step before (if timed) and again to start its own; batch ends read
+    # none. Steps 1 and 2 are timed, from their starts to the next ones': their gaps and one tick each.
+    assert timer.step_s == [6.0, 10.0] and len(timer.losses) == 4

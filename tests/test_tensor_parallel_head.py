@@ -47,6 +47,27 @@ def test_the_head_gives_lmhead_logits_as_a_vocabulary_sharded_dtensor_and_keeps_
     assert torch.equal(head.weight.grad.full_tensor(), reference_grad)  # the same GEMM backward
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_lmhead_adds_its_mask_in_the_gemm_with_the_bits_of_a_separate_add(autocast) -> None:
+    """The mask is the GEMM's bias (one pass over the logits, not two): the same bits as the product, rounded to the
+    output dtype, plus the mask; padded columns -inf, their weight rows without gradient."""
+    torch.manual_seed(0)
+    head = LMHead(16, 10, 12)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = head(x)
+        product = torch.nn.functional.linear(x, head.weight)
+    assert logits.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert torch.equal(logits, product + head.padding_mask.to(product.dtype))
+    assert torch.isneginf(logits[..., 10:]).all() and torch.isfinite(logits[..., :10]).all()
+    with torch.profiler.profile() as profile, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        head(x)
+    ops = {event.name for event in profile.events()}
+    assert "aten::addmm" in ops and "aten::add" not in ops  # the mask is the GEMM's bias, not an add of its own
+    torch.log_softmax(logits.float(), -1)[..., :10].sum().backward()
+    assert (head.weight.grad[10:] == 0).all() and head.weight.grad[:10].abs().sum() > 0
+
+
 def test_a_head_without_a_padding_mask_and_an_untied_weight(tp) -> None:
     head = LMHead(8, 12, 12)  # no padding: no mask
     reference = head(torch.ones(1, 8))

@@ -247,8 +247,11 @@ class PipelineEngine:
     def train_step(self, module: pl.LightningModule, batch: Any, batch_idx: int) -> Tensor:
         """Forward and backward of one batch through the pipeline; returns the step's mean loss (every rank)."""
         accumulate = module.trainer.accumulate_grad_batches
+        # One walk of the module tree per step (each parameters() call walks every submodule on the host).
+        params = list(module.parameters())
         if batch_idx % accumulate == 0:
-            module.zero_grad(set_to_none=True)  # what Lightning's zero_grad would do, before our backward runs
+            for p in params:  # what Lightning's zero_grad would do (set_to_none), before our backward runs
+                p.grad = None
         microbatches = self.context_slices(module, split_batch(batch, self.num_microbatches))
         check_batch(module, microbatches)
         self.check_same_plan(microbatches)
@@ -262,8 +265,8 @@ class PipelineEngine:
             else:
                 sync_tied_gradients(self.tied, g.tied_group, stats=self.stats)
         # Lightning zeroes gradients between training_step and backward; keep ours out of its reach.
-        self._stashed_grads = [(p, p.grad) for p in module.parameters()]
-        for p in module.parameters():
+        self._stashed_grads = [(p, p.grad) for p in params]
+        for p in params:
             p.grad = None
         return self.report_loss(module, loss, "train")
 
@@ -313,7 +316,8 @@ class PipelineEngine:
         terms of all replicas, see ``PipelineRuntime.train_step``) and give the global mean to every rank, then log it."""
         contributes = loss is not None and self.groups.tp_rank == 0
         value = loss.detach().float() if contributes else torch.zeros((), device=self.device)
-        dist.all_reduce(value)
+        if dist.get_world_size() > 1:  # one rank holds the sum already (a launch and its host time saved per step)
+            dist.all_reduce(value)
         if callable(getattr(module, "log_pipeline_loss", None)):
             module.log_pipeline_loss(value, stage)
         else:

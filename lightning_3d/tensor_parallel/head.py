@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -51,9 +50,10 @@ class VocabParallelHead(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         tp = self.tensor_parallel
-        logits = column_parallel_linear(x, local_view(self.weight), None, tp)
-        if self.padding_mask is not None:
-            logits = logits + self.padding_mask.to_local().to(logits.dtype)
+        weight = local_view(self.weight)
+        # The mask as the GEMM's bias, as LMHead adds it (recipes/gpt/model.py says why).
+        mask = None if self.padding_mask is None else self.padding_mask.to_local().to(weight.dtype)
+        logits = column_parallel_linear(x, weight, mask, tp)
         return DTensor.from_local(logits, tp.mesh, [Shard(-1)], run_check=False)
 
 

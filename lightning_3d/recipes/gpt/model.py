@@ -174,10 +174,11 @@ class LMHead(nn.Linear):
         self.fused_with_loss = False
 
     def forward(self, x: Tensor) -> Tensor:
-        logits = F.linear(x, self.weight)
-        if self.padding_mask is not None:
-            logits = logits + self.padding_mask.to(logits.dtype)
-        return logits
+        # The mask goes in as the GEMM's bias: cuBLAS adds it in the GEMM's epilogue, where a separate add would read
+        # and write every logit once more (the largest activation; a compiled stage cannot fuse the add into the loss,
+        # which is another graph). Adding 0 or -inf to the product before or after its rounding gives the same bits.
+        mask = self.padding_mask
+        return F.linear(x, self.weight, None if mask is None else mask.to(self.weight.dtype))
 
 
 class GPTModel(nn.Module):
