@@ -130,7 +130,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--systems", nargs="+", default=["plain", "plain+compile", "ours@1,1,1", "ours@1,1,1+compile"])
     p.add_argument("--num-workers", type=int, default=0, help="data loader worker processes of every system: our and"
                    " Lightning's data modules get num_workers=N, the plain loops read through a torch DataLoader with"
-                   " N workers; 0 collates in the training process (the step's batch fetched between steps)")
+                   " N workers; 0 collates in the training process (ours: the step's batch, between steps; the"
+                   " others: each micro-batch)")
     p.add_argument("--schedule", default="1f1b", help="ours with pp > 1")
     p.add_argument("--gpus", type=int, default=1, help="GPUs of the run (ddp uses them all)")
     p.add_argument("--regime", default="nvlink", choices=tuple(REGIMES))

@@ -576,12 +576,17 @@ def test_peers_time_a_step_from_its_start_to_the_next_ones(monkeypatch: pytest.M
 
     clock = iter(float(t) for t in range(1000))
     monkeypatch.setattr(workers.time, "perf_counter", lambda: next(clock))
+    # GC_TIME's collection callback reads the same clock while its timing is on: kept off, a collection during the test
+    # cannot take ticks.
+    monkeypatch.setattr(workers.GC_TIME, "timing", lambda on: None)
     args = SimpleNamespace(warmup=1, steps=2, profile=False, trace=False)
     assert workers.total_steps(args) == 4
-    timer = workers.StepTimer(2, args, SimpleNamespace(at_step=lambda step, rank: None))
+    profiled = []  # (step the profiler was asked about, steps timed by then)
+    profiler = SimpleNamespace(at_step=lambda step, rank: profiled.append((step, len(timer.step_s))))
+    timer = workers.StepTimer(2, args, profiler)
     cpu = SimpleNamespace(root_device=workers.torch.device("cpu"))
     trainer = SimpleNamespace(global_step=0, global_rank=0, strategy=cpu)
-    gap = {0: 0, 1: 5, 2: 9, 3: 0}  # clock ticks spent between a step's end and the next step's start
+    gap = {0: 7, 1: 5, 2: 9, 3: 0}  # clock ticks spent between a step's end and the next step's start
     for step in range(workers.total_steps(args)):
         trainer.global_step = step
         for idx in (2 * step, 2 * step + 1):
@@ -591,4 +596,6 @@ def test_peers_time_a_step_from_its_start_to_the_next_ones(monkeypatch: pytest.M
             next(clock)
     # A step's start reads the clock to end the step before (if timed) and again to start its own; batch ends read
     # none. Steps 1 and 2 are timed, from their starts to the next ones': their gaps and one tick each.
-    assert timer.step_s == [6.0, 10.0] and len(timer.losses) == 4
+    assert timer.step_s == [6.0, 10.0] and len(timer.losses) == 4  # the warm-up step's 7 + 1 ticks are not timed
+    # The profiler hears of a step after the step before it is timed (its start-up stays out of the timings).
+    assert profiled == [(0, 0), (1, 0), (2, 1), (3, 2)]

@@ -43,7 +43,8 @@ class VocabParallelHead(nn.Linear):
     so no rank ever holds the full vocabulary of logits (the largest activation of a small-hidden, large-vocabulary
     model). The weight is ``Shard(0)`` (this rank's vocabulary rows) and read through :func:`local_view`, so the GEMM
     runs on plain tensors like every other local-tensor layer; only its output is wrapped, once per micro-batch. The
-    padding mask (0 or -inf per padded-vocabulary column) is sharded like the logits, so its add stays local."""
+    padding mask (0 or -inf per padded-vocabulary column), the GEMM's bias, is sharded like the logits: it stays
+    local."""
 
     tensor_parallel: TensorParallel
     padding_mask: Tensor | None

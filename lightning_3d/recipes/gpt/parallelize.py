@@ -160,7 +160,8 @@ def _parallelize_gpt_dtensor(module: nn.Module, tp_mesh: DeviceMesh, sequence_pa
     tied = embed is not None and head is not None and head.weight is embed.wte.weight
     parallelize_module(module, tp_mesh, plan)
     if head is not None and isinstance(head.padding_mask, DTensor):
-        # distribute_module replicated the buffer; shard it like the logits so the mask add stays local.
+        # distribute_module replicated the buffer; shard it like the logits so the mask (the head's GEMM bias) stays
+        # local.
         head.padding_mask = head.padding_mask.redistribute(tp_mesh, [Shard(0)])
     if tied:
         # parallelize_module gives each module its own new DTensor parameter; tie them again.
