@@ -168,7 +168,7 @@ def synthetic_data(args: argparse.Namespace):
 def synthetic_datamodule(args: argparse.Namespace, batch: int, num_samples: int):
     from lightning_3d.recipes.data import SyntheticLMDataModule, SyntheticSeq2SeqDataModule
 
-    workers = getattr(args, "num_workers", 0)
+    workers = args.num_workers  # peers.py's --num-workers
     if args.model == "t5":
         return SyntheticSeq2SeqDataModule(vocab_size=args.vocab_size, input_length=args.seq_length,
                                           target_length=args.target_length, batch_size=batch, num_samples=num_samples,

@@ -90,9 +90,8 @@ def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> 
     m, mb = args.num_microbatches, args.micro_batch_size
     # The samples in order, micro-batch by micro-batch, collated by --num-workers processes as our data modules do
     # (none: in this process, as the loop's own indexing and stacking would).
-    workers = getattr(args, "num_workers", 0)
-    batches = iter(DataLoader(synthetic_data(args), batch_size=mb, shuffle=False, num_workers=workers,
-                              **worker_options(workers)))
+    batches = iter(DataLoader(synthetic_data(args), batch_size=mb, shuffle=False, num_workers=args.num_workers,
+                              **worker_options(args.num_workers)))
     step_s, losses, start = [], [], 0.0
     profiler = StepProfiler(args)
     for step in range(total_steps(args)):
