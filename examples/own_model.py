@@ -2,7 +2,7 @@
 not one of the recipes (RMSNorm, SwiGLU feed-forward, no biases, an output head tied to the embedding).
 
 The same ``TinyLM`` trains with a plain ``pl.Trainer()`` (one device, DDP, ...) and with
-``Compressed3DStrategy(pipeline_parallel_size=..., tensor_parallel_size=...)``, and every layout equals one process
+``Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=..., tensor_parallel_size=...))``, and every layout equals one process
 (tests/test_examples.py checks (1, 2, 2) and (2, 2, 1) against the single-process run). What each piece is for:
 
 - ``configure_model`` builds on the meta device (no memory until the strategy knows what this rank keeps). Under
@@ -30,7 +30,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_3d import Compressed3DStrategy, read_on_host
+from lightning_3d import (
+    CompressionConfig, Compressed3DStrategy, ParallelismConfig, PipelineConfig, read_on_host,
+)
 from lightning_3d.recipes.training import init_full_
 from lightning_3d.utils.tensors import materialize_
 
@@ -222,8 +224,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    strategy = Compressed3DStrategy(pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp,
-                                    num_microbatches=max(2, args.pp), compression=False)
+    strategy = Compressed3DStrategy(
+        parallelism=ParallelismConfig(pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp),
+        pipeline=PipelineConfig(num_microbatches=max(2, args.pp)), compression=CompressionConfig(enabled=False))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                          logger=False, enable_checkpointing=False)
     data = torch.utils.data.DataLoader(random_tokens(), batch_size=8)

@@ -9,6 +9,7 @@ never has to repeat them.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -21,12 +22,19 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import NoReturn
 
+import yaml
+
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_3d  # noqa: F401  (registers the "compressed_3d" strategy name)
 from lightning_3d.callbacks.progress import ParallelModelSummary, StepProgressBar
+from lightning_3d.strategies.config import FLAT_OPTIONS, group_flat_options
+
+# The strategy's configs document each field by a docstring under it (strategies/config.py): show them in --help.
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 DEFAULT_MODEL = "lightning_3d.recipes.GPT"
 DEFAULT_DATA = "lightning_3d.recipes.data.CausalLMDataModule"
@@ -78,13 +86,66 @@ def resolve_config(value: str) -> str:
 
 
 def resolve_config_args(args: Sequence[str]) -> list[str]:
-    """Rewrite every ``--config X`` / ``--config=X`` / ``-c X`` in ``args`` with :func:`resolve_config`."""
+    """Rewrite every ``--config X`` / ``--config=X`` / ``-c X`` in ``args`` with :func:`resolve_config`, and the
+    strategy's deprecated flat options (in those configs or on the command line) into their groups."""
     out = list(args)
     for i, arg in enumerate(out):
         if arg in CONFIG_OPTIONS and i + 1 < len(out):
-            out[i + 1] = resolve_config(out[i + 1])
+            out[i + 1] = group_flat_config(resolve_config(out[i + 1]))
         elif arg.startswith("--config="):
-            out[i] = "--config=" + resolve_config(arg[len("--config=") :])
+            out[i] = "--config=" + group_flat_config(resolve_config(arg[len("--config=") :]))
+    return group_flat_args(out)
+
+
+# ----- the strategy's flat options of earlier releases (strategies/config.py) ---------------------------------------
+_STRATEGY_ARG = re.compile(r"--trainer\.strategy\.(?:init_args\.)?(\w+)(=.*)?$", re.DOTALL)
+
+
+def group_flat_config(config: str) -> str:
+    """``config`` unchanged, or, when its ``trainer.strategy.init_args`` holds flat options, the same document as
+    inline YAML with them moved into their groups (one FutureWarning names each move)."""
+    if not os.path.isfile(config):
+        return config
+    with open(config, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    strategy = ((doc or {}).get("trainer") or {}).get("strategy") if isinstance(doc, dict) else None
+    init = strategy.get("init_args") if isinstance(strategy, dict) else None
+    if not isinstance(init, dict):
+        return config
+    flat = {k: v for k, v in init.items() if k in FLAT_OPTIONS or (k == "compression" and isinstance(v, bool))}
+    if not flat:
+        return config
+    grouped = group_flat_options(flat, where=f"{config}: trainer.strategy.init_args", category=FutureWarning)
+    rest = {k: v for k, v in init.items() if k not in flat}
+    for group, values in grouped.items():
+        rest[group] = {**(rest.get(group) or {}), **values}
+    strategy["init_args"] = rest
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def group_flat_args(args: Sequence[str]) -> list[str]:
+    """``--trainer.strategy[.init_args].NAME[=V]`` for a flat option NAME becomes
+    ``--trainer.strategy.init_args.GROUP.FIELD[=V]`` (``compression=<bool>``: ``compression.enabled``); one warning
+    names every move."""
+    out, flat = list(args), {}
+    for i, arg in enumerate(out):
+        match = _STRATEGY_ARG.match(arg)
+        if not match:
+            continue
+        name, value = match.group(1), match.group(2)
+        text = value[1:] if value is not None else (out[i + 1] if i + 1 < len(out) else "")
+        if name == "compression":
+            if text.strip().lower() not in ("true", "false"):
+                continue  # the group itself (a dict or a config)
+            flat[name] = text.strip().lower() == "true"
+        elif name in FLAT_OPTIONS:
+            flat[name] = text
+        else:
+            continue
+        group, field = ("compression", "enabled") if name == "compression" else FLAT_OPTIONS[name]
+        out[i] = f"--trainer.strategy.init_args.{group}.{field}" + (value or "")
+    if flat:
+        group_flat_options(flat, where="--trainer.strategy", category=FutureWarning)
     return out
 
 
@@ -119,7 +180,14 @@ def _class_options(class_path: str) -> list[str]:
         params = inspect.signature(cls.__init__).parameters.values()
     except (ImportError, AttributeError, TypeError, ValueError):
         return []
-    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    names = []
+    for p in params:
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        names.append(p.name)
+        if dataclasses.is_dataclass(p.default):  # a grouped config (the strategy's): its fields as group.field
+            names += [f"{p.name}.{f.name}" for f in dataclasses.fields(p.default)]
+    return names
 
 
 def did_you_mean(name: str, candidates: Sequence[str]) -> str:

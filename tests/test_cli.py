@@ -215,7 +215,7 @@ def test_cli_errors_are_short_with_did_you_mean(tmp_path, capsys, monkeypatch):
                     "      pipline_parallel_size: 2\n")
     for args in (["--config", str(typo)], ["--trainer.strategy.init_args.pipline_parallel_size=2"]):
         err = refused(*args)
-        assert "Option 'pipline_parallel_size' is not accepted; did you mean 'pipeline_parallel_size'" in err, err
+        assert "Option 'pipline_parallel_size' is not accepted; did you mean 'parallelism.pipeline_parallel_size'" in err, err
         assert len(err.splitlines()) <= 3 and "Union" not in err and "usage:" not in err, err
     err = refused("--trainer.max_stepz=2")
     assert "did you mean 'trainer.max_steps'" in err and len(err.splitlines()) <= 3, err
@@ -225,8 +225,8 @@ def test_cli_errors_are_short_with_did_you_mean(tmp_path, capsys, monkeypatch):
            " optimizer steps" in err, err
     # Through the real entry point: a strategy that refuses its arguments gives its own message, first and alone, and
     # exit code 2 (no traceback).
-    bad = ["--trainer.devices=2", "--trainer.strategy.init_args.pipeline_parallel_size=2",
-           "--trainer.strategy.init_args.schedule=1f1b", "--trainer.strategy.init_args.num_microbatches=1"]
+    bad = ["--trainer.devices=2", "--trainer.strategy.init_args.parallelism.pipeline_parallel_size=2",
+           "--trainer.strategy.init_args.pipeline.schedule=1f1b", "--trainer.strategy.init_args.pipeline.num_microbatches=1"]
     err = lightning_3d("fit", "--config", "gpt_tiny", *bad, cwd=tmp_path, expect=2).stderr
     err = "\n".join(line for line in err.strip().splitlines() if not line.startswith("Seed set to"))
     first = err.splitlines()[0]

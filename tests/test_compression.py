@@ -289,7 +289,7 @@ def test_options_for_traffic_the_topology_lacks_warn_once(recwarn) -> None:
 
     from lightning_3d.recipes import GPT
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(cb_rank=8, compressed_stages=[0]),
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(compression=CompressionConfig(cb_rank=8, compressed_stages=[0])),
                          max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     data = [{"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}]

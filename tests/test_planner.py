@@ -14,6 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from lightning_3d.planner.api import strategy_options
 import yaml
 
 import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
@@ -147,7 +149,7 @@ def test_cli_plan_writes_a_yaml_with_the_prediction_that_fit_runs(tmp_path) -> N
     emitted = yaml.safe_load(text)
     p = plan(str(source), 4, cluster=cluster, options=SearchOptions(top_k=2))
     assert emitted == p.configs[0] and (tmp_path / "plan.1.yaml").exists()
-    init = emitted["trainer"]["strategy"]["init_args"]
+    init = strategy_options(emitted)
     Compressed3DStrategy(**init)
     assert emitted["trainer"]["devices"] == 4
     c = p.predictions[0].candidate
@@ -218,7 +220,7 @@ def test_cli_plan_options(tmp_path, capsys) -> None:
     main(["plan", "--config", str(source), "--gpus", "2", "--profile", str(PROFILE), "--global-batch-size", "12",
           "--time-budget", "30", "--top-k", "1", "--out", str(out)])
     emitted = yaml.safe_load(out.read_text())
-    init = emitted["trainer"]["strategy"]["init_args"]
+    init = strategy_options(emitted)
     assert emitted["data"]["init_args"]["batch_size"] * init["data_parallel_size"] == 12
     assert "# Prediction (profile:" in out.read_text() and not (tmp_path / "plan.1.yaml").exists()
     with pytest.raises(SystemExit):
@@ -238,6 +240,6 @@ def test_mixed_stage_checkpointing_is_emitted_as_the_strategy_option(tmp_path) -
             emit(cfg, p, ClusterSpec.single_node(4), 4, 16)
         return
     out = emit(cfg, p, ClusterSpec.single_node(4), 4, 16)
-    init = out["trainer"]["strategy"]["init_args"]
+    init = strategy_options(out)
     assert init["stage_activation_checkpointing"] == [True, False] and init["pipeline_layer_split"] == [1, 3]
     assert out["model"]["init_args"]["activation_checkpointing"] is False

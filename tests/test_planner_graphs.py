@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from lightning_3d.planner.api import strategy_options
 import yaml
 
 import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
@@ -156,7 +158,7 @@ def test_the_plan_sets_cuda_graphs_and_the_cli_parses_it(tmp_path, monkeypatch, 
     cfg = _gpu_config()
     p = plan(cfg, 1, profile=profile, options=SearchOptions(top_k=1))
     assert p.predictions[0].candidate.cuda_graphs
-    init = p.best["trainer"]["strategy"]["init_args"]
+    init = strategy_options(p.best)
     assert init["cuda_graphs"] is True and (init["pipeline_parallel_size"], init["tensor_parallel_size"]) == (1, 1)
     Compressed3DStrategy(**init)
     assert '"cuda_graphs": true' in p.yaml(0)  # in the prediction's comment too
@@ -167,7 +169,7 @@ def test_the_plan_sets_cuda_graphs_and_the_cli_parses_it(tmp_path, monkeypatch, 
         main(["fit", "--config", str(path), "--print_config"])
     assert exc.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["trainer"]["strategy"]["init_args"]["cuda_graphs"] is True
+    assert strategy_options(printed)["cuda_graphs"] is True
 
     # Configs that cannot take graphs: the search does not offer them (the config's choices are kept).
     fused = _gpu_config()
@@ -181,7 +183,7 @@ def test_the_plan_sets_cuda_graphs_and_the_cli_parses_it(tmp_path, monkeypatch, 
     for other, source in ((fused, profile), (cpu, profile), (_gpu_config(), cpu_profile)):
         q = plan(other, 1, profile=source, options=SearchOptions(top_k=3))
         assert not any(x.candidate.cuda_graphs for x in q.predictions)
-        assert all("cuda_graphs" not in x["trainer"]["strategy"]["init_args"] for x in q.configs)
+        assert all("cuda_graphs" not in strategy_options(x) for x in q.configs)
         assert q.predictions[0].step_time > p.predictions[0].step_time
 
     # A config asking for graphs, planned onto a pipeline: the plan decides, and drops the option.
@@ -189,7 +191,7 @@ def test_the_plan_sets_cuda_graphs_and_the_cli_parses_it(tmp_path, monkeypatch, 
     graphs["trainer"]["strategy"].setdefault("init_args", {})["cuda_graphs"] = True
     c = Candidate(1, 2, 1, 2, 4, "1f1b", 1, (4, 4), (False, False), False)
     out = emit(graphs, predict(c, _workload(_doc(0.05, 2e-3, 1e-3), gpus=2)), ClusterSpec.single_node(2), 2, 8)
-    assert "cuda_graphs" not in out["trainer"]["strategy"]["init_args"]
+    assert "cuda_graphs" not in strategy_options(out)
 
 
 def test_the_validation_suite_measures_and_predicts_graphed_configurations(monkeypatch, tmp_path) -> None:

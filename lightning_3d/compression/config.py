@@ -4,54 +4,78 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Literal
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class CompressionConfig:
-    """Which communication is compressed, and how.
+    """Which communication is compressed, and how (``Compressed3DStrategy(compression=CompressionConfig(...))``; in
+    YAML ``trainer.strategy.init_args.compression``).
 
-    ``enabled=False`` is the one switch for exact, uncompressed 3D training (fused embedding
-    synchronisation stays on: it is exact). Each technique applies only where the topology has its traffic.
+    ``enabled=False`` is the one switch for exact, uncompressed 3D training (fused embedding synchronisation stays on:
+    it is exact). Each technique applies only where the topology has its traffic: CB between pipeline stages
+    (pp > 1), SC over data-parallel replicas (dp > 1), FE where a tied embedding is split across stages.
     """
 
     enabled: bool = True
-    # CB + LEP: activation gradients between pipeline stages (needs pp > 1).
+    """False: no CB, no SC (exact training); FE stays (it is exact)."""
     compressed_backprop: bool = True
+    """CB + LEP: compress activation gradients sent between pipeline stages (needs pipeline_parallel_size > 1)."""
     cb_rank: int = 16
-    # Only the schedule's cool-down sends (the backwards after a rank's last forward, on the critical path):
-    # compressing every send costs far more validation loss than the cool-down sends alone (benchmarks/RESULTS.md).
+    """Rank of CB's low-rank factors."""
     cb_epilogue_only: bool = True
+    """Compress only the schedule's cool-down sends (the backwards after a rank's last forward, on the critical path):
+    compressing every send costs far more validation loss than the cool-down sends alone (benchmarks/RESULTS.md)."""
     cb_min_compression_ratio: float = 2.0
-    # LEP (Optimus-CC's error feedback for CB) is off by default: in the runs that compared it, it widened CB's
-    # validation-loss gap instead of closing it (benchmarks/RESULTS.md). A likely reason (not isolated): the error
-    # left by one sample's gradient is added to a different sample's.
+    """A tensor is compressed only if its factors are at least this many times smaller than it."""
     cb_lazy_error_propagation: bool = False
-    # SC: PowerSGD of data-parallel gradients on the chosen pipeline ranks (needs dp > 1).
+    """LEP, Optimus-CC's error feedback for CB. Off by default: in the runs that compared it, it widened CB's
+    validation-loss gap instead of closing it (benchmarks/RESULTS.md); a likely reason (not isolated) is that the error
+    left by one sample's gradient is added to a different sample's."""
     sc_rank: int = 128
-    sc_warmup: int | float = 0.1  # steps of plain all-reduce, or a fraction of the run's optimizer steps
+    """Rank of SC's PowerSGD factors (SC: data-parallel gradients of the chosen pipeline ranks, needs dp > 1)."""
+    sc_warmup: int | float = 0.1
+    """Optimizer steps of plain all-reduce before SC starts: an int, or a float in [0, 1) as a fraction of the run."""
     sc_min_compression_ratio: float = 2.0
-    # "tf32": SC's products M·Q, Mᵀ·P and P·Qᵀ on TF32 tensor cores (CUDA), "fp32": full IEEE fp32. The
-    # orthonormalisation is IEEE fp32 either way. TF32 is the default because those products are most of SC's compute.
-    sc_matmul_precision: str = "tf32"
-    # With the default compressed_stages, SC runs only if the data-parallel all-reduce is slower than this bus bandwidth
-    # (GB/s), measured once at setup: on NVLink-class links SC's compute costs more than the exact all-reduce; on
-    # InfiniBand- or Ethernet-class links it saves more than it costs (benchmarks/RESULTS.md). float("inf") = always.
+    """A gradient matrix is compressed only if its factors are at least this many times smaller than it."""
+    sc_matmul_precision: Literal["tf32", "fp32"] = "tf32"
+    """SC's products M·Q, Mᵀ·P and P·Qᵀ on TF32 tensor cores ("tf32", CUDA) or in full IEEE fp32 ("fp32"); the
+    orthonormalisation is IEEE fp32 either way. TF32 is the default because those products are most of SC's compute."""
     sc_max_link_gbps: float = 50.0
-    # Pipeline ranks whose DP gradients SC compresses; default all but the last (the only one if pp=1): Optimus-CC
-    # leaves the last stage exact because its all-reduce overlaps the other stages' cool-down. On links slow enough
-    # that this all-reduce outlasts the cool-down (Ethernet-like, see benchmarks/RESULTS.md), list every stage.
-    compressed_stages: Sequence[int] | None = None
-    # FE: tied embedding gradients in one all-reduce over {first, last stage} x replicas (needs pp > 1).
+    """With the default ``compressed_stages``, SC runs only if the data-parallel all-reduce is slower than this bus
+    bandwidth (GB/s), measured once at setup: on NVLink-class links SC's compute costs more than the exact all-reduce;
+    on InfiniBand- or Ethernet-class links it saves more than it costs (benchmarks/RESULTS.md). ``float("inf")``:
+    always."""
+    compressed_stages: tuple[int, ...] | None = None
+    """Pipeline ranks whose data-parallel gradients SC compresses; None: all but the last (the only one if pp = 1), as
+    Optimus-CC, because the last stage's all-reduce overlaps the other stages' cool-down. On links slow enough that
+    this all-reduce outlasts the cool-down (Ethernet-like, benchmarks/RESULTS.md), list every stage. Naming stages
+    skips the link measurement."""
     fused_embedding_sync: bool = True
+    """FE: tied embedding gradients in one all-reduce over {first, last stage} x replicas (needs pp > 1)."""
     seed: int = 0
+    """Seed of the compressors' random initial factors (the same on every rank)."""
 
-    def validate(self, pipeline_parallel_size: int) -> None:
+    def __post_init__(self) -> None:
+        if self.compressed_stages is not None and not isinstance(self.compressed_stages, tuple):
+            if isinstance(self.compressed_stages, (str, bytes)) or not isinstance(self.compressed_stages, Sequence):
+                raise ValueError(f"`compressed_stages={self.compressed_stages!r}` must list pipeline ranks, e.g. [0, 1].")
+            object.__setattr__(self, "compressed_stages", tuple(self.compressed_stages))
+        self.validate(None)
+
+    def validate(self, pipeline_parallel_size: int | None) -> None:
+        """Each field on its own (at construction), and the stages against ``pipeline_parallel_size`` when given."""
+        for name in ("enabled", "compressed_backprop", "cb_epilogue_only", "cb_lazy_error_propagation",
+                     "fused_embedding_sync"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
         for name in ("cb_rank", "sc_rank"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"`{name}={value!r}` must be a positive integer (the rank of the low-rank factors).")
         for name in ("cb_min_compression_ratio", "sc_min_compression_ratio"):
-            if getattr(self, name) < 0:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"`{name}={getattr(self, name)!r}` must be >= 0.")
         if self.sc_matmul_precision not in ("tf32", "fp32"):
             raise ValueError(
@@ -69,8 +93,13 @@ class CompressionConfig:
                 f"`sc_warmup={warmup!r}` must be a number of steps (int >= 0) or a fraction of the run in [0, 1)."
             )
         if self.compressed_stages is not None:
-            bad = [s for s in self.compressed_stages if not isinstance(s, int) or not 0 <= s < pipeline_parallel_size]
+            bad = [s for s in self.compressed_stages if isinstance(s, bool) or not isinstance(s, int)]
             if bad:
+                raise ValueError(f"`compressed_stages={list(self.compressed_stages)}` has {bad}: name pipeline ranks,"
+                                 " integers 0 .. pipeline_parallel_size - 1.")
+            # The range needs the pipeline's size: checked by the strategy, which knows it.
+            bad = [s for s in self.compressed_stages if not 0 <= s < (pipeline_parallel_size or 0)]
+            if bad and pipeline_parallel_size is not None:
                 raise ValueError(
                     f"`compressed_stages={list(self.compressed_stages)}` has {bad} outside [0, {pipeline_parallel_size}):"
                     f" name pipeline ranks 0 .. pipeline_parallel_size - 1."

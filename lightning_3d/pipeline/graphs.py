@@ -1,5 +1,5 @@
 """CUDA graphs of pipeline stages: a stage's forward and backward for one micro-batch shape, captured once and
-replayed for every later micro-batch of that shape (``Compressed3DStrategy(cuda_graphs=True)``).
+replayed for every later micro-batch of that shape (``RuntimeConfig(cuda_graphs=True)``).
 
 Why: a compiled stage still launches each of its kernels from Python, one micro-batch at a time; when those kernels
 are short (small models, short sequences, T5's many small layers) the GPU waits on the host, and how long depends on

@@ -1,7 +1,8 @@
 """``lightning_3d.planner.plan(...)`` and ``lightning-3d plan``: read a training config, search, and write a config
 that ``lightning-3d fit --config PLAN.yaml`` runs unchanged (the input with its strategy, devices, micro-batching
 and checkpointing replaced), with the prediction in a comment. Every emitted strategy section is checked by
-constructing ``Compressed3DStrategy(**init_args)`` (the strategy's own validation) before it is written.
+constructing ``Compressed3DStrategy(**init_args)`` (the strategy's own validation) before it is written, in the
+strategy's grouped form (``parallelism``, ``pipeline``, ``compression``, ``runtime``).
 
 Configs are read with ``yaml.safe_load``; the model is recognised by its class path among the recipes registered
 with ``lightning_3d.costs.register_recipe`` (``import lightning_3d.recipes`` registers GPT and T5; the CLI does it).
@@ -12,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -23,12 +23,20 @@ from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, Profil
 from lightning_3d.planner.model import GIB, Prediction, Workload
 from lightning_3d.planner.search import SearchOptions, SearchResult, search
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
+from lightning_3d.strategies.config import PipelineConfig, flatten_options, nest_options
 
 BYTES = {"bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2, "32-true": 4, "32": 4, "bf16": 2}
 
 
+def strategy_options(cfg: dict) -> dict:
+    """The strategy's options in a training config by flat name, from its grouped or flat ``init_args``."""
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    init = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    return flatten_options(init)
+
+
 def strategy_supports_stage_checkpointing() -> bool:
-    return "stage_activation_checkpointing" in inspect.signature(Compressed3DStrategy.__init__).parameters
+    return "stage_activation_checkpointing" in {f.name for f in fields(PipelineConfig)}
 
 
 @dataclass
@@ -91,8 +99,7 @@ def workload_from_config(cfg: dict, cluster: ClusterSpec, cost_model: CostModel 
     precision = str((cfg.get("trainer") or {}).get("precision", "32-true"))
     shape, seq, target = recipe_costs(path).workload(args, data, BYTES.get(precision, 2))
     if global_batch_size is None:
-        strategy = ((cfg.get("trainer") or {}).get("strategy") or {})
-        init = strategy.get("init_args") or {} if isinstance(strategy, dict) else {}
+        init = strategy_options(cfg)
         dp = init.get("data_parallel_size", "auto")
         if not isinstance(dp, int):
             trainer = cfg.get("trainer") or {}
@@ -117,9 +124,7 @@ def eager_only(cfg: dict, cost_model: CostModel | None = None) -> str | None:
     trainer = cfg.get("trainer") or {}
     if str(trainer.get("accelerator", "auto")).lower() == "cpu":
         return "trainer.accelerator is 'cpu' (CUDA graphs need CUDA devices)"
-    strategy = trainer.get("strategy")
-    init = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-    if init.get("gradient_accumulation_fusion") is True:
+    if strategy_options(cfg).get("gradient_accumulation_fusion") is True:
         return "the strategy sets gradient_accumulation_fusion=True, which cuda_graphs=True refuses"
     return None
 
@@ -155,11 +160,11 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
                              " plan with per_stage_checkpointing=False.")
         model_args["activation_checkpointing"] = False
         init["stage_activation_checkpointing"] = ckpt
-    old = trainer.get("strategy")
-    old_init = (old.get("init_args") or {}) if isinstance(old, dict) else {}
+    old_init = strategy_options(cfg)
     keep = {k: v for k, v in old_init.items() if k not in init and k not in (
         "virtual_stages", "pipeline_layer_split", "stage_activation_checkpointing", "cuda_graphs")}
-    trainer["strategy"] = {"class_path": "lightning_3d.Compressed3DStrategy", "init_args": {**init, **keep}}
+    # Written in the grouped form (strategies/config.py), whichever form the input config used.
+    trainer["strategy"] = {"class_path": "lightning_3d.Compressed3DStrategy", "init_args": nest_options({**init, **keep})}
     data = out.setdefault("data", {}).setdefault("init_args", {})
     data["batch_size"] = global_batch_size // c.dp
     Compressed3DStrategy(**trainer["strategy"]["init_args"])  # the strategy's own checks; raises if invalid

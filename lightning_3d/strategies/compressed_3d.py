@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Generator, Sequence
-from datetime import timedelta
+from collections.abc import Generator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -29,17 +27,19 @@ from torch.optim import Optimizer
 
 from lightning_3d.compression.backprop import CompressedBackprop
 from lightning_3d.compression.config import CompressionConfig
+from lightning_3d.strategies.config import (
+    ParallelismConfig, PipelineConfig, RuntimeConfig, build_config, group_flat_options,
+)
 from lightning_3d.compression.selective import DataParallelPowerSGD
-from lightning_3d.context import context_parallel_config
 from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies import checkpoint as ckpt
 from lightning_3d.strategies.comm_metrics import log_job_communication
 from lightning_3d.strategies.compression_state import CompressionState
-from lightning_3d.strategies.fit_check import check_fit, check_memory_option, read_workload
+from lightning_3d.strategies.fit_check import check_fit, read_workload
 from lightning_3d.strategies.gc_control import GarbageCollection
 from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
-from lightning_3d.strategies.options import resolve_options
+from lightning_3d.strategies.options import options_from_configs
 from lightning_3d.strategies.parallel_dims import ParallelDims, resolve_sizes
 from lightning_3d.strategies.pipeline_engine import PipelineEngine, check_optimizers
 from lightning_3d.strategies.process_groups import (
@@ -60,166 +60,100 @@ class Compressed3DStrategy(ParallelStrategy):
     """Train with data, pipeline and tensor parallelism at once; ``Compressed3DStrategy()`` is plain data parallel.
 
     Args:
-        data_parallel_size: replicas; ``"auto"`` takes what pipeline and tensor parallelism leave of the world.
-        pipeline_parallel_size: pipeline ranks; the model is cut into ``pp * virtual_stages`` stages.
-        tensor_parallel_size: Megatron-style sharding of every layer (DTensor), innermost in the mesh.
-        num_microbatches: micro-batches each per-replica batch is split into (a ``MicroBatches`` batch
-            overrides it for one step). ``None`` (the default) derives it: 1 with pipeline_parallel_size=1, else
-            pipeline_parallel_size, the smallest count every registered schedule accepts (1F1B needs at least pp,
-            interleaved 1F1B a multiple of pp). The resolved value is the attribute ``num_microbatches``.
-        schedule: a registered schedule name: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, or one added with
-            ``lightning_3d.pipeline.register_schedule`` (docs/extending.md).
-        virtual_stages: stages per pipeline rank for interleaved schedules (at least 2 there, default 2; else 1).
-        sequence_parallel: shard the residual stream over the sequence between tensor-parallel regions.
-        pipeline_layer_split: layers per stage, overriding the even split.
-        stage_activation_checkpointing: one bool per pipeline stage (``pp * virtual_stages`` entries, in stage
-            order): whether that stage recomputes its blocks' activations in the backward instead of keeping them.
-            Handed to the model in each ``StageLayout``; ``None`` (the default) leaves the model's own setting.
-        bucket_size_mb: size of the data-parallel all-reduce buckets of uncompressed stages (a stage under SC is
-            synchronised as one bucket: its cost is per matrix shape, not per byte).
-        gradient_accumulation_fusion: accumulate the weight gradients of ``nn.Linear`` layers inside the backward's
-            GEMM, in fp32 buffers that double as the all-reduce buckets (Megatron-LM's option of the same name), for
-            modules that implement the pipeline protocol (the recipes), with tensor_parallel_size=1; it applies to
-            plain fp32 weights used once per forward and not tied to another module (see ``wgrad_fusion``).
-            ``True``: every such layer; ``False``: none; ``"auto"`` (the default): only those whose weight has at
-            least ``wgrad_fusion.FUSION_MIN_ELEMENTS`` (2**23) elements, below which the op's host time exceeds the
-            memory traffic it saves (docs/speed.md).
-        on_nonfinite: what a step whose loss or gradients hold NaN or inf does: ``"skip"`` (the default) leaves the
-            parameters, the optimizer state and the compression state as they were, on every rank alike, and warns;
-            ``"raise"`` stops training with an error on every rank; ``"ignore"`` applies the step (no check, no
-            host synchronisation). A skipped step still counts as a step for ``global_step`` and LR schedulers.
-            With torch's fused Adam/AdamW/momentum-free SGD and no GradScaler ("16-mixed" has one) the step is
-            skipped on the device and the verdict reaches the host a step later: the warning and ``"raise"`` come
-            from the next step (before its update), the end of fit or a checkpoint save, naming the bad step; the
-            parameters are then still those from before it (docs/speed.md).
-        max_consecutive_nonfinite: with ``"skip"``, one more non-finite step in a row than this raises (the run is
-            diverging).
-        timeout: of every process group the strategy creates (the default group, the device mesh, the pipeline
-            channels, the tied-embedding and model-parallel groups): a rank that stops answering fails the others
-            after this long.
-        context_parallel_size: ranks sharing every sequence, each holding a slice of it (mesh ("dp", "pp", "cp",
-            "tp"); a module with ``enable_context_parallel``, e.g. the GPT recipe). ``context_parallel_layout``:
-            ``"zigzag"`` (balanced causal work) or ``"contiguous"``; ``context_parallel_attention``: ``"ring"`` or
-            ``"ulysses"``. See docs/context_parallel.md.
-        shard_optimizer_state: each data-parallel replica keeps and updates only its 1/dp of the optimizer state (and
-            of the fp32 master weights under bf16-true): gradients are reduce-scattered instead of all-reduced and the
-            parameters all-gathered after the step (ZeRO-1, Megatron-LM's distributed optimizer). For one element-wise
-            torch optimizer (AdamW, Adam, SGD); does nothing with data_parallel_size=1. docs/sharded_optimizer.md.
-        memory_check: before any collective of a fit, every rank estimates the peak memory per GPU of this layout for a
-            model the memory model knows (the GPT and T5 recipes) and compares it with its card: ``"error"`` (the
-            default) stops with the estimate per component and the changes that would fit when it exceeds the usable
-            memory by more than the model's error margin (and warns below that); ``"warn"`` only warns; ``"off"``
-            skips it. ``$LIGHTNING_3D_DEVICE_MEMORY_GIB`` replaces the card's memory (CPU runs have none).
-            docs/context_parallel.md, "Will it fit?".
-        gc_interval: Python's automatic garbage collection is off from ``setup`` to ``teardown`` (restored then, also
-            when the run raises) and every rank runs a full collection before the first batch of every
-            ``gc_interval``-th optimizer step, all at the same step (and before every ``gc_interval``-th batch of an
-            evaluation loop), as Megatron-LM's ``--manual-gc``: an automatic collection pauses one rank at a random
-            point and every collective waits for it. ``None`` leaves Python's collector alone. docs/speed.md,
-            "Garbage collection".
-        gc_freeze: after the first of those collections in a fit (and the first after each validation), move what
-            survived it (compiled graphs, the model, the optimizer) to Python's permanent generation
-            (``gc.freeze()``), so later full collections walk only what was allocated since; cyclic garbage still
-            reachable at that moment is never collected. Undone at ``teardown``.
-        cuda_graphs: capture each stage's training forward and backward as CUDA graphs on its first micro-batch and
-            replay them for every later micro-batch of the same shapes (one launch instead of one per kernel: for
-            steps the host's kernel launches slow down, e.g. T5 or small GPTs). Needs CUDA devices,
-            pipeline_parallel_size=1, tensor_parallel_size=1, context_parallel_size=1 and fixed micro-batch shapes
-            (a micro-batch of other shapes runs eagerly, with a warning); gradient_accumulation_fusion="auto" then
-            fuses nothing. Results equal the eager step's up to kernel choice. docs/speed.md, "CUDA graphs".
+        parallelism: the mesh's sizes, context and sequence parallelism (``ParallelismConfig``).
+        pipeline: micro-batches, schedule, stage split and per-stage activation checkpointing (``PipelineConfig``).
+        compression: CB, SC and FE (``CompressionConfig``; ``CompressionConfig(enabled=False)`` trains exactly).
+        runtime: gradient buckets and fusion, ZeRO-1, CUDA graphs, non-finite steps, process groups' timeout and
+            backend, the memory check and garbage collection (``RuntimeConfig``).
+        accelerator, parallel_devices, cluster_environment, precision_plugin: Lightning's, set by the Trainer.
         checkpoint_io: must stay None: checkpoints are sharded ``torch.distributed.checkpoint`` directories the
             strategy writes itself.
+        **flat_options: the flat keywords of earlier releases (``pipeline_parallel_size=2``, ``cb_rank=8``, ...),
+            each mapped to its config field with a ``FutureWarning`` (``strategies/config.py``, ``FLAT_OPTIONS``).
+
+    Each config is a frozen dataclass whose fields are documented one by one (``help(ParallelismConfig)``,
+    ``lightning-3d fit --trainer.strategy.help Compressed3DStrategy``); a dict of fields is accepted too. Every check
+    runs on every rank before any process group exists.
     """
 
     strategy_name = "compressed_3d"
 
     def __init__(
         self,
-        data_parallel_size: int | Literal["auto"] = "auto",
-        pipeline_parallel_size: int = 1,
-        tensor_parallel_size: int = 1,
-        num_microbatches: int | None = None,
-        schedule: str = "1f1b",
-        virtual_stages: int | None = None,
-        sequence_parallel: bool = False,
-        pipeline_layer_split: Sequence[int] | None = None,
-        bucket_size_mb: float = 25.0,
-        gradient_accumulation_fusion: bool | Literal["auto"] = "auto",
-        compression: bool = True,
-        compressed_backprop: bool = True,
-        cb_rank: int = 16,
-        cb_epilogue_only: bool = True,
-        cb_min_compression_ratio: float = 2.0,
-        cb_lazy_error_propagation: bool = False,
-        sc_rank: int = 128,
-        sc_warmup: int | float = 0.1,
-        sc_min_compression_ratio: float = 2.0,
-        sc_matmul_precision: Literal["tf32", "fp32"] = "tf32",
-        sc_max_link_gbps: float = 50.0,
-        compressed_stages: Sequence[int] | None = None,
-        fused_embedding_sync: bool = True,
-        compression_seed: int = 0,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        parallelism: ParallelismConfig = ParallelismConfig(),
+        pipeline: PipelineConfig = PipelineConfig(),
+        compression: CompressionConfig = CompressionConfig(),
+        runtime: RuntimeConfig = RuntimeConfig(),
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
         checkpoint_io=None,
         precision_plugin=None,
-        on_nonfinite: Literal["skip", "raise", "ignore"] = "skip",
-        max_consecutive_nonfinite: int = 10,
-        stage_activation_checkpointing: Sequence[bool] | None = None,
-        context_parallel_size: int = 1,
-        context_parallel_layout: Literal["zigzag", "contiguous"] = "zigzag",
-        context_parallel_attention: Literal["ring", "ulysses"] = "ring",
-        shard_optimizer_state: bool = False,
-        memory_check: Literal["error", "warn", "off"] = "error",
-        gc_interval: int | None = 50,
-        gc_freeze: bool = True,
-        cuda_graphs: bool = False,
+        **flat_options: Any,
     ) -> None:
         # Every check here runs on every rank before any process group exists.
-        options = resolve_options(
-            pipeline_parallel_size=pipeline_parallel_size, tensor_parallel_size=tensor_parallel_size,
-            num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
-            sequence_parallel=sequence_parallel, pipeline_layer_split=pipeline_layer_split,
-            stage_activation_checkpointing=stage_activation_checkpointing, bucket_size_mb=bucket_size_mb,
-            gradient_accumulation_fusion=gradient_accumulation_fusion, on_nonfinite=on_nonfinite,
-            max_consecutive_nonfinite=max_consecutive_nonfinite, checkpoint_io=checkpoint_io,
-            context_parallel=context_parallel_config(context_parallel_size, context_parallel_layout, context_parallel_attention),
-            shard_optimizer_state=shard_optimizer_state, cuda_graphs=cuda_graphs,
-        )
-        check_memory_option(memory_check)
-        self.garbage_collection = GarbageCollection(gc_interval, gc_freeze)
+        if isinstance(compression, bool):  # the flat switch of earlier releases: compression.enabled
+            flat_options = {"compression": compression, **flat_options}
+            compression = CompressionConfig()
+        flat = group_flat_options(flat_options)
+        self.parallelism: ParallelismConfig = build_config("parallelism", parallelism, flat.get("parallelism"))
+        self.pipeline: PipelineConfig = build_config("pipeline", pipeline, flat.get("pipeline"))
+        self.compression: CompressionConfig = build_config("compression", compression, flat.get("compression"))
+        self.runtime: RuntimeConfig = build_config("runtime", runtime, flat.get("runtime"))
+        #: what the engine reads: the configs' fields with the derived values resolved (``options.PipelineOptions``)
+        self.options = options_from_configs(self.parallelism, self.pipeline, self.runtime, checkpoint_io)
+        self.compression.validate(self.parallelism.pipeline_parallel_size)
+        self.garbage_collection = GarbageCollection(self.runtime.gc_interval, self.runtime.gc_freeze)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        self.compression = CompressionConfig(
-            compression, compressed_backprop, cb_rank, cb_epilogue_only, cb_min_compression_ratio, cb_lazy_error_propagation, sc_rank,
-            sc_warmup, sc_min_compression_ratio, sc_matmul_precision, sc_max_link_gbps,
-            list(compressed_stages) if compressed_stages is not None else None,
-            fused_embedding_sync, compression_seed,
-        )
-        self.compression.validate(pipeline_parallel_size)
-        self.options = options
-        self.num_microbatches, self.schedule, self.virtual_stages = options.num_microbatches, schedule, options.virtual_stages
-        self.stage_activation_checkpointing = options.stage_activation_checkpointing
-        self.sequence_parallel, self.on_nonfinite = sequence_parallel, on_nonfinite
-        self.pipeline_layer_split = list(pipeline_layer_split) if pipeline_layer_split is not None else None
-        self._sizes = (data_parallel_size, pipeline_parallel_size, tensor_parallel_size, context_parallel_size)
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
         self.cp_rank = 0
         # The components (module docstring): built once; `groups` per run, the engine bound to one module at a time.
         self.comm_stats = CommunicationStats()
         self.groups: ProcessGroups | None = None
-        self.compression_state = CompressionState(self.compression, self.comm_stats, guard_nonfinite=on_nonfinite != "ignore")
-        self.engine = PipelineEngine(options, self.compression_state, self.comm_stats)
+        self.compression_state = CompressionState(self.compression, self.comm_stats,
+                                                  guard_nonfinite=self.runtime.on_nonfinite != "ignore")
+        self.engine = PipelineEngine(self.options, self.compression_state, self.comm_stats)
         self.checkpoints = ShardedCheckpointIO(self.broadcast, self.compression_state)
         self._prepared_module = None
-        self.memory_check = memory_check
         #: the fit check's estimate of this run (``fit_check.FitReport``), None where it was skipped
         self.memory_estimate = None
+
+    # ----- resolved options (one place each: the configs, or ``options`` for derived values) --------------------
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per per-replica batch, resolved (``PipelineConfig.num_microbatches`` or its derived value)."""
+        return self.options.num_microbatches
+
+    @property
+    def schedule(self) -> str:
+        return self.options.schedule
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per pipeline rank, resolved (2 for an interleaved schedule unless set)."""
+        return self.options.virtual_stages
+
+    @property
+    def pipeline_layer_split(self) -> list[int] | None:
+        split = self.options.pipeline_layer_split
+        return list(split) if split is not None else None
+
+    @property
+    def stage_activation_checkpointing(self) -> tuple[bool, ...] | None:
+        return self.options.stage_activation_checkpointing
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallelism.sequence_parallel
+
+    @property
+    def on_nonfinite(self) -> str:
+        return self.runtime.on_nonfinite
+
+    @property
+    def memory_check(self) -> str:
+        return self.runtime.memory_check
 
     # ----- environment --------------------------------------------------------------------------------------
     @property
@@ -268,14 +202,15 @@ class Compressed3DStrategy(ParallelStrategy):
                 f"Compressed3DStrategy does not support precision={precision!r}; use one of {', '.join(SUPPORTED_PRECISION)}."
             )
         world_size = self.num_nodes * self.num_processes
-        dp, pp, tp = resolve_sizes(world_size, *self._sizes)
+        par = self.parallelism
+        dp, pp, tp = resolve_sizes(world_size, par.data_parallel_size, par.pipeline_parallel_size,
+                                   par.tensor_parallel_size, par.context_parallel_size)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
         self._check_fit(precision, dp, pp, tp)
-        backend = self._process_group_backend or default_process_group_backend(self.root_device)
-        self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        backend = self.runtime.process_group_backend or default_process_group_backend(self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self.runtime.timeout}
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         init_dist_connection(self.cluster_environment, backend, **kwargs)
@@ -292,9 +227,9 @@ class Compressed3DStrategy(ParallelStrategy):
         self._release_model()
         self.comm_stats = self.engine.stats = CommunicationStats()
         self.compression_state.start_over(self.comm_stats)
-        self.dims = ParallelDims(dp, pp, tp, world_size, cp=self._sizes[3])
+        self.dims = ParallelDims(dp, pp, tp, world_size, cp=par.context_parallel_size)
         self.groups = claim_live_groups(self._release_model, self.dims, self.global_rank, self.root_device,
-                                        self.virtual_stages, self._timeout)
+                                        self.virtual_stages, self.runtime.timeout)
         self.dp_rank, self.pp_rank, self.tp_rank = self.groups.dp_rank, self.groups.pp_rank, self.groups.tp_rank
         self.cp_rank = self.groups.cp_rank
         set_device_mesh(self.lightning_module, self.device_mesh)
@@ -311,7 +246,8 @@ class Compressed3DStrategy(ParallelStrategy):
             return
         datamodule = trainer.datamodule  # None when the loaders were passed directly
         self.memory_estimate = check_fit(
-            self.memory_check, lambda: read_workload(module, datamodule, dp=dp, pp=pp, tp=tp, cp=self._sizes[3],
+            self.memory_check, lambda: read_workload(module, datamodule, dp=dp, pp=pp, tp=tp,
+                                                     cp=self.parallelism.context_parallel_size,
                                                      precision=precision, options=self.options),
             self.root_device, rank_zero_warn)
 

@@ -47,13 +47,6 @@ def size(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def check_memory_option(memory_check: Any) -> None:
-    if memory_check not in MEMORY_CHECKS:
-        raise ValueError(f"`memory_check={memory_check!r}` must be one of {', '.join(map(repr, MEMORY_CHECKS))}:"
-                         " 'error' stops a configuration that cannot fit before it starts, 'warn' only warns, 'off'"
-                         " skips the estimate.")
-
-
 def device_capacity(device: torch.device) -> float | None:
     """Bytes of memory of ``device``: ``$LIGHTNING_3D_DEVICE_MEMORY_GIB`` if set, the CUDA card's total, else None."""
     value = os.environ.get(CAPACITY_ENV)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d.compression.selective import DataParallelPowerSGD
 from lightning_3d.utils.comm_stats import CommunicationStats
+from lightning_3d.strategies.config import RuntimeConfig
 from lightning_3d.strategies.wgrad_fusion import register_slot, unregister_slot
 from lightning_3d.utils.tensors import local
 
@@ -51,7 +52,7 @@ class GradientSynchronizer:
         params_by_stage: dict[int | None, list[nn.Parameter]],
         dp_group: dist.ProcessGroup | None,
         dp_size: int,
-        bucket_size_mb: float = 25.0,
+        bucket_size_mb: float = RuntimeConfig.bucket_size_mb,
         exclude: set[int] = frozenset(),
         compressor: DataParallelPowerSGD | None = None,
         compressed_stages: set[int | None] = frozenset(),

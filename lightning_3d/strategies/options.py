@@ -13,27 +13,29 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_3d.context import ContextParallelConfig
+from lightning_3d.strategies.config import ParallelismConfig, PipelineConfig, RuntimeConfig
 from lightning_3d.strategies.parallel_dims import resolve_schedule_options
 from lightning_3d.strategies.wgrad_fusion import check_fusion_mode
 
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """How the model is cut into stages and how each step runs them (see the strategy's Args)."""
+    """What the ``PipelineEngine`` reads: the user's ``PipelineConfig``/``RuntimeConfig`` fields it needs, with the
+    derived values resolved (num_microbatches, virtual_stages). Defaults are the configs' (strategies/config.py)."""
 
     num_microbatches: int = 1
-    schedule: str = "1f1b"
+    schedule: str = PipelineConfig.schedule
     virtual_stages: int = 1
-    sequence_parallel: bool = False
+    sequence_parallel: bool = ParallelismConfig.sequence_parallel
     pipeline_layer_split: tuple[int, ...] | None = None
     stage_activation_checkpointing: tuple[bool, ...] | None = None
-    bucket_size_mb: float = 25.0
-    gradient_accumulation_fusion: bool | Literal["auto"] = "auto"
-    on_nonfinite: Literal["skip", "raise", "ignore"] = "skip"
-    max_consecutive_nonfinite: int = 10
+    bucket_size_mb: float = RuntimeConfig.bucket_size_mb
+    gradient_accumulation_fusion: bool | Literal["auto"] = RuntimeConfig.gradient_accumulation_fusion
+    on_nonfinite: Literal["skip", "raise", "ignore"] = RuntimeConfig.on_nonfinite
+    max_consecutive_nonfinite: int = RuntimeConfig.max_consecutive_nonfinite
     context_parallel: ContextParallelConfig = ContextParallelConfig()
-    shard_optimizer_state: bool = False
-    cuda_graphs: bool = False
+    shard_optimizer_state: bool = RuntimeConfig.shard_optimizer_state
+    cuda_graphs: bool = RuntimeConfig.cuda_graphs
 
 
 def default_microbatches(pipeline_parallel_size: Any) -> int:
@@ -42,6 +44,21 @@ def default_microbatches(pipeline_parallel_size: Any) -> int:
     if isinstance(pipeline_parallel_size, int) and not isinstance(pipeline_parallel_size, bool) and pipeline_parallel_size > 1:
         return pipeline_parallel_size
     return 1  # with an invalid pp, its own error comes from the checks below
+
+
+def options_from_configs(parallelism: ParallelismConfig, pipeline: PipelineConfig, runtime: RuntimeConfig,
+                         checkpoint_io: Any = None) -> PipelineOptions:
+    """The engine's record from the user's configs, with the checks that relate them (each config checked itself)."""
+    return resolve_options(
+        pipeline_parallel_size=parallelism.pipeline_parallel_size, tensor_parallel_size=parallelism.tensor_parallel_size,
+        num_microbatches=pipeline.num_microbatches, schedule=pipeline.schedule, virtual_stages=pipeline.virtual_stages,
+        sequence_parallel=parallelism.sequence_parallel, pipeline_layer_split=pipeline.layer_split,
+        stage_activation_checkpointing=pipeline.stage_activation_checkpointing, bucket_size_mb=runtime.bucket_size_mb,
+        gradient_accumulation_fusion=runtime.gradient_accumulation_fusion, on_nonfinite=runtime.on_nonfinite,
+        max_consecutive_nonfinite=runtime.max_consecutive_nonfinite, checkpoint_io=checkpoint_io,
+        context_parallel=parallelism.context_parallel, shard_optimizer_state=runtime.shard_optimizer_state,
+        cuda_graphs=runtime.cuda_graphs,
+    )
 
 
 def resolve_options(
@@ -82,7 +99,7 @@ def resolve_options(
         if (checkpointing is None or len(checkpointing) != stages or isinstance(stage_activation_checkpointing, str)
                 or not all(isinstance(flag, bool) for flag in checkpointing)):
             raise ValueError(
-                f"`stage_activation_checkpointing={stage_activation_checkpointing!r}` must list {stages} booleans, one per"
+                f"`stage_activation_checkpointing={_shown(stage_activation_checkpointing)!r}` must list {stages} booleans, one per"
                 f" pipeline stage (pipeline_parallel_size={pipeline_parallel_size} x virtual_stages={virtual_stages}),"
                 " e.g. [True] + [False] * " + str(stages - 1) + "; or leave it unset for the model's own setting."
             )
@@ -92,6 +109,11 @@ def resolve_options(
         gradient_accumulation_fusion, on_nonfinite, max_consecutive_nonfinite, context_parallel, shard_optimizer_state,
         cuda_graphs,
     )
+
+
+def _shown(value: Any) -> Any:
+    """A value as the user wrote it: the configs keep lists as tuples."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def check_cuda_graphs(cuda_graphs: object, pp: int, tp: int, cp: int, schedule: str, num_microbatches: int,

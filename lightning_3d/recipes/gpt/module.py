@@ -183,7 +183,7 @@ class GPT(pl.LightningModule):
         parallelize_gpt(stage, tp_mesh, sequence_parallel)
 
     def enable_context_parallel(self, stage: nn.Module, group: Any, layout: str, attention: str) -> None:
-        """Context parallelism (``Compressed3DStrategy(context_parallel_size=...)``): every block of ``stage`` attends
+        """Context parallelism (``ParallelismConfig(context_parallel_size=...)``): every block of ``stage`` attends
         over the slices of the cp ``group`` (its micro-batches carry this rank's tokens and their global
         ``position_ids``). Refuses what the ring cannot do, on every rank before any collective."""
         cp = torch.distributed.get_world_size(group)
