@@ -97,7 +97,7 @@ def run_one(preset: str, implementation: str, sequence_parallel: bool, args: arg
     from torch.distributed.tensor.parallel import loss_parallel
 
     from lightning_3d.recipes.training import summed_token_cross_entropy
-    from lightning_3d.strategies.grad_sync import align_grad_placement
+    from lightning_3d.distributed.grad_sync import align_grad_placement
 
     config, stage = build(preset, implementation, sequence_parallel, args, mesh)
     if compiled != "off":

@@ -308,7 +308,7 @@ def test_sc_stage_is_one_bucket_with_same_shapes_adjacent() -> None:
     size-capped buckets in reverse registration order."""
     from torch import nn
 
-    from lightning_3d.strategies.grad_sync import GradientSynchronizer
+    from lightning_3d.distributed.grad_sync import GradientSynchronizer
 
     def stage() -> list[nn.Parameter]:
         return [nn.Parameter(torch.zeros(shape)) for shape in ((8, 4), (8,), (6, 4), (8, 4), (6, 4), (8,))]

@@ -7,7 +7,7 @@ import torch
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.pipeline.microbatch import MicroBatches, split_batch
 from lightning_3d.recipes import GPT
-from lightning_3d.strategies.parallel_dims import ParallelDims, resolve_sizes
+from lightning_3d.distributed.parallel_dims import ParallelDims, resolve_sizes
 from lightning_3d.strategies.protocol import split_layers
 
 

@@ -205,7 +205,7 @@ def _t5_logits_check(ckpt: Path, tmp_path: Path) -> float:
     from lightning_3d.cli import main
     from lightning_3d.recipes.hf_t5 import t5_config_from_hparams
     from lightning_3d.recipes.t5.model import T5Model
-    from lightning_3d.strategies.checkpoint_files import META_FILE
+    from lightning_3d.checkpoint.files import META_FILE
     from tests.scenarios.t5_layouts import Pairs
 
     out = tmp_path / f"{ckpt.name}_hf"

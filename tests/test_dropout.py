@@ -1,6 +1,6 @@
 """Dropout's random streams under data, pipeline and tensor parallelism (scenario tests/scenarios/dropout.py).
 
-What each stream must give (lightning_3d/strategies/rng.py): the same masks where activations are replicated over
+What each stream must give (lightning_3d/distributed/rng.py): the same masks where activations are replicated over
 tensor-parallel ranks, different masks where they are sharded over them, and different streams on different replicas
 and pipeline ranks; runs are reproducible from the seed, and activation checkpointing recomputes the same masks.
 """
@@ -53,7 +53,7 @@ def _gpt_gradients(checkpointing: bool, tp_rank: int) -> list:
 
     from lightning_3d.recipes.gpt.config import preset
     from lightning_3d.recipes.gpt.model import GPTModel
-    from lightning_3d.strategies import rng
+    from lightning_3d.distributed import rng
 
     config = preset("tiny", vocab_size=300, seq_length=16, num_layers=2, hidden_size=48, num_heads=12, dropout=0.1)
     # L3D_TEST_DEVICE=cuda (as for the scenarios) runs it on a GPU: the region then swaps the CUDA generator.
@@ -72,7 +72,7 @@ def test_checkpointing_recomputes_the_tensor_parallel_masks(monkeypatch) -> None
     state of its own, which checkpoint does not stash, fails this); a different tp rank's masks give other gradients."""
     import torch
 
-    from lightning_3d.strategies import rng
+    from lightning_3d.distributed import rng
 
     # The seeding is process-wide: undo it for the tests that run after this one in the same process.
     monkeypatch.setattr(rng, "_region_key", None)
@@ -86,7 +86,7 @@ def test_checkpointing_recomputes_the_tensor_parallel_masks(monkeypatch) -> None
 def test_bad_global_seed(monkeypatch) -> None:
     import pytest
 
-    from lightning_3d.strategies import rng
+    from lightning_3d.distributed import rng
 
     monkeypatch.setattr(rng, "_region_key", None)
     monkeypatch.setattr(rng, "_region_device", None)

@@ -24,7 +24,7 @@ from lightning_3d.recipes.gpt.model import GPTModel
 from lightning_3d.recipes.hf import (
     config_from_hparams, export_checkpoint, gpt_from_pretrained, gpt_to_hf_state_dict, hf_config_for, hf_to_gpt_state_dict,
 )
-from lightning_3d.strategies.checkpoint_files import META_FILE, write_manifest
+from lightning_3d.checkpoint.files import META_FILE, write_manifest
 from tests.launch import run_scenario
 from tests.scenarios.common import Tokens
 from tests.tolerance import gpt_tolerance, loss_tolerance, scaled_error

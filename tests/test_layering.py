@@ -1,6 +1,7 @@
 """The import layering contract (docs/architecture.md), checked on the source: it fails on any violation.
 
-Layers, bottom to top: utils -> pipeline -> compression -> strategies -> {callbacks, recipes} -> cli. A module may
+Layers, bottom to top: utils -> pipeline -> compression -> distributed -> checkpoint -> strategies -> {callbacks,
+recipes} -> cli. A module may
 import its own package and the layers below it (``lightning_3d`` itself re-exports the strategy, so it sits just
 above the strategies layer; ``dynamic`` sits beside compression and ``planner`` beside the recipes). On top of that: no import cycle between modules (function-level imports included, since they
 only hide a cycle), no ``from X import _private`` across modules, and upper layers reach the strategies package only
@@ -16,14 +17,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_3d"
 
-LAYER = {"utils": 0, "pipeline": 1, "costs": 1.5, "compression": 2, "context": 2, "tensor_parallel": 2, "dynamic": 2, "strategies": 3, "": 3.5, "planner": 4,
+LAYER = {"utils": 0, "pipeline": 1, "costs": 1.5, "compression": 2, "context": 2, "tensor_parallel": 2, "dynamic": 2,
+         "distributed": 2.5, "checkpoint": 2.7, "strategies": 3, "": 3.5, "planner": 4,
          "callbacks": 4, "recipes": 4, "cli": 5}
-# What callbacks and recipes may import from strategies: the strategy, the protocol, the mesh, the checkpoint format
-# and the dropout random streams a model's tensor-parallel code uses.
+# What callbacks and recipes may import from strategies: the strategy, its configs and the model protocol (the layout,
+# the checkpoint format and the dropout streams live in the lower packages distributed/ and checkpoint/).
 PUBLIC_STRATEGY_MODULES = {"lightning_3d.strategies.compressed_3d", "lightning_3d.strategies.protocol",
-                           "lightning_3d.strategies.parallel_dims", "lightning_3d.strategies.checkpoint",
-                           "lightning_3d.strategies.checkpoint_files",
-                           "lightning_3d.strategies.rng"}
+                           "lightning_3d.strategies.config"}
 
 
 def _module_name(path: Path) -> str:
@@ -136,8 +136,11 @@ def test_the_package_follows_the_layering_contract() -> None:
         ({"lightning_3d.callbacks.a": [("lightning_3d.callbacks.b", ["f"], 1)],
           "lightning_3d.callbacks.b": [("lightning_3d.callbacks.a", ["g"], 9)]}, "import cycle"),
         # a recipe reaching into strategy internals
-        ({"lightning_3d.recipes.gpt.module": [("lightning_3d.strategies.grad_sync", ["local"], 2)],
-          "lightning_3d.strategies.grad_sync": []}, "public modules"),
+        ({"lightning_3d.recipes.gpt.module": [("lightning_3d.strategies.pipeline_engine", ["PipelineEngine"], 2)],
+          "lightning_3d.strategies.pipeline_engine": []}, "public modules"),
+        # the distributed machinery reaching up into the strategy
+        ({"lightning_3d.distributed.grad_sync": [("lightning_3d.strategies.config", ["RuntimeConfig"], 2)],
+          "lightning_3d.strategies.config": []}, "layer 'distributed' may not import 'strategies'"),
         # a private helper imported across modules
         ({"lightning_3d.recipes.hf_t5": [("lightning_3d.recipes.hf", ["_pad_rows"], 2)],
           "lightning_3d.recipes.hf": []}, "imports private"),

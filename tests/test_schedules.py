@@ -11,7 +11,7 @@ from lightning_3d.pipeline.schedules import (
     check_schedule,
     register_schedule,
 )
-from lightning_3d.strategies import parallel_dims
+from lightning_3d.pipeline.schedule_options import resolve_schedule_options
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)]
 
@@ -169,25 +169,25 @@ def test_a_registered_schedule_is_built_checked_and_accepted_by_name(registry) -
                 check_schedule([build_schedule("test_reverse_looped", pp, v, m, r) for r in range(pp)], pp * v, m, train=True)
     # The strategy's validation takes the registered names and constraints: an interleaved schedule defaults to
     # two virtual stages, and without microbatch_multiple_of_pp it accepts 3 micro-batches on 2 ranks.
-    assert parallel_dims.resolve_schedule_options("test_reverse_gpipe", 4, None, 1) == 1
-    assert parallel_dims.resolve_schedule_options("test_reverse_looped", 2, None, 3) == 2
+    assert resolve_schedule_options("test_reverse_gpipe", 4, None, 1) == 1
+    assert resolve_schedule_options("test_reverse_looped", 2, None, 3) == 2
     with pytest.raises(ValueError, match="needs pipeline_parallel_size >= 2 and virtual_stages >= 2"):
-        parallel_dims.resolve_schedule_options("test_reverse_looped", 1, None, 3)
+        resolve_schedule_options("test_reverse_looped", 1, None, 3)
     with pytest.raises(ValueError, match="virtual_stages=2 only applies to interleaved schedules, not 'test_reverse_gpipe'"):
-        parallel_dims.resolve_schedule_options("test_reverse_gpipe", 2, 2, 4)
+        resolve_schedule_options("test_reverse_gpipe", 2, 2, 4)
     names = "'gpipe', '1f1b', 'interleaved_1f1b', 'test_reverse_gpipe', 'test_reverse_looped'"
     with pytest.raises(ValueError, match=f"Unknown schedule 'zb'; choose one of {names}"):
-        parallel_dims.resolve_schedule_options("zb", 2, None, 4)
+        resolve_schedule_options("zb", 2, None, 4)
 
 
 def test_the_registry_holds_the_builtin_constraints() -> None:
     assert list(schedules.SCHEDULES) == ["gpipe", "1f1b", "interleaved_1f1b"]
-    assert parallel_dims.resolve_schedule_options("interleaved_1f1b", 4, None, 8) == 2
-    assert parallel_dims.resolve_schedule_options("gpipe", 4, None, 1) == 1
+    assert resolve_schedule_options("interleaved_1f1b", 4, None, 8) == 2
+    assert resolve_schedule_options("gpipe", 4, None, 1) == 1
     with pytest.raises(ValueError, match=r"1F1B schedule with num_microbatches=3 < 4 at pipeline_parallel_size=4"):
-        parallel_dims.resolve_schedule_options("1f1b", 4, None, 3)
+        resolve_schedule_options("1f1b", 4, None, 3)
     with pytest.raises(ValueError, match=r"num_microbatches \(6\) to be a multiple of pipeline_parallel_size \(4\)"):
-        parallel_dims.resolve_schedule_options("interleaved_1f1b", 4, 3, 6)
+        resolve_schedule_options("interleaved_1f1b", 4, 3, 6)
 
 
 def test_runtime_checks_an_explicit_per_step_order_before_running_it():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer, owned_elements, shard_size, units_of
+from lightning_3d.distributed.sharded_optimizer import ShardedOptimizer, owned_elements, shard_size, units_of
 from tests.launch import run_scenario
 
 TOLERANCE = 1e-5

@@ -152,7 +152,7 @@ def test_every_flat_name_maps_onto_a_field_and_every_field_has_a_flat_name() -> 
 
 def test_internal_records_take_their_defaults_from_the_configs() -> None:
     """Each default is written once: the engine's record and the gradient synchronizer read the configs'."""
-    from lightning_3d.strategies.grad_sync import GradientSynchronizer
+    from lightning_3d.distributed.grad_sync import GradientSynchronizer
 
     options = PipelineOptions()
     runtime = RuntimeConfig()

@@ -26,7 +26,7 @@ from lightning_3d.recipes import T5
 from lightning_3d.recipes.data import Seq2SeqDataModule
 from lightning_3d.recipes.data.span_corruption import span_lengths
 from lightning_3d.recipes.hf_t5 import export_t5_checkpoint, hf_to_t5_state_dict, t5_from_pretrained
-from lightning_3d.strategies.checkpoint_files import META_FILE, write_manifest
+from lightning_3d.checkpoint.files import META_FILE, write_manifest
 from tests.tolerance import loss_tolerance, scaled_error, t5_tolerance
 
 TOL = 1e-5  # two evaluations of the same model in the same code (same summation order): only loss logging differs

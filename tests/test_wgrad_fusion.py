@@ -14,9 +14,9 @@ import lightning_3d.recipes.training as training
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data import SyntheticLMDataModule
-from lightning_3d.strategies.grad_sync import GradientSynchronizer
-import lightning_3d.strategies.wgrad_fusion as wgrad_fusion
-from lightning_3d.strategies.wgrad_fusion import FusedGradLinear, fusable_linears, fuse_gradient_accumulation
+from lightning_3d.distributed.grad_sync import GradientSynchronizer
+import lightning_3d.distributed.wgrad_fusion as wgrad_fusion
+from lightning_3d.distributed.wgrad_fusion import FusedGradLinear, fusable_linears, fuse_gradient_accumulation
 
 
 def fit(fusion: bool | str, precision: str = "32-true", steps: int = 3, **gpt) -> tuple[GPT, list[float], list[dict], list]:
@@ -211,7 +211,7 @@ def test_a_slot_of_its_own_follows_the_layer_when_it_moves_and_a_bucket_view_doe
     """``.to()`` gives the slot buffer a new address (the profiler moves layers between the CPU and the GPU): a
     standalone slot's registration moves with it; a bucket view's is dropped, so the backward names the cause instead
     of writing into the old address. ``_apply`` with a copy stands in for a device move on a CPU-only machine."""
-    from lightning_3d.strategies.wgrad_fusion import _SLOTS, register_slot, unfuse_gradient_accumulation
+    from lightning_3d.distributed.wgrad_fusion import _SLOTS, register_slot, unfuse_gradient_accumulation
 
     torch.manual_seed(0)
     layer, plain = nn.Linear(4, 3), nn.Linear(4, 3)
@@ -248,7 +248,7 @@ def test_the_op_is_autograd_accumulation_over_every_leading_dimension() -> None:
     call. Against autograd's own accumulation of ``nn.Linear``: the same products, in fp32 on the CPU, up to the
     GEMM's summation order over the tokens and the rounding of the add into the running sum (per micro-batch and
     element 2·(n + 1)·u·Σ|terms|, n = tokens, u = fp32 unit roundoff)."""
-    from lightning_3d.strategies.wgrad_fusion import register_slot, unfuse_gradient_accumulation
+    from lightning_3d.distributed.wgrad_fusion import register_slot, unfuse_gradient_accumulation
 
     torch.manual_seed(0)
     layer, plain = nn.Linear(6, 5), nn.Linear(6, 5)

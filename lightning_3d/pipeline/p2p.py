@@ -29,7 +29,7 @@ class PipelineChannels:
 
     ``group``: the pipeline's process group (its members are ``ranks``; None when pp = 1). ``meta_group``: the CPU
     group that carries shape headers (the same group when the backend is gloo). Construction is local: the groups
-    are made by their owner (``strategies.process_groups``), one per pipeline.
+    are made by their owner (``distributed.process_groups``), one per pipeline.
     """
 
     def __init__(

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
 from lightning_3d.costs.host import in_situ_host_layers, microbatch_overhead_from
 from lightning_3d.planner.api import BYTES, load_config, workload_from_config
-from lightning_3d.strategies.wgrad_fusion import (check_fusion_mode, choose_fused, fusable_linears,
+from lightning_3d.distributed.wgrad_fusion import (check_fusion_mode, choose_fused, fusable_linears,
                                                   fuse_gradient_accumulation, register_slot,
                                                   unfuse_gradient_accumulation)
 from lightning_3d.utils.compat import device_busy_for

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_3d.strategies.process_groups import ProcessGroups
+from lightning_3d.distributed.process_groups import ProcessGroups
 from lightning_3d.utils.comm_stats import CommunicationStats
 
 

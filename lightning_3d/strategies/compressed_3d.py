@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Generator
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -24,39 +24,51 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_3d.compression.backprop import CompressedBackprop
 from lightning_3d.compression.config import CompressionConfig
-from lightning_3d.strategies.config import (
-    ParallelismConfig, PipelineConfig, RuntimeConfig, build_config, group_flat_options,
+from lightning_3d.distributed.parallel_dims import ParallelDims, resolve_sizes
+from lightning_3d.distributed.process_groups import (
+    ProcessGroups,
+    claim_live_groups,
+    destroy_all_groups,
+    destroy_live_groups,
+    live_groups_of,
+    register_exit_hook,
 )
-from lightning_3d.compression.selective import DataParallelPowerSGD
+from lightning_3d.distributed.rng import seed_parallel_rng
 from lightning_3d.pipeline.microbatch import MicroBatches
-from lightning_3d.pipeline.runtime import PipelineRuntime
-from lightning_3d.strategies import checkpoint as ckpt
+from lightning_3d.strategies.accessors import StrategyAccessors
+from lightning_3d.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_3d.strategies.comm_metrics import log_job_communication
 from lightning_3d.strategies.compression_state import CompressionState
+from lightning_3d.strategies.config import (
+    ParallelismConfig,
+    PipelineConfig,
+    RuntimeConfig,
+    build_config,
+    group_flat_options,
+)
 from lightning_3d.strategies.fit_check import check_fit, read_workload
 from lightning_3d.strategies.gc_control import GarbageCollection
 from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
 from lightning_3d.strategies.options import options_from_configs
-from lightning_3d.strategies.parallel_dims import ParallelDims, resolve_sizes
 from lightning_3d.strategies.pipeline_engine import PipelineEngine, check_optimizers
-from lightning_3d.strategies.process_groups import (
-    ProcessGroups, claim_live_groups, destroy_all_groups, destroy_live_groups, live_groups_of, register_exit_hook,
-)
-from lightning_3d.strategies.rng import seed_parallel_rng
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.compat import (
-    SubprocessScriptLauncher, default_process_group_backend, distributed_is_initialized, init_dist_connection,
-    set_device_mesh, sync_ddp_if_available,
+    SubprocessScriptLauncher,
+    default_process_group_backend,
+    distributed_is_initialized,
+    init_dist_connection,
+    set_device_mesh,
+    sync_ddp_if_available,
 )
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
-class Compressed3DStrategy(ParallelStrategy):
+class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy):
     """Train with data, pipeline and tensor parallelism at once; ``Compressed3DStrategy()`` is plain data parallel.
 
     Args:
@@ -119,44 +131,9 @@ class Compressed3DStrategy(ParallelStrategy):
         #: the fit check's estimate of this run (``fit_check.FitReport``), None where it was skipped
         self.memory_estimate = None
 
-    # ----- resolved options (one place each: the configs, or ``options`` for derived values) --------------------
-    @property
-    def num_microbatches(self) -> int:
-        """Micro-batches per per-replica batch, resolved (``PipelineConfig.num_microbatches`` or its derived value)."""
-        return self.options.num_microbatches
-
-    @property
-    def schedule(self) -> str:
-        return self.options.schedule
-
-    @property
-    def virtual_stages(self) -> int:
-        """Stages per pipeline rank, resolved (2 for an interleaved schedule unless set)."""
-        return self.options.virtual_stages
-
-    @property
-    def pipeline_layer_split(self) -> list[int] | None:
-        split = self.options.pipeline_layer_split
-        return list(split) if split is not None else None
-
-    @property
-    def stage_activation_checkpointing(self) -> tuple[bool, ...] | None:
-        return self.options.stage_activation_checkpointing
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.parallelism.sequence_parallel
-
-    @property
-    def on_nonfinite(self) -> str:
-        return self.runtime.on_nonfinite
-
-    @property
-    def memory_check(self) -> str:
-        return self.runtime.memory_check
-
     # ----- environment --------------------------------------------------------------------------------------
     @property
+    @override
     def root_device(self) -> torch.device:
         return self.parallel_devices[self.local_rank]
 
@@ -169,15 +146,18 @@ class Compressed3DStrategy(ParallelStrategy):
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Only data-parallel replicas get distinct samples; pipeline and tensor ranks of a replica share them."""
         return {"num_replicas": self.dims.dp, "rank": self.dp_rank}
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False
 
@@ -186,6 +166,7 @@ class Compressed3DStrategy(ParallelStrategy):
         """The ("dp", "pp", "tp") device mesh of the current run (None before ``setup_environment``)."""
         return self.groups.device_mesh if self.groups is not None else None
 
+    @override
     def _configure_launcher(self) -> None:
         if self.cluster_environment.creates_processes_externally:
             return
@@ -194,6 +175,7 @@ class Compressed3DStrategy(ParallelStrategy):
         else:
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def setup_environment(self) -> None:
         # Everything that can be wrong with the configuration is checked before the first collective.
         precision = getattr(self.precision_plugin, "precision", "32-true")
@@ -257,6 +239,7 @@ class Compressed3DStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # ----- model setup ----------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.PREDICTING and self.dims.pp > 1:
             # Here, on every rank, before the predict loop builds its data loaders (a recipe's loader fails first
@@ -289,44 +272,13 @@ class Compressed3DStrategy(ParallelStrategy):
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
         self.precision_plugin.clip_grad_by_norm = self.engine.clip_grad_by_norm
 
+    @override
     def model_to_device(self) -> None:
         self.lightning_module.to(self.root_device)
 
-    # ----- public accessors (what callbacks read) --------------------------------------------------------------
-    @property
-    def pipeline_runtime(self) -> PipelineRuntime | None:
-        """This rank's pipeline executor (None for plain data parallelism); callbacks attach observers to it."""
-        return self.engine.runtime
-
-    @property
-    def compressed_backprop(self) -> CompressedBackprop | None:
-        """The activation-gradient codec (CB + LEP) of this rank, if compressed backpropagation is active."""
-        codec = self.engine.runtime.codec if self.engine.runtime is not None else None
-        return codec if isinstance(codec, CompressedBackprop) else None
-
-    @property
-    def selective_compression(self) -> DataParallelPowerSGD | None:
-        """The PowerSGD state of this rank's data-parallel gradients (SC), if it compresses them."""
-        return self.compression_state.sc
-
-    def communication_stats(self, which: Literal["total", "last_step"] = "total") -> dict[str, dict[str, int]]:
-        """Bytes this rank put on the wire per kind, before and after compression (see ``lightning_3d.utils.comm_stats``)."""
-        return self.comm_stats.as_dict(which)
-
-    @property
-    def data_parallel_link_gbps(self) -> float | None:
-        """Bus bandwidth (GB/s) of the data-parallel all-reduce measured at setup, the slowest replica group's, which
-        turned SC on or off by default (``sc_max_link_gbps``); None where nothing was measured (dp = 1, compression
-        off, or ``compressed_stages`` given)."""
-        return self.compression_state.link_gbps
-
-    @property
-    def compresses_data_parallel_anywhere(self) -> bool:
-        """Whether SC runs on some pipeline rank of this job (the same answer on every rank, once set up)."""
-        return self.compression_state.compresses_anywhere(self.dims)
-
     # ----- step hooks: delegated to the engine (plain modules fall through to Lightning's own) -------------------
     @contextlib.contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         self.engine.sync_blocked = True
         try:
@@ -334,6 +286,7 @@ class Compressed3DStrategy(ParallelStrategy):
         finally:
             self.engine.sync_blocked = False
 
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Lightning's transfer rebuilds a ``MicroBatches`` list from its items; keep its explicit ``orders``."""
         moved = super().batch_to_device(batch, device, dataloader_idx)
@@ -341,16 +294,19 @@ class Compressed3DStrategy(ParallelStrategy):
             moved.orders = batch.orders
         return moved
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self.garbage_collection.before_train_batch(self.lightning_module.trainer.global_step)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         log_job_communication(self.lightning_module, self.comm_stats, self.groups, self.root_device, self.world_size)
         if self.engine.runtime is None:
             return super().training_step(*args, **kwargs)
         return self.engine.train_step(self.lightning_module, args[0], args[1])
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         scaled = getattr(self.precision_plugin, "scaler", None) is not None  # "16-mixed": GradScaler owns found_inf
         closure = functools.partial(self.engine.step_closure, optimizer, closure, self.lightning_module.trainer, scaled)
@@ -359,11 +315,13 @@ class Compressed3DStrategy(ParallelStrategy):
         self.comm_stats.end_step()  # "last_step" = everything one optimizer step (all its batches) sent
         return output
 
+    @override
     def on_train_end(self) -> None:
         """A lazy non-finite verdict of the last step is acted on here (a bad last step still warns or raises)."""
         super().on_train_end()
         self.engine.flush_verdict()
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.engine.runtime is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -372,24 +330,29 @@ class Compressed3DStrategy(ParallelStrategy):
         self.engine.hand_back_gradients()
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         self.engine.begin_backward()
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         self.engine.end_backward()
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self.garbage_collection.before_eval_batch()
         if self.engine.runtime is None:
             return super().validation_step(*args, **kwargs)
         return self.engine.eval_step(self.lightning_module, args[0], "val")
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self.garbage_collection.before_eval_batch()
         if self.engine.runtime is None:
             return super().test_step(*args, **kwargs)
         return self.engine.eval_step(self.lightning_module, args[0], "test")
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self.garbage_collection.before_eval_batch()
         if self.engine.runtime is not None and self.dims.pp > 1:
@@ -399,66 +362,8 @@ class Compressed3DStrategy(ParallelStrategy):
             )
         return super().predict_step(*args, **kwargs)
 
-    # ----- checkpoints: delegated to ShardedCheckpointIO and CompressionState -------------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return ckpt.model_state(self.lightning_module)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return ckpt.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in load_checkpoint
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("Compressed3DStrategy writes sharded checkpoints itself and takes no storage_options.")
-        # A pending lazy verdict first: with on_nonfinite="raise" no checkpoint is written after a bad step, as with
-        # the synchronous verdict (every rank saves and holds the same verdict, so all raise alike).
-        self.engine.flush_verdict()
-        self.checkpoints.save(checkpoint, filepath, self.global_rank, self._layout_key(), self.dims, self.compressed_backprop)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """``weights_only`` changes nothing: loading never unpickles code, whatever it says."""
-        return self.checkpoints.load(checkpoint_path, self.lightning_module, self.optimizers, self.global_rank,
-                                     self.is_global_zero, self._layout_key(), self.root_device,
-                                     self.restore_compression_record, self.compressed_backprop)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        self.checkpoints.remove(filepath, self.is_global_zero)
-
-    def _layout_key(self) -> tuple:
-        key = (self.dims.dp, self.dims.pp, self.dims.tp, self.virtual_stages, self.schedule)
-        return key + (self.dims.cp,) if self.dims.cp > 1 else key
-
-    def compression_record(self) -> dict[str, Any]:
-        """What decided SC in this run, as plain Python values for the checkpoint (``checkpoint["compressed_3d"]``)."""
-        return self.compression_state.record(self.dims)
-
-    def restore_compression_record(self, record: dict[str, Any] | None) -> None:
-        """Resume with the link measurement the checkpointed run decided by, not this run's own (load happens after
-        setup, so the gradient synchronizer and SC built from this run's measurement are rebuilt if it differs)."""
-        if not self.compression_state.restore_record(self.dims, record):
-            return
-        self.engine.build_grad_sync()
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.engine.setup_selective_compression(trainer)
-
-    def rank_states(self) -> dict[str, Any]:
-        """This rank's stateful compression objects (``state_dict``/``load_state_dict``), by name."""
-        return self.compression_state.rank_states(self.compressed_backprop)
-
-    def rank_state_dict(self) -> dict[str, Any]:
-        """The compression state of this rank (LEP errors, warm-start factors, PowerSGD memories, counters)."""
-        return self.compression_state.rank_state_dict(self.compressed_backprop)
-
-    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
-        self.compression_state.load_rank_state_dict(state, self.compressed_backprop)
-
     # ----- collectives Lightning asks for -----------------------------------------------------------------------
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not distributed_is_initialized():
             return
@@ -467,6 +372,7 @@ class Compressed3DStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not distributed_is_initialized():
             return obj
@@ -474,6 +380,7 @@ class Compressed3DStrategy(ParallelStrategy):
         dist.broadcast_object_list(holder, src)
         return holder[0]
 
+    @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         """Mean over all ranks equals the mean over replicas: pipeline and tensor ranks hold equal values."""
         if isinstance(tensor, Tensor):
@@ -481,6 +388,7 @@ class Compressed3DStrategy(ParallelStrategy):
         return tensor
 
     # ----- teardown ----------------------------------------------------------------------------------------------
+    @override
     def teardown(self) -> None:
         self.garbage_collection.stop()  # first: whatever fails below, the process gets its collector back
         self.engine.teardown()  # the synchronizer's hooks would keep this run's parameters alive (see the engine)
@@ -505,6 +413,7 @@ class Compressed3DStrategy(ParallelStrategy):
         self._prepared_module = None
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Data x pipeline x tensor parallelism with compressed communication"

@@ -24,7 +24,7 @@ from lightning_3d.compression.backprop import CompressedBackprop, CompressedBack
 from lightning_3d.compression.config import CompressionConfig
 from lightning_3d.compression.link import allreduce_bus_gbps
 from lightning_3d.compression.selective import DataParallelPowerSGD, compression_sizes
-from lightning_3d.strategies.parallel_dims import ParallelDims
+from lightning_3d.distributed.parallel_dims import ParallelDims
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.tensors import local
 

@@ -26,7 +26,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning_3d.compression.config import CompressionConfig
 from lightning_3d.context import context_parallel_config
 from lightning_3d.strategies.gc_control import check_gc_options
-from lightning_3d.strategies.wgrad_fusion import check_fusion_mode
+from lightning_3d.distributed.grad_sync import DEFAULT_BUCKET_SIZE_MB
+from lightning_3d.distributed.wgrad_fusion import check_fusion_mode
 
 
 def _positive_int(name: str, value: Any, hint: str = "") -> None:
@@ -116,7 +117,7 @@ class RuntimeConfig:
     """How each step runs on a rank: gradient buckets and fusion, optimizer sharding, graphs, failure handling,
     process groups and the host's garbage collector (docs/speed.md)."""
 
-    bucket_size_mb: float = 25.0
+    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB
     """Size of the data-parallel all-reduce buckets of uncompressed stages (a stage under SC is synchronised as one
     bucket: its cost is per matrix shape, not per byte)."""
     gradient_accumulation_fusion: bool | Literal["auto"] = "auto"

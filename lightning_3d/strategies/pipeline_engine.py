@@ -38,17 +38,17 @@ from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.context_parallel import (
     check_context_module, enable_context_parallel, sequence_keys, shard_microbatches,
 )
-from lightning_3d.strategies.grad_sync import GradientSynchronizer, clip_grad_norm_, local, sync_tied_gradients
+from lightning_3d.distributed.grad_sync import GradientSynchronizer, clip_grad_norm_, local, sync_tied_gradients
 from lightning_3d.strategies.options import PipelineOptions
-from lightning_3d.strategies.process_groups import ProcessGroups
+from lightning_3d.distributed.process_groups import ProcessGroups
 from lightning_3d.strategies.protocol import missing_protocol_methods, one_host_read
-from lightning_3d.strategies.sharded_optimizer import ShardedOptimizer, local_optimizer, sharding_of, units_of
+from lightning_3d.distributed.sharded_optimizer import ShardedOptimizer, local_optimizer, sharding_of, units_of
 from lightning_3d.strategies.stage_builder import (
     broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
     tied_copies,
 )
-from lightning_3d.strategies import wgrad_fusion
-from lightning_3d.strategies.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
+from lightning_3d.distributed import wgrad_fusion
+from lightning_3d.distributed.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
                                                   unfuse_gradient_accumulation)
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.compat import clear_found_inf, set_found_inf, skips_on_found_inf

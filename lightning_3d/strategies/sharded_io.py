@@ -1,8 +1,8 @@
 """ShardedCheckpointIO: how ``Compressed3DStrategy`` writes, reads and removes its sharded checkpoint directories.
 
-Model and optimizer state go through ``strategies.checkpoint`` (DCP entries keyed by parameter name, so any layout
+Model and optimizer state go through ``checkpoint.state`` (DCP entries keyed by parameter name, so any layout
 loads any other), each rank's compression state into its own file that only the same layout reads back, and the
-directory through ``strategies.checkpoint_files`` (a save is staged in a sibling directory and swapped in with a
+directory through ``checkpoint.files`` (a save is staged in a sibling directory and swapped in with a
 manifest; a load verifies the manifest on every rank before any DCP collective). The strategy keeps Lightning's
 checkpoint hooks and calls this with what they need; the component holds the strategy's ``broadcast`` (every rank
 must agree on one path) and its ``CompressionState`` (whose link decision travels as ``checkpoint["compressed_3d"]``
@@ -21,10 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_3d.compression.backprop import CompressedBackprop
-from lightning_3d.strategies import checkpoint as ckpt
-from lightning_3d.strategies import checkpoint_files as files
+from lightning_3d.checkpoint import state as ckpt
+from lightning_3d.checkpoint import files
 from lightning_3d.strategies.compression_state import CompressionState
-from lightning_3d.strategies.parallel_dims import ParallelDims
+from lightning_3d.distributed.parallel_dims import ParallelDims
 
 
 class ShardedCheckpointIO:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.strategies import checkpoint_files as ckpt
+from lightning_3d.checkpoint import files as ckpt
 from tests.scenarios.common import LossRecorder, make_model, parse_args, trainer, write_report
 from tests.scenarios.features import resumable_data
 

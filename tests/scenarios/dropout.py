@@ -1,4 +1,4 @@
-"""Dropout's random streams under (dp, pp, tp) on 4 processes (see lightning_3d/strategies/rng.py).
+"""Dropout's random streams under (dp, pp, tp) on 4 processes (see lightning_3d/distributed/rng.py).
 
 Every run trains with dropout 0.1 and records, during the first training batch, the real dropout masks of every
 layer (GPT's attention dropout inside SDPA through a probe that replays the call's random state; every other
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import T5
-from lightning_3d.strategies.grad_sync import local
+from lightning_3d.distributed.grad_sync import local
 from tests.scenarios.common import LossRecorder, TestData, make_model, parse_args, trainer, write_report
 from tests.scenarios.t5_layouts import MODEL as T5_MODEL, V11, PairData
 

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.strategies import wgrad_fusion
+from lightning_3d.distributed import wgrad_fusion
 from tests.scenarios.common import (
     LossRecorder, TestData, all_max, compare, gpipe_reversed, make_model, parse_args, reference, trainer,
     variable_step, write_report,

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.strategies.pipeline_engine import check_optimizers
-from lightning_3d.strategies.sharded_optimizer import owned_elements
+from lightning_3d.distributed.sharded_optimizer import owned_elements
 from lightning_3d.utils.tensors import local
 from tests.scenarios.common import (
     LossRecorder, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report,

@@ -151,7 +151,7 @@ def check_autocast_and_optimizer(rank: int, world: int) -> dict[str, bool]:
     checkpoint state is the unsharded optimizer's, key for key and value for value."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from lightning_3d.strategies.sharded_optimizer import local_optimizer, sharding_of
+    from lightning_3d.distributed.sharded_optimizer import local_optimizer, sharding_of
     from lightning_3d.tensor_parallel import mappings
 
     mesh = init_device_mesh("cpu", (world,))

@@ -30,7 +30,7 @@ from lightning_3d.recipes.attention import resolve_sdpa_backends, scaled_dot_pro
 from lightning_3d.recipes.gpt.model import LMHead, copy_full_into, seed_for
 from lightning_3d.recipes.t5.config import T5Config
 from lightning_3d.recipes.training import IGNORE_INDEX
-from lightning_3d.strategies.rng import ParallelDropout
+from lightning_3d.distributed.rng import ParallelDropout
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel, local_view
 
 # Added to masked attention scores: finite in fp32 and bf16 alike (finfo(float32).min becomes -inf in bf16).
@@ -131,7 +131,7 @@ class Attention(nn.Module):
         memory-efficient CUDA kernel computes, so the relative-bias tables still train), no 1/sqrt(d) (``scale=1``).
 
         Not with dropout on the probabilities: SDPA draws its mask from the default generator, while ``self.drop``
-        draws from the tensor-parallel stream (strategies/rng.py), so training with dropout keeps the explicit path.
+        draws from the tensor-parallel stream (distributed/rng.py), so training with dropout keeps the explicit path.
         The mask takes the inputs' dtype (what autocast does to SDPA's arguments): under bf16 the bias is rounded
         once, where the explicit path rounds the scores ``q @ kᵀ`` instead, an error of the same order; SDPA then
         adds it to scores accumulated in fp32 and normalises in fp32."""

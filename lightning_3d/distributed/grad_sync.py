@@ -22,9 +22,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d.compression.selective import DataParallelPowerSGD
 from lightning_3d.utils.comm_stats import CommunicationStats
-from lightning_3d.strategies.config import RuntimeConfig
-from lightning_3d.strategies.wgrad_fusion import register_slot, unregister_slot
+from lightning_3d.distributed.wgrad_fusion import register_slot, unregister_slot
 from lightning_3d.utils.tensors import local
+
+#: the data-parallel all-reduce buckets' size (``RuntimeConfig.bucket_size_mb``'s default)
+DEFAULT_BUCKET_SIZE_MB = 25.0
 
 
 @dataclass(eq=False)  # buckets are found by identity (list.index), never compared by value
@@ -52,7 +54,7 @@ class GradientSynchronizer:
         params_by_stage: dict[int | None, list[nn.Parameter]],
         dp_group: dist.ProcessGroup | None,
         dp_size: int,
-        bucket_size_mb: float = RuntimeConfig.bucket_size_mb,
+        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         exclude: set[int] = frozenset(),
         compressor: DataParallelPowerSGD | None = None,
         compressed_stages: set[int | None] = frozenset(),

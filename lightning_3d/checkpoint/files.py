@@ -1,5 +1,5 @@
 """The files of a checkpoint directory: reading them without running code, writing them atomically, and a
-manifest that every load verifies. The DCP side (what goes into the shards) is ``checkpoint``.
+manifest that every load verifies. The DCP side (what goes into the shards) is ``checkpoint.state``.
 
 Safety (files users give us never execute code, a crash never costs the last good checkpoint, damage is an error):
 - Every file is read without running code: ``torch.load(weights_only=True)`` with an explicit allow-list
@@ -311,7 +311,7 @@ def _check_files(path: Path, rank: int, world: int) -> dict[str, Any]:
             f"{damaged} or unverifiable: it has no {MANIFEST_FILE} (the list of its files with checksums, written last"
             f" by every save since lightning_3d verifies checkpoints; a save that did not finish has none either). If"
             f" it is a complete checkpoint of an older lightning_3d that you trust, run"
-            f" `python -c \"from lightning_3d.strategies.checkpoint_files import write_manifest; write_manifest('{path}')\"`"
+            f" `python -c \"from lightning_3d.checkpoint.files import write_manifest; write_manifest('{path}')\"`"
             f" once."
         )
     try:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_3d.strategies.checkpoint_files import (
+from lightning_3d.checkpoint.files import (
     META_FILE,
     RANK_STATE_DIR,
     DamagedCheckpointError,
@@ -41,7 +41,7 @@ from lightning_3d.strategies.checkpoint_files import (
     safe_load,
     verify,
 )
-from lightning_3d.strategies.sharded_optimizer import sharding_of
+from lightning_3d.distributed.sharded_optimizer import sharding_of
 from lightning_3d.utils.compat import create_read_items
 
 # Flattened optimizer state keys every setting by parameter name ("param_groups.<fqn>.lr"); unflattened, all
