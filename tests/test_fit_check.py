@@ -229,9 +229,11 @@ def config_workload(name: str, **strategy_overrides):
 
     import yaml
 
+    from lightning_3d.strategies.config import flatten_options, nest_options
+
     cfg = yaml.safe_load(resources.files("lightning_3d.recipes").joinpath("configs", f"{name}.yaml").read_text())
-    init = {**cfg["trainer"]["strategy"]["init_args"], **strategy_overrides}
-    strategy = Compressed3DStrategy(**init)
+    init = {**flatten_options(cfg["trainer"]["strategy"]["init_args"]), **strategy_overrides}
+    strategy = Compressed3DStrategy(**nest_options(init))
     data = cfg["data"]["init_args"]
     module = GPT(**{**cfg["model"]["init_args"], "vocab_size": data["tokenizer_vocab_size"], "seq_length": data["seq_length"]})
     cp, world = init.get("context_parallel_size", 1), cfg["trainer"]["devices"]
