@@ -27,9 +27,12 @@ from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
 
 
 def data(kind: str, shape: tuple[int, ...], device: torch.device, scale: float = 1.0) -> torch.Tensor:
-    """bf16 operands: "normal" N(0, scale), "coarse" the same rounded to 2 mantissa bits, "zeros"."""
+    """bf16 operands: "normal" N(0, scale), "uniform" U(-scale, scale) (PyTorch's default linear init), "coarse" N(0,
+    scale) rounded to 2 mantissa bits, "zeros"."""
     if kind == "zeros":
         return torch.zeros(shape, device=device, dtype=torch.bfloat16)
+    if kind == "uniform":
+        return ((torch.rand(shape, device=device) * 2 - 1) * scale).to(torch.bfloat16)
     x = torch.randn(shape, device=device) * scale
     if kind == "coarse":
         m, e = torch.frexp(x)
@@ -65,7 +68,7 @@ def cases(tokens: int, hidden: int, vocab: int):
 
     mm = lambda rows, k, n: 2.0 * rows * k * n  # noqa: E731
     out = []
-    for kind in ("normal", "coarse", "zeros"):
+    for kind in ("normal", "uniform", "coarse", "zeros"):
         out.append((f"fc fwd {kind}", mm(tokens, hidden, f), linear(tokens, hidden, f, kind)))
     out += [
         ("fc fwd normal W(0,1)", mm(tokens, hidden, f), linear(tokens, hidden, f, wscale=1.0)),
@@ -123,6 +126,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sampler = ClockSampler(torch.cuda.current_device(), 0.005) if device.type == "cuda" else None
     sampler = sampler if sampler is not None and sampler._nvml is not None else None
+    if device.type == "cuda":  # the clock a sustained load settles at, before the first case
+        time_case(cases(args.tokens, args.hidden, args.vocab)[0][2](device), 3 * args.seconds, device, None)
     rows = []
     print(f"tokens {args.tokens}, hidden {args.hidden}, vocab {args.vocab}, {args.seconds} s per case,"
           f" {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")

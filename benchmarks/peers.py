@@ -3,7 +3,8 @@
 Systems (each in fresh processes started by torchrun, same model, same initial weights, same synthetic tokens):
   plain          plain PyTorch loop on one GPU (our recipe's model, bf16 autocast, fused AdamW): the hardware anchor
   user           a GPT written plainly as a user would, not our recipe's model (benchmarks/user_gpt.py), same loop;
-                 ``+whole`` compiles it with its loss, ``+ourinit`` starts it from the recipe's initial weights
+                 ``+whole`` compiles it with its loss, ``+ourinit`` starts it from the recipe's initial weights,
+                 ``+torchinit`` from PyTorch's default initialisation
   hf             the same loop with transformers' GPT2LMHeadModel (SDPA) or T5ForConditionalGeneration, our weights
   ddp            Lightning ``DDPStrategy`` on all GPUs of the run
   fsdp@DP,TP     Lightning ``ModelParallelStrategy``: FSDP2 (bf16 params, fp32 reduce) over DP, DTensor TP over TP
@@ -57,11 +58,11 @@ from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS,
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours", "user")
 SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "fuse", "whole", "fusedce", "stage", "explicit",
-            "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1", "nocheck", "ourinit")
+            "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1", "nocheck", "ourinit", "torchinit")
 OURS_ONLY = ("cc", "nofuse", "fuse", "pygc", "gc1", "nocheck")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "fuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",), "nocheck": ("ours",),
-            "stage": ("ours",), "whole": ("plain", "user"), "ourinit": ("user",), "fusedce": ("plain", "ours"),
+            "stage": ("ours",), "whole": ("plain", "user"), "ourinit": ("user",), "torchinit": ("user",), "fusedce": ("plain", "ours"),
             "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
             "fp32res": ("plain", "ddp", "fsdp", "ours"), "torchsdpa": ("plain", "ddp", "fsdp", "ours"),
@@ -103,9 +104,11 @@ def parse_system(text: str, gpus: int) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: +pygc and +gc1 are two garbage-collection settings; pick one")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
-    if name == "user" and (set(suffixes) - {"whole", "ourinit"} or sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: user runs on one GPU and takes +whole and +ourinit only (it is"
-                                         " written as a user writes it, with none of the recipe's options)")
+    if name == "user" and (set(suffixes) - {"whole", "ourinit", "torchinit"} or sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: user runs on one GPU and takes +whole, +ourinit and +torchinit"
+                                         " only (it is written as a user writes it, with none of the recipe's options)")
+    if "ourinit" in suffixes and "torchinit" in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +ourinit and +torchinit are two initialisations; pick one")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
     if name in ("plain", "hf", "user"):
         dp, pp, tp = 1, 1, 1

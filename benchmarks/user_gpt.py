@@ -7,8 +7,10 @@ fp32 logits, fp32 parameters under bf16 autocast (the residual stream stays fp32
 AdamW with weight decay on the matrices. ``+whole`` compiles the model with its loss as one ``torch.compile`` graph
 (``model = torch.compile(model)`` with the loss inside ``forward``).
 
-``+ourinit`` copies the recipe's initial weights in instead (its padded vocabulary rows are zero, the key bias zero):
-same model code, our starting values, so a speed difference between the two rows is one of data alone.
+``+ourinit`` copies the recipe's initial weights in instead (its padded vocabulary rows are zero, the key bias zero);
+``+torchinit`` keeps PyTorch's default initialisation (no init code: embeddings N(0, 1), linear layers
+Kaiming-uniform), as a user who writes none gets. Same model code, other starting values: a speed difference between
+such rows is one of data alone (the GPU's clock under its power cap follows the operands' bits, docs/speed.md).
 """
 
 from __future__ import annotations
@@ -51,14 +53,14 @@ class UserBlock(nn.Module):
 class UserGPT(nn.Module):
     """Token ids and labels in, the summed fp32 token cross-entropy out (the loop divides by the token count)."""
 
-    def __init__(self, vocab: int, seq: int, layers: int, hidden: int, heads: int) -> None:
+    def __init__(self, vocab: int, seq: int, layers: int, hidden: int, heads: int, nanogpt_init: bool = True) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
         self.blocks = nn.ModuleList(UserBlock(hidden, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
         self.head.weight = self.wte.weight
-        for name, p in self.named_parameters():  # nanoGPT's initialisation
+        for name, p in self.named_parameters() if nanogpt_init else ():  # nanoGPT's initialisation
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.ndim == 2:
@@ -105,7 +107,8 @@ def user_peer(args: argparse.Namespace, system: dict, device: torch.device) -> t
     config = preset(args.preset, vocab_size=args.vocab_size, seq_length=args.seq_length)
     vocab = user_vocab(config.vocab_size)
     with torch.device(device):
-        model = UserGPT(vocab, config.seq_length, config.num_layers, config.hidden_size, config.num_heads)
+        model = UserGPT(vocab, config.seq_length, config.num_layers, config.hidden_size, config.num_heads,
+                        nanogpt_init=not system.get("torchinit"))
     if system.get("ourinit"):
         from benchmarks.hf_peers import build_recipe_model
 
