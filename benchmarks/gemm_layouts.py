@@ -28,9 +28,11 @@ from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
 
 def data(kind: str, shape: tuple[int, ...], device: torch.device, scale: float = 1.0) -> torch.Tensor:
     """bf16 operands: "normal" N(0, scale), "uniform" U(-scale, scale) (PyTorch's default linear init), "coarse" N(0,
-    scale) rounded to 2 mantissa bits, "zeros"."""
+    scale) rounded to 2 mantissa bits, "repeated" one N(0, scale) row repeated in every row, "zeros"."""
     if kind == "zeros":
         return torch.zeros(shape, device=device, dtype=torch.bfloat16)
+    if kind == "repeated":
+        return (torch.randn(shape[-1], device=device) * scale).to(torch.bfloat16).expand(shape).contiguous()
     if kind == "uniform":
         return ((torch.rand(shape, device=device) * 2 - 1) * scale).to(torch.bfloat16)
     x = torch.randn(shape, device=device) * scale
@@ -68,7 +70,7 @@ def cases(tokens: int, hidden: int, vocab: int):
 
     mm = lambda rows, k, n: 2.0 * rows * k * n  # noqa: E731
     out = []
-    for kind in ("normal", "uniform", "coarse", "zeros"):
+    for kind in ("normal", "uniform", "coarse", "repeated", "zeros"):
         out.append((f"fc fwd {kind}", mm(tokens, hidden, f), linear(tokens, hidden, f, kind)))
     out += [
         ("fc fwd normal W(0,1)", mm(tokens, hidden, f), linear(tokens, hidden, f, wscale=1.0)),
