@@ -17,9 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.graph_memory import GraphedPeak
 from benchmarks.hf_peers import (compile_counters, plain_peer, recipe_module, sdpa_backends_of, synthetic_data,
                                  synthetic_datamodule)
+from benchmarks.user_gpt import user_peer
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data.loader import worker_options
 from lightning_3d.recipes.gpt.model import GPTModel
@@ -55,6 +57,14 @@ class GCTime:
 
 
 GC_TIME = GCTime()
+CLOCKS: list[ClockSampler] = []  # rank 0's sampler of the GPU's clock and power (run_worker starts it on CUDA)
+
+
+def timing(on: bool) -> None:
+    """Count garbage collections and sample the GPU's clock during timed steps only."""
+    GC_TIME.timing(on)
+    for sampler in CLOCKS:
+        sampler.start() if on else sampler.stop()
 
 
 def run_worker(args: argparse.Namespace, system: dict) -> None:
@@ -63,7 +73,9 @@ def run_worker(args: argparse.Namespace, system: dict) -> None:
     cuda = args.accelerator == "gpu"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if system["name"] in ("plain", "hf"):
+        if int(os.environ.get("RANK", 0)) == 0:
+            CLOCKS.append(ClockSampler(torch.cuda.current_device()))
+    if system["name"] in ("plain", "hf", "user"):
         result = plain_loop(args, system, torch.device("cuda") if cuda else torch.device("cpu"))
     else:
         result = lightning_fit(args, system)
@@ -86,7 +98,7 @@ def make_gpt(args: argparse.Namespace, system: dict, cls: type[GPT] = GPT) -> GP
 # ----- plain loops: our model, or transformers' -----------------------------------------------------------------
 def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> dict:
     """The loop a user writes by hand: autocast forward, backward per micro-batch, one fused AdamW step."""
-    step_loss, optimizer = plain_peer(args, system, device)
+    step_loss, optimizer = (user_peer if system["name"] == "user" else plain_peer)(args, system, device)
     m, mb = args.num_microbatches, args.micro_batch_size
     # The samples in order, micro-batch by micro-batch, collated by --num-workers processes as our data modules do
     # (none: in this process, as the loop's own indexing and stacking would).
@@ -99,7 +111,7 @@ def plain_loop(args: argparse.Namespace, system: dict, device: torch.device) -> 
         if timed(args, step - 1):  # a step is timed from its start to the next one's, as StepTimer times ours
             step_s.append(time.perf_counter() - start)
         profiler.at_step(step, 0)
-        GC_TIME.timing(timed(args, step))
+        timing(timed(args, step))
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for _ in range(m):
@@ -180,7 +192,7 @@ class StepTimer(pl.Callback):
             if timed(self.args, step - 1):
                 self.step_s.append(time.perf_counter() - self._start)
             self.profiler.at_step(step, trainer.global_rank)
-            GC_TIME.timing(timed(self.args, step))
+            timing(timed(self.args, step))
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, out: Any, batch: Any, idx: int) -> None:
@@ -304,8 +316,8 @@ def _result(step_s: list[float], losses: list[float], device: torch.device, redu
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # Allocator retries (cudaMalloc failed, cache flushed, retried): a step near the memory limit that varies in time.
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0
-    GC_TIME.timing(False)
-    return {"step_s": step_s, "first_loss": losses[0], "final_loss": losses[-1], "peak_mem_gb": peak.item() / 1e9,
+    timing(False)
+    return {"clocks": CLOCKS[0].result() if CLOCKS else None, "step_s": step_s, "first_loss": losses[0], "final_loss": losses[-1], "peak_mem_gb": peak.item() / 1e9,
             "alloc_retries": int(retries), "compile": compile_counters(), "gc": GC_TIME.result(len(step_s)),
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}
 

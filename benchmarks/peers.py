@@ -2,6 +2,9 @@
 
 Systems (each in fresh processes started by torchrun, same model, same initial weights, same synthetic tokens):
   plain          plain PyTorch loop on one GPU (our recipe's model, bf16 autocast, fused AdamW): the hardware anchor
+  user           a GPT written plainly as a user would, not our recipe's model (benchmarks/user_gpt.py), same loop;
+                 ``+whole`` compiles it with its loss, ``+ourinit`` starts it from the recipe's initial weights,
+                 ``+torchinit`` from PyTorch's default initialisation
   hf             the same loop with transformers' GPT2LMHeadModel (SDPA) or T5ForConditionalGeneration, our weights
   ddp            Lightning ``DDPStrategy`` on all GPUs of the run
   fsdp@DP,TP     Lightning ``ModelParallelStrategy``: FSDP2 (bf16 params, fp32 reduce) over DP, DTensor TP over TP
@@ -53,13 +56,13 @@ from benchmarks.processes import kill_launch  # noqa: E402
 from benchmarks.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, T5_FLOPS_FORMULA,  # noqa: E402
                                          environment)
 
-SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours")
+SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours", "user")
 SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "fuse", "whole", "fusedce", "stage", "explicit",
-            "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1", "nocheck")
+            "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1", "nocheck", "ourinit", "torchinit")
 OURS_ONLY = ("cc", "nofuse", "fuse", "pygc", "gc1", "nocheck")
 # Which systems take a suffix, where not all do (transformers' models: compiled whole or not, nothing else).
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "fuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",), "nocheck": ("ours",),
-            "stage": ("ours",), "whole": ("plain",), "fusedce": ("plain", "ours"),
+            "stage": ("ours",), "whole": ("plain", "user"), "ourinit": ("user",), "torchinit": ("user",), "fusedce": ("plain", "ours"),
             "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
             "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
             "fp32res": ("plain", "ddp", "fsdp", "ours"), "torchsdpa": ("plain", "ddp", "fsdp", "ours"),
@@ -101,8 +104,13 @@ def parse_system(text: str, gpus: int) -> dict:
         raise argparse.ArgumentTypeError(f"{text!r}: +pygc and +gc1 are two garbage-collection settings; pick one")
     if "stage" in suffixes and not ("compile" in suffixes or "autotune" in suffixes):
         raise argparse.ArgumentTypeError(f"{text!r}: +stage sets what one compiled graph covers; add +compile")
+    if name == "user" and (set(suffixes) - {"whole", "ourinit", "torchinit"} or sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: user runs on one GPU and takes +whole, +ourinit and +torchinit"
+                                         " only (it is written as a user writes it, with none of the recipe's options)")
+    if "ourinit" in suffixes and "torchinit" in suffixes:
+        raise argparse.ArgumentTypeError(f"{text!r}: +ourinit and +torchinit are two initialisations; pick one")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
-    if name in ("plain", "hf"):
+    if name in ("plain", "hf", "user"):
         dp, pp, tp = 1, 1, 1
     elif name == "ddp":
         dp, pp, tp = (numbers or [gpus])[0], 1, 1
@@ -167,6 +175,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if args.model == "gpt" and s["explicit"]:
             p.error(f"{s['label']}: +explicit is T5's attention option (GPT has no relative position bias);"
                     " use --model t5")
+        if args.model == "t5" and s["name"] == "user":
+            p.error(f"{s['label']}: user is a GPT; --model t5 runs plain, hf, ddp and ours")
         if args.model == "t5" and (s["name"] == "fsdp" or s["fusedce"] or s["fp32res"]):
             p.error(f"{s['label']}: --model t5 runs plain, hf, ddp and ours, without +fusedce or +fp32res")
         if s["name"] == "ours" and args.schedule != "gpipe" and args.num_microbatches < s["pp"]:
@@ -237,7 +247,7 @@ def model_flops(args: argparse.Namespace) -> tuple[Any, float, str]:
 def table(rows: list[dict], header: str) -> str:
     anchor = next((r for r in rows if r.get("error") is None), None)
     lines = [header, "system | GPUs | tokens/s | TFLOP/s/GPU | MFU % | per-GPU vs first | step ms median [p10-p90]"
-             " {min-max} | peak mem GB | first loss | GC ms/step [gen 0/1/2 collections]"]
+             " {min-max} | peak mem GB | first loss | GC ms/step [gen 0/1/2 collections]; GPU clock (NVML)"]
     for r in rows:
         if r.get("error"):
             lines.append(f"{r['label']} | {r['world']} | - | - | - | - | - | - | {r['error'].splitlines()[-1][:70]} | -")
@@ -247,7 +257,7 @@ def table(rows: list[dict], header: str) -> str:
         lines.append(f"{r['label']} | {r['world']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.1f} | {mfu} |"
                      f" {rel:.2f}x | {r['step_ms']['median']:.1f} [{r['step_ms']['p10']:.1f}-{r['step_ms']['p90']:.1f}]"
                      f" {{{r['step_ms']['min']:.1f}-{r['step_ms']['max']:.1f}}}"
-                     f" | {r['peak_mem_gb']:.1f} | {r['first_loss']:.4f} | {_gc_text(r.get('gc'))}")
+                     f" | {r['peak_mem_gb']:.1f} | {r['first_loss']:.4f} | {_gc_text(r.get('gc'))}{_clock_text(r)}")
     return "\n".join(lines)
 
 
@@ -293,6 +303,17 @@ def profiled_ms(digest: list[str], which: str) -> float | None:
     return None if match is None else float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[match.group(2)]
 
 
+def _clock_text(row: dict) -> str:
+    """The GPU's median SM clock and power over the timed steps (peer_workers samples them through NVML), or ""."""
+    clocks = row.get("clocks")
+    if not clocks:
+        return ""
+    reasons = ", ".join(f"{k} {100 * v:.0f}%" for k, v in clocks["throttle_share"].items())
+    return (f"; SM {clocks['sm_mhz_median']:.0f} MHz [{clocks['sm_mhz_p10_p90'][0]:.0f}-{clocks['sm_mhz_p10_p90'][1]:.0f}],"
+            f" {clocks['power_w_median']:.0f} W (max {clocks['power_w_max']:.0f}), {clocks['temp_c_median']:.0f} C"
+            + (f", throttled: {reasons}" if reasons else ""))
+
+
 def _gc_text(gc: dict | None) -> str:
     """Python's garbage collections inside the timed steps (peer_workers.GCTime), or "-" for older results."""
     if not gc:
@@ -328,7 +349,8 @@ def driver(args: argparse.Namespace) -> None:
             index += 1
             row = {**summarize(args, system, raw, flops_per_token), "repeat": repeat}
             print(f"  {system['label']}: " + (row["error"].splitlines()[0] if row["error"] else
-                  f"{row['tokens_per_s']:,.0f} tokens/s, MFU {100 * (row['mfu'] or 0):.1f}%"), flush=True)
+                  f"{row['tokens_per_s']:,.0f} tokens/s, MFU {100 * (row['mfu'] or 0):.1f}%{_clock_text(row)}"),
+                  flush=True)
             report["results"].append(row)
             args.out.write_text(json.dumps(report, indent=1))
     if args.profile or args.trace:

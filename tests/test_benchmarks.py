@@ -281,6 +281,44 @@ def test_all_stages_mode_compresses_every_stage() -> None:
                                                   "sc_matmul_precision": "fp32"}
 
 
+def test_user_gpt_peer_is_its_own_model_and_takes_the_recipes_weights() -> None:
+    """The ``user`` peer: parsed as a one-GPU system of its own suffixes; with the recipe's initial weights copied in
+    (+ourinit), in fp32 (no autocast, so the residual streams' dtypes cannot differ), its loss equals the recipe
+    model's on the same tokens, and its default initialisation gives other weights."""
+    import argparse
+
+    import torch
+
+    from benchmarks.hf_peers import build_recipe_model
+    from benchmarks.peers import parse_system
+    from benchmarks.user_gpt import UserGPT, user_peer, user_vocab
+    from lightning_3d.recipes.training import summed_token_cross_entropy
+
+    system = parse_system("user+whole+ourinit", gpus=1)
+    assert (system["name"], system["world"], system["whole"], system["ourinit"]) == ("user", 1, True, True)
+    for bad, message in (("user+compile", r"takes \+whole, \+ourinit and \+torchinit only"),
+                         ("user@2,1,1", r"user runs on one GPU"),
+                         ("user+ourinit+torchinit", r"two initialisations; pick one"),
+                         ("plain+ourinit", r"\+ourinit is for user only, not plain")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse_system(bad, gpus=1)
+    assert user_vocab(50257) == 50304 and user_vocab(4096) == 4096
+    args = argparse.Namespace(model="gpt", preset="tiny", vocab_size=4096, seq_length=32, num_microbatches=1)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4096, (2, 32))
+    labels = torch.randint(0, 4096, (2, 32))
+    step_loss, optimizer = user_peer(args, parse_system("user+ourinit", gpus=1), torch.device("cpu"))
+    recipe = build_recipe_model(args, parse_system("plain", gpus=1), torch.device("cpu"), compile=False)
+    ours = summed_token_cross_entropy(recipe.model(input_ids=ids), labels)
+    mine = step_loss({"input_ids": ids, "labels": labels})
+    torch.testing.assert_close(mine, ours, rtol=1e-5, atol=1e-4)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]
+    plain_user, _ = user_peer(args, parse_system("user", gpus=1), torch.device("cpu"))
+    assert not torch.allclose(plain_user({"input_ids": ids, "labels": labels}), ours)
+    tied = UserGPT(64, 8, 1, 16, 2)
+    assert tied.head.weight is tied.wte.weight
+
+
 def test_peers_system_suffixes() -> None:
     import argparse
 
@@ -333,7 +371,7 @@ def test_peers_system_suffixes() -> None:
     args = argparse.Namespace(model="gpt", preset="tiny", vocab_size=300, seq_length=32)
     assert make_gpt(args, parse_system("fsdp@1,1+torchsdpa", gpus=1)).config.sdpa_backends == "torch"  # FSDP's GPT
     assert make_gpt(args, parse_system("fsdp@1,1+nocudnn", gpus=1)).config.sdpa_backends == "no_cudnn"
-    for bad, message in (("ours@1,1,1+whole", r"\+whole is for plain only, not ours"),
+    for bad, message in (("ours@1,1,1+whole", r"\+whole is for plain and user, not ours"),
                          ("hf+ckpt", r"\+ckpt is for plain and ddp and fsdp and ours, not hf"),
                          ("ddp+fusedce", r"\+fusedce is for plain and ours, not ddp"),
                          ("plain+whole+compile", r"\+whole compiles the whole model; drop"),
