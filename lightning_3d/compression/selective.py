@@ -5,7 +5,7 @@ rank r, plain all-reduce during a warm-up, error feedback, Q warm-started from t
 whose factors would not be ``min_compression_rate`` times smaller (1-D tensors among them) sent exactly. Results
 equal the hook's up to rounding (``tests/test_compression.py`` runs both side by side).
 
-It is written here rather than called because the hook is slow on GPUs (``benchmarks/sc_kernels.py`` compares the
+It is written here rather than called because the hook is slow on GPUs (``benchmarks/compression/sc_kernels.py`` compares the
 two; the numbers are in benchmarks/RESULTS.md):
 - the gradient synchronizer hands a compressed stage over as one bucket with same-shape matrices side by side, so
   each shape is one batch (six for a GPT stage) computed in place on views of the bucket and of its error buffer,
