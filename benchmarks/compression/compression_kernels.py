@@ -2,7 +2,7 @@
 
 For each hidden size (1920: GPT-2.5B, 3072: GPT-8.3B), tokens per micro-batch and rank, it times the sender
 (LEP add, one power step with a warm-started Q, fp32 QR, error update) and the receiver (P·Qᵀ) with CUDA
-events, and compares them with sending the gradient uncompressed at the p2p bandwidths of BENCHMARKING.md.
+events, and compares them with sending the gradient uncompressed at the p2p bandwidths of benchmarks/CONVENTIONS.md.
 
     python benchmarks/compression/compression_kernels.py --out compression_kernels.json
     python benchmarks/compression/compression_kernels.py --device cpu --hidden 64 --tokens 128 --ranks 4 8 --repeats 3  # smoke

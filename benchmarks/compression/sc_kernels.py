@@ -6,7 +6,7 @@ no-ops): torch's hook over the DDP-style buckets the strategy makes for an exact
 registration order), ours over the one the strategy makes for an SC stage (same shapes adjacent).
 Both run at the same rank with error feedback and warm start; their time is what SC adds to a step before it
 saves any bandwidth. The table also prints how long the uncompressed and compressed bytes take at the all-reduce
-bandwidths of BENCHMARKING.md, so the break-even is visible.
+bandwidths of benchmarks/CONVENTIONS.md, so the break-even is visible.
 
     python benchmarks/compression/sc_kernels.py --preset 350m --pp 2 --ranks 32 64 128 --out sc_kernels.json
     python benchmarks/compression/sc_kernels.py --device cpu --preset tiny --ranks 4 --repeats 2   # smoke

@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", default="off", choices=["off", "default", "max-autotune-no-cudagraphs"],
                    help="per-block torch.compile of the recipe (GPT or T5)")
     p.add_argument("--out", type=Path, default=Path("results.json"))
-    p.add_argument("--regime", default="nvlink", choices=tuple(REGIMES), help="interconnect, see BENCHMARKING.md")
+    p.add_argument("--regime", default="nvlink", choices=tuple(REGIMES), help="interconnect regime, see benchmarks/CONVENTIONS.md")
     p.add_argument("--devices", type=int, default=None, help="GPUs to use at most (default: all visible)")
     p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: smoke test only")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
