@@ -19,12 +19,13 @@ class CompressionConfig:
     compressed_backprop: bool = True
     cb_rank: int = 16
     # Only the schedule's cool-down sends (the backwards after a rank's last forward, on the critical path):
-    # compressing every send costs far more validation loss than the cool-down sends alone (benchmarks/RESULTS.md).
+    # compressing every send costs far more validation loss than the cool-down sends alone
+    # (benchmarks/RESULTS.md#2026-11-22b-convergence).
     cb_epilogue_only: bool = True
     cb_min_compression_ratio: float = 2.0
     # LEP (Optimus-CC's error feedback for CB) is off by default: in the runs that compared it, it widened CB's
-    # validation-loss gap instead of closing it (benchmarks/RESULTS.md). A likely reason (not isolated): the error
-    # left by one sample's gradient is added to a different sample's.
+    # validation-loss gap instead of closing it (benchmarks/RESULTS.md#2026-11-22f-convergence). A likely
+    # reason (not isolated): the error left by one sample's gradient is added to a different sample's.
     cb_lazy_error_propagation: bool = False
     # SC: PowerSGD of data-parallel gradients on the chosen pipeline ranks (needs dp > 1).
     sc_rank: int = 128
@@ -35,11 +36,13 @@ class CompressionConfig:
     sc_matmul_precision: str = "tf32"
     # With the default compressed_stages, SC runs only if the data-parallel all-reduce is slower than this bus bandwidth
     # (GB/s), measured once at setup: on NVLink-class links SC's compute costs more than the exact all-reduce; on
-    # InfiniBand- or Ethernet-class links it saves more than it costs (benchmarks/RESULTS.md). float("inf") = always.
+    # InfiniBand- or Ethernet-class links it saves more than it costs (benchmarks/RESULTS.md#2026-11-22f-defaults).
+    # float("inf") = always.
     sc_max_link_gbps: float = 50.0
     # Pipeline ranks whose DP gradients SC compresses; default all but the last (the only one if pp=1): Optimus-CC
     # leaves the last stage exact because its all-reduce overlaps the other stages' cool-down. On links slow enough
-    # that this all-reduce outlasts the cool-down (Ethernet-like, see benchmarks/RESULTS.md), list every stage.
+    # that this all-reduce outlasts the cool-down (Ethernet-like, see
+    # benchmarks/RESULTS.md#2026-11-22e-cc-gpt-1b), list every stage.
     compressed_stages: Sequence[int] | None = None
     # FE: tied embedding gradients in one all-reduce over {first, last stage} x replicas (needs pp > 1).
     fused_embedding_sync: bool = True
