@@ -301,7 +301,7 @@ def test_peers_system_suffixes() -> None:
             parse_system(bad, gpus=1)
     with pytest.raises(argparse.ArgumentTypeError, match=r"expected NAME\[@sizes\]"):
         parse_system("ours@1,1,1+fast", gpus=1)
-    # the peers a user would pick instead (issue 25): transformers' models compiled whole or not, plain compiled whole
+    # the peers a user would pick instead: transformers' models compiled whole or not, plain compiled whole
     hf = parse_system("hf+compile", gpus=1)
     assert (hf["name"], hf["world"], hf["compile"], hf["whole"]) == ("hf", 1, True, False)
     assert parse_system("plain+whole", gpus=1)["whole"] and parse_system("ours@1,1,1+fusedce", gpus=1)["fusedce"]
@@ -356,7 +356,7 @@ def test_peers_system_suffixes() -> None:
 
 
 def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
-    """benchmarks/speed/single_gpu_speed.sh (issue 25's device call) on CPU with tiny presets, its T5 variants part (t5v):
+    """benchmarks/speed/single_gpu_speed.sh (the one-GPU comparison) on CPU with tiny presets, its T5 variants part (t5v):
     every system runs, the peers start from the same weights and tokens (first losses agree to bf16), T5 counts inputs
     plus targets, and the compiled systems report torch.compile's counts: no graph break and no recompilation in ours
     (SDPA or explicit attention, fused or not) or in the whole-model compiles (transformers', our model's); per stage,
@@ -459,7 +459,7 @@ def test_trace_summary_gaps_name_the_late_kernel_and_the_hosts_wait(tmp_path: Pa
 
 
 def test_host_microbatch_probe_times_both_counts_per_size(tmp_path: Path) -> None:
-    """benchmarks/planner/host_microbatch_probe.py (issue 22): per model and micro-batch size, the steps with 1 and 4
+    """benchmarks/planner/host_microbatch_probe.py (the planner's host term): per model and micro-batch size, the steps with 1 and 4
     micro-batches timed --steps times each, and the per-micro-batch seconds their medians' difference over 3."""
     out = tmp_path / "probe.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/planner/host_microbatch_probe.py"), "--device", "cpu", "--preset", "tiny",
@@ -484,7 +484,7 @@ def test_host_microbatch_probe_refuses_a_size_below_one(capsys: pytest.CaptureFi
 
 
 def test_host_time_t5_counts_the_fused_accumulations(tmp_path: Path) -> None:
-    """benchmarks/speed/host_time_t5.py (T5's host time per step, issue 25) at one block per side: with fusion every fused
+    """benchmarks/speed/host_time_t5.py (T5's host time per step) at one block per side: with fusion every fused
     layer (6 per encoder block, 10 per decoder block) accumulates once per micro-batch, in the timed steps and as op
     calls in the profiled one; without it none does; both train the same (fp32: summation order only)."""
     out = tmp_path / "host.json"

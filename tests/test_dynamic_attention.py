@@ -1,4 +1,4 @@
-"""Issue 21's attention measurements: the benchmarks that time what a new micro-batch shape costs
+"""Dynamic micro-batching's attention measurements: the benchmarks that time what a new micro-batch shape costs
 (benchmarks/dynamic/multitask_microbatching.py, benchmarks/dynamic/dynamic_shapes.py) count shapes exactly, parse their variants,
 and run a variant under the backend order they name without changing results or leaving the order behind; packed
 rows still equal their documents alone. Which kernel runs on a GPU is what the benchmarks measure (docs/dynamic.md).
@@ -38,7 +38,7 @@ def test_packed_rows_still_match_their_documents_alone():
 
 
 
-# ----- the benchmarks that measure it (issue 21's GPU command) ------------------------------------------------------
+# ----- the benchmarks that measure it (the GPU command) ---------------------------------------------------------------
 def test_multitask_benchmark_counts_shapes_and_runs_under_the_named_order():
     from benchmarks.dynamic.multitask_microbatching import DIRECT_SDPA, parse_variant, sdpa_context, shape_counts, table
 

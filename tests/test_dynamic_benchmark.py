@@ -1,4 +1,4 @@
-"""Issue 21's pipeline benchmark (benchmarks/dynamic/dynamic_multi_gpu.sh -> benchmarks/dynamic/multitask_microbatching.py
+"""Dynamic micro-batching's pipeline benchmark (benchmarks/dynamic/dynamic_multi_gpu.sh -> benchmarks/dynamic/multitask_microbatching.py
 --engine lightning) never loses a finished row: per-variant steps and budgets parse (bad ones fail with the fix
 named), the rows so far are on disk before and after every variant (the running one as cut by the time limit),
 the table shows skipped, stopped, cut and never-started variants, and the shape-header clock counts what it wraps.
