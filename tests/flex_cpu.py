@@ -1,5 +1,5 @@
 """FlexAttention training on CPU, for the tests (the ``flex_on_cpu`` fixture of tests/conftest.py), the 2-rank flex
-scenario and the CPU smoke run of benchmarks/flex_packing_check.py: one definition of the workaround.
+scenario and the CPU smoke run of benchmarks/dynamic/flex_packing_check.py: one definition of the workaround.
 
 torch has no FlexAttention backward on CPU: its public ``flex_attention`` refuses inputs that require grad there, in
 one device check (``_validate_device``). Lifting that check and compiling with "aot_eager" (the same dynamo capture

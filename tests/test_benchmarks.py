@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_train_throughput_runs_variants_in_one_process_group(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--accelerator", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, str(ROOT / "benchmarks/parallel/train_throughput.py"), "--accelerator", "cpu", "--preset", "tiny",
            "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "4", "--layouts", "1,2,1",
            "--steps", "2", "--warmup", "1", "--precision", "32-true", "--timeout", "300",
            "--compression", "off", "cb", "cb-every", "all+allcb", "--out", str(out)]
@@ -47,7 +47,7 @@ def test_train_throughput_of_t5_on_synthetic_pairs(tmp_path: Path) -> None:
     from lightning_3d.recipes.t5.config import preset
 
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--model", "t5", "--accelerator", "cpu",
+    cmd = [sys.executable, str(ROOT / "benchmarks/parallel/train_throughput.py"), "--model", "t5", "--accelerator", "cpu",
            "--preset", "tiny", "--vocab-size", "512", "--seq-length", "32", "--target-length", "8",
            "--micro-batch-size", "2", "--num-microbatches", "2", "--layouts", "1,2,1", "--steps", "2", "--warmup", "1",
            "--precision", "32-true", "--timeout", "300", "--compression", "off", "off+throughput", "--compile", "default",
@@ -74,7 +74,7 @@ def test_train_throughput_of_t5_on_synthetic_pairs(tmp_path: Path) -> None:
 
 def test_compression_kernels_report(tmp_path: Path) -> None:
     out = tmp_path / "k.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/compression_kernels.py"), "--device", "cpu", "--hidden", "64",
+    cmd = [sys.executable, str(ROOT / "benchmarks/compression/compression_kernels.py"), "--device", "cpu", "--hidden", "64",
            "--tokens", "128", "--ranks", "4", "8", "--repeats", "3", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["results"]
@@ -89,7 +89,7 @@ def test_peers_timeout_dumps_stacks_and_leaves_no_worker_behind(tmp_path: Path) 
     no worker survives it (torchrun starts them in sessions of their own: killing torchrun alone left them holding
     the GPUs through the next systems' measurements)."""
     out = tmp_path / "t.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/peers.py"), "--accelerator", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, str(ROOT / "benchmarks/speed/peers.py"), "--accelerator", "cpu", "--preset", "tiny",
            "--vocab-size", "4096", "--seq-length", "32", "--gpus", "2", "--systems", "ours@1,2,1",
            "--num-microbatches", "2", "--warmup", "1", "--steps", "1000000", "--timeout", "45", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
@@ -122,7 +122,7 @@ def test_train_throughput_stopped_by_sigterm_leaves_no_worker_behind(tmp_path: P
     import time
 
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--accelerator", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, str(ROOT / "benchmarks/parallel/train_throughput.py"), "--accelerator", "cpu", "--preset", "tiny",
            "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "2", "--layouts", "1,2,1",
            "--steps", "1000000", "--warmup", "1", "--precision", "32-true", "--out", str(out)]
     driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -141,13 +141,13 @@ def test_train_throughput_stopped_by_sigterm_leaves_no_worker_behind(tmp_path: P
 
 
 def test_peers_train_the_same_model_on_the_same_tokens(tmp_path: Path) -> None:
-    """benchmarks/peers.py: a plain loop, Lightning's ModelParallelStrategy (FSDP2 + TP, vocab-parallel loss), our
+    """benchmarks/speed/peers.py: a plain loop, Lightning's ModelParallelStrategy (FSDP2 + TP, vocab-parallel loss), our
     strategy (two stages, each compiled as one graph, with the fused head/loss), transformers' GPT-2 compiled whole and
     our model compiled whole with its loss start from the same weights and see the same first tokens, so their
     first-step losses agree (bf16), also when every system's samples are collated by a worker process."""
     out = tmp_path / "p.json"
     systems = ["plain", "fsdp@1,2", "ours@1,2,1+compile+stage+fusedce", "hf+compile", "plain+whole"]
-    cmd = [sys.executable, str(ROOT / "benchmarks/peers.py"), "--accelerator", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, str(ROOT / "benchmarks/speed/peers.py"), "--accelerator", "cpu", "--preset", "tiny",
            "--vocab-size", "4096", "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "2",
            "--gpus", "2", "--systems", *systems, "--warmup", "1", "--steps", "2", "--num-workers", "1",
            "--trace", "--timeout", "300", "--out", str(out)]
@@ -169,7 +169,7 @@ def test_peers_train_the_same_model_on_the_same_tokens(tmp_path: Path) -> None:
 
 def test_sc_kernels_times_both_implementations(tmp_path: Path) -> None:
     out = tmp_path / "sc.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/sc_kernels.py"), "--device", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, str(ROOT / "benchmarks/compression/sc_kernels.py"), "--device", "cpu", "--preset", "tiny",
            "--bucket-mb", "0.05", "--ranks", "2", "4", "--repeats", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["results"]
@@ -184,7 +184,7 @@ def test_sc_kernels_times_both_implementations(tmp_path: Path) -> None:
 
 
 def test_convergence_places_concurrent_modes_on_their_own_gpus() -> None:
-    from benchmarks.convergence import gpu_placement
+    from benchmarks.compression.convergence import gpu_placement
 
     assert gpu_placement(3, 2, ["0", "1", "2", "3"]) == ["0,1", "2,3", "0,1"]  # (1,2,1) on 4 GPUs: two copies
     assert gpu_placement(2, 2, ["4", "6", "5", "7"]) == ["4,6", "5,7"]  # names as CUDA_VISIBLE_DEVICES gave them
@@ -203,7 +203,7 @@ def _tiny_blocks(folder: Path) -> Path:
 
 
 def _convergence_cmd(data: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "benchmarks/convergence.py"), "run", "--data", str(data), "--layout", "1,1,1",
+    return [sys.executable, str(ROOT / "benchmarks/compression/convergence.py"), "run", "--data", str(data), "--layout", "1,1,1",
             "--preset", "tiny", "--steps", str(steps), "--batch-size", "2", "--num-microbatches", "1", "--val-every",
             "2", "--val-batches", "1", "--log-every", "1", "--accelerator", "cpu", "--precision", "32-true",
             "--out", str(out), *extra]
@@ -221,7 +221,7 @@ def test_convergence_seeds_and_a_stop_by_sigterm(tmp_path: Path) -> None:
     import signal
     import time
 
-    from benchmarks.processes import descendants
+    from benchmarks.tools.processes import descendants
 
     data = _tiny_blocks(tmp_path / "data")
     first_loss = {}
@@ -273,7 +273,7 @@ def test_convergence_seeds_and_a_stop_by_sigterm(tmp_path: Path) -> None:
 
 
 def test_all_stages_mode_compresses_every_stage() -> None:
-    from benchmarks.train_throughput import mode_options
+    from benchmarks.parallel.train_throughput import mode_options
 
     assert mode_options("all-stages", 3) == {"compression": True, "compressed_stages": [0, 1, 2]}
     assert mode_options("all", 3) == {"compression": True}  # the library default: every stage but the last
@@ -322,13 +322,13 @@ def test_user_gpt_peer_is_its_own_model_and_takes_the_recipes_weights() -> None:
 def test_peers_system_suffixes() -> None:
     import argparse
 
-    from benchmarks.peers import parse_system
+    from benchmarks.speed.peers import parse_system
 
     system = parse_system("ours@2,1,1+compile+fp32res", gpus=2)
     assert (system["world"], system["compile"], system["fp32res"], system["cc"]) == (2, True, True, False)
     assert parse_system("plain+fp32res", gpus=1)["fp32res"] and not parse_system("plain", gpus=1)["fp32res"]
     assert parse_system("ours@1,1,1+nofuse", gpus=1)["nofuse"] and not system["nofuse"]
-    from benchmarks.peer_workers import fusion_option
+    from benchmarks.speed.peer_workers import fusion_option
 
     assert [fusion_option(parse_system(t, gpus=1)) for t in ("ours@1,1,1", "ours@1,1,1+fuse", "ours@1,1,1+nofuse")] == [
         "auto", True, False]
@@ -339,7 +339,7 @@ def test_peers_system_suffixes() -> None:
             parse_system(bad, gpus=1)
     with pytest.raises(argparse.ArgumentTypeError, match=r"expected NAME\[@sizes\]"):
         parse_system("ours@1,1,1+fast", gpus=1)
-    # the peers a user would pick instead (issue 25): transformers' models compiled whole or not, plain compiled whole
+    # the peers a user would pick instead: transformers' models compiled whole or not, plain compiled whole
     hf = parse_system("hf+compile", gpus=1)
     assert (hf["name"], hf["world"], hf["compile"], hf["whole"]) == ("hf", 1, True, False)
     assert parse_system("plain+whole", gpus=1)["whole"] and parse_system("ours@1,1,1+fusedce", gpus=1)["fusedce"]
@@ -347,7 +347,7 @@ def test_peers_system_suffixes() -> None:
     gc_rows = [parse_system(t, gpus=1) for t in ("ours@1,1,1", "ours@1,1,1+pygc", "ours@1,1,1+compile+gc1")]
     assert [(r["pygc"], r["gc1"]) for r in gc_rows] == [(False, False), (True, False), (False, True)]
     # +nocheck: ours without the non-finite check (the bound on its cost); without it, the default "skip"
-    from benchmarks.peer_workers import ours_strategy
+    from benchmarks.speed.peer_workers import ours_strategy
 
     knobs = argparse.Namespace(num_microbatches=1, schedule="1f1b")
     assert ours_strategy(knobs, parse_system("ours@1,1,1+nocheck", gpus=1)).on_nonfinite == "ignore"
@@ -357,7 +357,7 @@ def test_peers_system_suffixes() -> None:
     assert not parse_system("plain+whole", gpus=1)["explicit"]
     # +torchsdpa / +nocudnn: our recipes under sdpa_backends="torch" / "no_cudnn"; without them the recipes' default
     # "auto", resolved when the model is built (static here: "torch")
-    from benchmarks.hf_peers import build_recipe_model, recipe_module
+    from benchmarks.speed.hf_peers import build_recipe_model, recipe_module
 
     for model, preset in (("gpt", "tiny"), ("t5", "tiny")):
         args = argparse.Namespace(model=model, preset=preset, vocab_size=300, seq_length=32)
@@ -366,7 +366,7 @@ def test_peers_system_suffixes() -> None:
             assert recipe_module(args, parse_system(text, gpus=1)).config.sdpa_backends == value, (model, text)
         built = build_recipe_model(args, parse_system("plain", gpus=1), "cpu")
         assert {m.sdpa_backends for m in built.model.modules() if hasattr(m, "sdpa_backends")} == {"torch"}
-    from benchmarks.peer_workers import make_gpt
+    from benchmarks.speed.peer_workers import make_gpt
 
     args = argparse.Namespace(model="gpt", preset="tiny", vocab_size=300, seq_length=32)
     assert make_gpt(args, parse_system("fsdp@1,1+torchsdpa", gpus=1)).config.sdpa_backends == "torch"  # FSDP's GPT
@@ -394,7 +394,7 @@ def test_peers_system_suffixes() -> None:
 
 
 def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
-    """benchmarks/single_gpu_speed.sh (issue 25's device call) on CPU with tiny presets, its T5 variants part (t5v):
+    """benchmarks/speed/single_gpu_speed.sh (the one-GPU comparison) on CPU with tiny presets, its T5 variants part (t5v):
     every system runs, the peers start from the same weights and tokens (first losses agree to bf16), T5 counts inputs
     plus targets, and the compiled systems report torch.compile's counts: no graph break and no recompilation in ours
     (SDPA or explicit attention, fused or not) or in the whole-model compiles (transformers', our model's); per stage,
@@ -406,7 +406,7 @@ def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
     expected = {"t5v": ["hf+compile", "ours@1,1,1+compile+stage", "ours@1,1,1+compile+stage+explicit",
                         "plain+whole+cudagraphs", "ours@1,1,1+compile+stage+nofuse+cudagraphs"]}
     env = {**os.environ, "SPEED_CPU": "1", "SPEED_BUDGET_S": "1500", "T5V_SYSTEMS": " ".join(expected["t5v"])}
-    run = subprocess.run(["bash", str(ROOT / "benchmarks/single_gpu_speed.sh"), str(tmp_path), "t5v"], check=True,
+    run = subprocess.run(["bash", str(ROOT / "benchmarks/speed/single_gpu_speed.sh"), str(tmp_path), "t5v"], check=True,
                          cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env)
     for label in expected["t5v"]:  # the profile digest reaches stdout (a device call returns its output first)
         assert f"  {label}:\n    Self CPU time total: " in run.stdout, label
@@ -428,7 +428,7 @@ def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
 
 
 def test_trace_summary_accounts_every_microsecond(tmp_path: Path) -> None:
-    from benchmarks.trace_summary import summarize
+    from benchmarks.tools.trace_summary import summarize
 
     def kernel(name: str, ts: float, dur: float, corr: int) -> dict:
         return {"cat": "kernel", "ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 7, "args": {"correlation": corr}}
@@ -459,7 +459,7 @@ def test_trace_summary_accounts_every_microsecond(tmp_path: Path) -> None:
 def test_trace_summary_gaps_name_the_late_kernel_and_the_hosts_wait(tmp_path: Path) -> None:
     """--gaps: the idle stretch between two kernels, the operator of the kernel after it, how late the host issued
     it, and the host's operators and waits inside the gap; every wait counted by the operator that waited."""
-    from benchmarks.trace_summary import summarize
+    from benchmarks.tools.trace_summary import summarize
 
     def op(name: str, ts: float, dur: float) -> dict:
         return {"cat": "cpu_op", "ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 1}
@@ -497,10 +497,10 @@ def test_trace_summary_gaps_name_the_late_kernel_and_the_hosts_wait(tmp_path: Pa
 
 
 def test_host_microbatch_probe_times_both_counts_per_size(tmp_path: Path) -> None:
-    """benchmarks/host_microbatch_probe.py (issue 22): per model and micro-batch size, the steps with 1 and 4
+    """benchmarks/planner/host_microbatch_probe.py (the planner's host term): per model and micro-batch size, the steps with 1 and 4
     micro-batches timed --steps times each, and the per-micro-batch seconds their medians' difference over 3."""
     out = tmp_path / "probe.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/host_microbatch_probe.py"), "--device", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, str(ROOT / "benchmarks/planner/host_microbatch_probe.py"), "--device", "cpu", "--preset", "tiny",
            "--layers", "2", "--models", "tiny", "--sizes", "1", "2", "--warmup", "1", "--steps", "2", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     rows = json.loads(out.read_text())["rows"]
@@ -513,7 +513,7 @@ def test_host_microbatch_probe_times_both_counts_per_size(tmp_path: Path) -> Non
 def test_host_microbatch_probe_refuses_a_size_below_one(capsys: pytest.CaptureFixture) -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("host_microbatch_probe", ROOT / "benchmarks/host_microbatch_probe.py")
+    spec = importlib.util.spec_from_file_location("host_microbatch_probe", ROOT / "benchmarks/planner/host_microbatch_probe.py")
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     with pytest.raises(SystemExit):
@@ -522,11 +522,11 @@ def test_host_microbatch_probe_refuses_a_size_below_one(capsys: pytest.CaptureFi
 
 
 def test_host_time_t5_counts_the_fused_accumulations(tmp_path: Path) -> None:
-    """benchmarks/host_time_t5.py (T5's host time per step, issue 25) at one block per side: with fusion every fused
+    """benchmarks/speed/host_time_t5.py (T5's host time per step) at one block per side: with fusion every fused
     layer (6 per encoder block, 10 per decoder block) accumulates once per micro-batch, in the timed steps and as op
     calls in the profiled one; without it none does; both train the same (fp32: summation order only)."""
     out = tmp_path / "host.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/host_time_t5.py"), "--layers", "1", "--num-microbatches", "2",
+    cmd = [sys.executable, str(ROOT / "benchmarks/speed/host_time_t5.py"), "--layers", "1", "--num-microbatches", "2",
            "--steps", "1", "--warmup", "1", "--profile", "--gc-report", "--out", str(out)]
     run = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "fusion on - off:" in run.stdout
@@ -545,13 +545,13 @@ def test_host_time_t5_counts_the_fused_accumulations(tmp_path: Path) -> None:
 
 
 def test_graphed_peak_adds_the_pool_bytes_the_allocator_does_not_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/graph_memory.py: without graphs the counted peak; with them, the larger of the first step's counted
+    """benchmarks/tools/graph_memory.py: without graphs the counted peak; with them, the larger of the first step's counted
     peak (the captures) and the later steps' counted peak plus the pool's uncounted bytes."""
     import types
 
     import torch
 
-    from benchmarks.graph_memory import GraphedPeak
+    from benchmarks.tools.graph_memory import GraphedPeak
 
     counted = {"peak": 0}
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counted["peak"])
@@ -589,8 +589,8 @@ def test_the_whole_model_compiles_in_the_mode_its_suffixes_ask(monkeypatch: pyte
 
     import torch
 
-    import benchmarks.hf_peers as hf
-    from benchmarks.peers import parse_system
+    import benchmarks.speed.hf_peers as hf
+    from benchmarks.speed.peers import parse_system
 
     modes = []
     monkeypatch.setattr(hf, "COMPILE_BACKEND", "inductor")
@@ -610,7 +610,7 @@ def test_peers_time_a_step_from_its_start_to_the_next_ones(monkeypatch: pytest.M
     run has one step more than it times, whose start ends the last timed step."""
     from types import SimpleNamespace
 
-    import benchmarks.peer_workers as workers
+    import benchmarks.speed.peer_workers as workers
 
     clock = iter(float(t) for t in range(1000))
     monkeypatch.setattr(workers.time, "perf_counter", lambda: next(clock))

@@ -145,7 +145,7 @@ def test_fit_then_validate_tiny(tmp_path, single_process):
     assert torch.distributed.get_world_size() == 1
 
 
-# ----- the README's path through the real entry point (issue 20) -------------------------------------------------
+# ----- the README's path through the real entry point --------------------------------------------------------
 def lightning_3d(*args: str, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
     """The installed ``lightning-3d`` console script in a fresh process (as a user runs it)."""
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
@@ -169,7 +169,7 @@ def test_readme_path_fit_validate_export_transformers_generate(tmp_path):
              "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}"]
     fit = lightning_3d("fit", *short, "--trainer.max_steps=3", "--trainer.val_check_interval=3", cwd=tmp_path)
     out = fit.stdout + fit.stderr
-    # No noise, no wrong numbers (issue 20, point 4).
+    # No noise, no wrong numbers.
     for noise in ("tensorboardX", "Tip:", "LeafSpec", "Epoch 0/-2", "v_num", "Total FLOPs"):
         assert noise not in out, (noise, out[-3000:])
     with torch.device("meta"):  # the whole model, as one process holds it

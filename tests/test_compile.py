@@ -1,6 +1,6 @@
 """``compile=...`` and ``optimizer_fused=...`` of the GPT and T5 recipes: same training as eager/unfused, names unchanged, bad values
 refused. Compilation runs with the "aot_eager" backend here: the same graph capture and autograd tracing as inductor,
-without building C++ kernels on the 2-core CI machine (GPU runs use inductor, see benchmarks/peers.py)."""
+without building C++ kernels on the 2-core CI machine (GPU runs use inductor, see benchmarks/speed/peers.py)."""
 
 from __future__ import annotations
 

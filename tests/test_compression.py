@@ -121,7 +121,7 @@ def test_powersgd_equals_torch_hook_step_by_step(tmp_path, adjacent: bool) -> No
     and its error buffer; interleaved ones on a stacked copy."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-    from benchmarks.sc_kernels import TorchBucket  # DDP's GradBucket as the hook reads it
+    from benchmarks.compression.sc_kernels import TorchBucket  # DDP's GradBucket as the hook reads it
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)

@@ -1,4 +1,4 @@
-"""benchmarks/long_sequence.py on CPU with a tiny GPT: the search for the longest length, and both systems (ours:
+"""benchmarks/parallel/long_sequence.py on CPU with a tiny GPT: the search for the longest length, and both systems (ours:
 checkpointing, linear-memory attention, chunked loss; plain PyTorch) computing the same loss. The GPU measurement
 itself is a benchmark (the command is in docs/context_parallel.md), never a test."""
 
@@ -14,7 +14,7 @@ import pytest
 from tests.tolerance import chain_tolerance
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "long_sequence.py"
+SCRIPT = ROOT / "benchmarks" / "parallel" / "long_sequence.py"
 TINY = ["--device", "cpu", "--preset", "tiny", "--vocab-size", "512", "--steps", "1", "--warmup", "0"]
 
 

@@ -529,7 +529,7 @@ def test_synthetic_pairs_are_t5_batches_with_shifted_decoder_inputs() -> None:
     assert dm.vocab_size == 50
 
 
-# ----------------------------------------------------------------------------- unreadable files (issue 20)
+# ----------------------------------------------------------------------------- unreadable files
 def test_malformed_jsonl_and_binary_txt_name_the_file_and_line(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -268,7 +268,7 @@ def test_the_batcher_plans_in_dataloader_workers_and_returns_this_replicas_micro
 
 
 def test_the_planning_benchmark_runs_and_reports_every_layout() -> None:
-    from benchmarks.dynamic_planning import main
+    from benchmarks.dynamic.dynamic_planning import main
 
     report = main(["--tokens", "2048", "--repeats", "1", "--layouts", "1,1", "2,2", "1,2,interleaved"])
     assert [(r["dp"], r["pp"], r["schedule"]) for r in report["results"]] == [

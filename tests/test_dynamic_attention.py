@@ -1,5 +1,5 @@
-"""Issue 21's attention measurements: the benchmarks that time what a new micro-batch shape costs
-(benchmarks/multitask_microbatching.py, benchmarks/dynamic_shapes.py) count shapes exactly, parse their variants,
+"""Dynamic micro-batching's attention measurements: the benchmarks that time what a new micro-batch shape costs
+(benchmarks/dynamic/multitask_microbatching.py, benchmarks/dynamic/dynamic_shapes.py) count shapes exactly, parse their variants,
 and run a variant under the backend order they name without changing results or leaving the order behind; packed
 rows still equal their documents alone. Which kernel runs on a GPU is what the benchmarks measure (docs/dynamic.md).
 """
@@ -38,9 +38,9 @@ def test_packed_rows_still_match_their_documents_alone():
 
 
 
-# ----- the benchmarks that measure it (issue 21's GPU command) ------------------------------------------------------
+# ----- the benchmarks that measure it (the GPU command) ---------------------------------------------------------------
 def test_multitask_benchmark_counts_shapes_and_runs_under_the_named_order():
-    from benchmarks.multitask_microbatching import DIRECT_SDPA, parse_variant, sdpa_context, shape_counts, table
+    from benchmarks.dynamic.multitask_microbatching import DIRECT_SDPA, parse_variant, sdpa_context, shape_counts, table
 
     def mb(b, s):
         return {"input_ids": torch.zeros(b, s, dtype=torch.long), "labels": torch.zeros(b, s, dtype=torch.long)}
@@ -85,7 +85,7 @@ def test_multitask_benchmark_counts_shapes_and_runs_under_the_named_order():
 def test_multitask_benchmark_names_each_variants_packed_attention():
     """packing@N runs the recipe's default (FlexAttention on CUDA), packing@N:sdpa the dense mask, packing@N:flex
     FlexAttention; only packing variants take an attention, and the table says what each variant ran."""
-    from benchmarks.multitask_microbatching import attention_label, packed_attention_of, parse_variant
+    from benchmarks.dynamic.multitask_microbatching import attention_label, packed_attention_of, parse_variant
 
     assert parse_variant("packing@2:sdpa") == ("packing", 2) and packed_attention_of("packing@2:sdpa") == "sdpa"
     assert packed_attention_of("packing@4") == "auto" and packed_attention_of("packing@1:flex") == "flex"
@@ -101,7 +101,7 @@ def test_multitask_benchmark_names_each_variants_packed_attention():
 
 
 def test_dynamic_shapes_gives_distinct_shapes_of_about_the_token_count():
-    from benchmarks.dynamic_shapes import shapes
+    from benchmarks.dynamic.dynamic_shapes import shapes
 
     out = shapes(4096, 24, 2048, seed=1)
     assert len(out) == len(set(out)) > 12

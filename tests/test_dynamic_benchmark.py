@@ -1,8 +1,8 @@
-"""Issue 21's pipeline benchmark (benchmarks/dynamic_multi_gpu.sh -> benchmarks/multitask_microbatching.py
+"""Dynamic micro-batching's pipeline benchmark (benchmarks/dynamic/dynamic_multi_gpu.sh -> benchmarks/dynamic/multitask_microbatching.py
 --engine lightning) never loses a finished row: per-variant steps and budgets parse (bad ones fail with the fix
 named), the rows so far are on disk before and after every variant (the running one as cut by the time limit),
 the table shows skipped, stopped, cut and never-started variants, and the shape-header clock counts what it wraps.
-The launches themselves run in `SMOKE=1 bash benchmarks/dynamic_multi_gpu.sh` (two processes, a few minutes)."""
+The launches themselves run in `SMOKE=1 bash benchmarks/dynamic/dynamic_multi_gpu.sh` (two processes, a few minutes)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def opts(**kw) -> argparse.Namespace:
 
 
 def test_steps_and_budgets_per_variant():
-    from benchmarks.multitask_microbatching import budget_of, steps_of
+    from benchmarks.dynamic.multitask_microbatching import budget_of, steps_of
 
     args = opts(steps_for=["padding=2/1", "packing@2=3/0"], variant_budget_s=["40", "padding=25"])
     assert steps_of(args, "padding@4") == (3, 1)  # 2 timed after 1 warm-up
@@ -39,14 +39,14 @@ def test_steps_and_budgets_per_variant():
 
 
 def test_decisions_without_a_process_group_are_this_ranks_own():
-    from benchmarks.multitask_microbatching import max_over_ranks, rank0_decides
+    from benchmarks.dynamic.multitask_microbatching import max_over_ranks, rank0_decides
 
     assert rank0_decides(True) is True and rank0_decides(False) is False
     assert max_over_ranks([1.5, 2.0]) == [1.5, 2.0]
 
 
 def test_rows_are_on_disk_before_and_after_each_variant(tmp_path, monkeypatch):
-    from benchmarks.multitask_microbatching import CUT, write_rows
+    from benchmarks.dynamic.multitask_microbatching import CUT, write_rows
 
     monkeypatch.delenv("RANK", raising=False)
     args = argparse.Namespace(out=tmp_path / "r.json", model="gpt", variants=["dynamic", "padding@4"])
@@ -66,7 +66,7 @@ def test_rows_are_on_disk_before_and_after_each_variant(tmp_path, monkeypatch):
 
 
 def test_table_shows_every_outcome_and_the_ratios(tmp_path):
-    from benchmarks.multitask_microbatching import CUT, SKIPPED, lightning_table
+    from benchmarks.dynamic.multitask_microbatching import CUT, SKIPPED, lightning_table
 
     rows = [
         {"variant": "dynamic", "pp": 2, "dp": 2, "error": None, "useful_tokens_per_s": 30000, "step_s_mean": 1.0,
@@ -88,7 +88,7 @@ def test_table_shows_every_outcome_and_the_ratios(tmp_path):
 
 
 def test_header_clock_counts_the_receives_it_wraps(monkeypatch):
-    from benchmarks.multitask_microbatching import HeaderClock
+    from benchmarks.dynamic.multitask_microbatching import HeaderClock
     from lightning_3d.pipeline.p2p import PipelineChannels
 
     calls = []
@@ -107,7 +107,7 @@ def test_predicted_pipeline_time_is_the_simulated_1f1b():
     cost; two equal ones on two stages overlap where 1F1B lets them, and an explicit schedule gives the same."""
     import numpy as np
 
-    from benchmarks.multitask_microbatching import predicted_pipeline_s
+    from benchmarks.dynamic.multitask_microbatching import predicted_pipeline_s
     from lightning_3d.costs import model_shape
     from lightning_3d.dynamic import default_cost_model
     from lightning_3d.dynamic.stage_costs import evaluate, stage_layers

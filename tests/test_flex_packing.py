@@ -349,14 +349,14 @@ def test_a_compiled_flex_stage_equals_the_eager_model_in_logits_loss_and_every_g
 
 
 def test_flex_packing_check_script_runs_every_variant_on_cpu():
-    """benchmarks/flex_packing_check.py (the GPU check of every flex path against the dense mask) on CPU: every
+    """benchmarks/dynamic/flex_packing_check.py (the GPU check of every flex path against the dense mask) on CPU: every
     variant runs, is within its fp32 bound, and a second pass over other documents compiles nothing."""
     import json
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(root / "benchmarks/flex_packing_check.py"), "--device", "cpu", "--seq-length", "128",
+    cmd = [sys.executable, str(root / "benchmarks/dynamic/flex_packing_check.py"), "--device", "cpu", "--seq-length", "128",
            "--hidden-size", "32", "--num-layers", "1", "--samples", "48"]
     out = subprocess.run(cmd, check=True, cwd=root, capture_output=True, text=True, timeout=600).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -245,7 +245,7 @@ def test_import_errors(tmp_path: Path) -> None:
         hf_to_gpt_state_dict({}, {"model_type": "bert"})
 
 
-# ----- checkpoints of `lightning-3d fit` (issue 20) ----------------------------------------------------------------
+# ----- checkpoints of `lightning-3d fit` -----------------------------------------------------------------------
 def test_t5_checkpoint_exports_the_tokenizer_its_data_module_stored(tmp_path: Path, capsys) -> None:
     """What `lightning-3d fit --config t5_tiny --data.tokenizer=bytes` records (hyper-parameters with the CLI-linked
     ids, the data module's stored tokenizer): export needs no --tokenizer and says where it wrote it."""

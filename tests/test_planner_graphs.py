@@ -200,7 +200,7 @@ def test_the_validation_suite_measures_and_predicts_graphed_configurations(monke
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    path = root / "benchmarks" / "planner_validate.py"
+    path = root / "benchmarks" / "planner" / "planner_validate.py"
     spec = importlib.util.spec_from_file_location("planner_validate_graphs", path)
     v = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = v
@@ -214,7 +214,7 @@ def test_the_validation_suite_measures_and_predicts_graphed_configurations(monke
     model = v.Model("gpt", "synthetic", 32768, SEQ, None, 8, [])
     assert v.candidate(model, v.Config(2, 4, graphs=True), cm).cuda_graphs
     assert not v.candidate(model, v.Config(2, 4), cm).cuda_graphs
-    # The run gets the strategy's option (benchmarks/train_throughput.py --cuda-graphs), and the script takes it.
+    # The run gets the strategy's option (benchmarks/parallel/train_throughput.py --cuda-graphs), and the script takes it.
     commands = []
 
     def popen(cmd, **kwargs):
@@ -226,7 +226,7 @@ def test_the_validation_suite_measures_and_predicts_graphed_configurations(monke
         with pytest.raises(OSError, match="not run"):
             v.measure(model, v.Config(2, 4, graphs=graphs), steps=1, warmup=1, timeout=10, log_dir=tmp_path, cpu=True)
     assert "--cuda-graphs" in commands[0] and "--cuda-graphs" not in commands[1]
-    path = root / "benchmarks" / "train_throughput.py"
+    path = root / "benchmarks" / "parallel" / "train_throughput.py"
     spec = importlib.util.spec_from_file_location("train_throughput_graphs", path)
     tt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tt)

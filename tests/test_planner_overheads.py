@@ -369,7 +369,7 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
 
 
 def _validate_module():
-    spec = importlib.util.spec_from_file_location("planner_validate", Path(__file__).parent.parent / "benchmarks" / "planner_validate.py")
+    spec = importlib.util.spec_from_file_location("planner_validate", Path(__file__).parent.parent / "benchmarks" / "planner" / "planner_validate.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("planner_validate", module)  # dataclasses look their module up while being built
     spec.loader.exec_module(module)

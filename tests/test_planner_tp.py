@@ -135,7 +135,7 @@ def test_the_profiler_measures_tp_blocks_across_processes_on_cpu() -> None:
 
 
 def _validate_module():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "planner_validate.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "planner" / "planner_validate.py"
     spec = importlib.util.spec_from_file_location("planner_validate_tp", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod

@@ -12,7 +12,7 @@ has no cuDNN, so what the tests observe is the backend flags SDPA sees when it i
 in compiled graphs, the kernel traced into the graph with the selection narrowed to math alone (on CPU the default
 selection and torch's pick the same flash kernel, so only a narrower selection shows in a graph). Results: on CPU both
 values run the same kernel on the same inputs, so loss and gradients are bitwise equal. Which kernel a GPU picks is
-measured by benchmarks/peers.py (+torchsdpa, +nocudnn) and benchmarks/multitask_microbatching.py (--sdpa),
+measured by benchmarks/speed/peers.py (+torchsdpa, +nocudnn) and benchmarks/dynamic/multitask_microbatching.py (--sdpa),
 docs/dynamic.md.
 """
 

@@ -1,4 +1,4 @@
-"""T5's two attention implementations compute the same function (issue 25: ``attention="sdpa"`` runs one
+"""T5's two attention implementations compute the same function (``attention="sdpa"`` runs one
 ``scaled_dot_product_attention`` call per attention with the relative position bias and the masks as its additive
 ``attn_mask`` and ``scale=1``; ``"explicit"``, the default, runs scores, fp32 softmax and value mix).
 

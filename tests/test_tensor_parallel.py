@@ -110,7 +110,7 @@ def _check_t5(rank: int, t5: dict, compiled: dict) -> None:
 
 
 def test_host_time_benchmark_times_both_plans_and_compiles_blocks_both_ways(tmp_path: Path) -> None:
-    """benchmarks/tp_host_time.py, one run (one process group) for both of its modes: both plans train the same model
+    """benchmarks/parallel/tp_host_time.py, one run (one process group) for both of its modes: both plans train the same model
     to the same loss, each timed step recorded; --compile: eager, compiled on the local leaves and compiled on the
     DTensor parameters train the same model to the same loss (the compiled variants are the local layers')."""
     import json
@@ -121,7 +121,7 @@ def test_host_time_benchmark_times_both_plans_and_compiles_blocks_both_ways(tmp_
     from tests.launch import ROOT
 
     out = tmp_path / "tp.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/tp_host_time.py"), "--presets", "tiny", "--sequence-parallel", "on",
+    cmd = [sys.executable, str(ROOT / "benchmarks/parallel/tp_host_time.py"), "--presets", "tiny", "--sequence-parallel", "on",
            "--implementations", "dtensor", "local", "--compile", "off", "leaves", "module", "--seq-length", "16",
            "--steps", "2", "--warmup", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, env=clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True)
@@ -138,7 +138,7 @@ def test_host_time_benchmark_times_both_plans_and_compiles_blocks_both_ways(tmp_
 
 
 def test_overlap_benchmark_compares_both_paths(tmp_path: Path) -> None:
-    """benchmarks/tp_overlap.py on CPU (gloo): every layer shape with SP off and on through both paths, the same output
+    """benchmarks/parallel/tp_overlap.py on CPU (gloo): every layer shape with SP off and on through both paths, the same output
     and gradients to the bit, and the bytes each forward saves: under SP the overlapped path with regather keeps this
     rank's sequence chunk of the input where the synchronous one and the default keep the gathered input."""
     import json
@@ -149,7 +149,7 @@ def test_overlap_benchmark_compares_both_paths(tmp_path: Path) -> None:
     from tests.launch import ROOT
 
     out = tmp_path / "overlap.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/tp_overlap.py"), "--device", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, str(ROOT / "benchmarks/parallel/tp_overlap.py"), "--device", "cpu", "--preset", "tiny",
            "--seq-length", "16", "--micro-batch-size", "2", "--iters", "1", "--warmup", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, env=clean_env(OMP_NUM_THREADS="1"), cwd=ROOT, timeout=300, capture_output=True)
     report = json.loads(out.read_text())

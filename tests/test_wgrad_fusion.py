@@ -278,7 +278,7 @@ def test_the_op_is_autograd_accumulation_over_every_leading_dimension() -> None:
 
 
 def test_t5_compiled_per_stage_trains_with_fusion_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The T5 recipe compiled per stage (the one-GPU configuration of issue 25, here with the aot_eager backend): the
+    """The T5 recipe compiled per stage (the one-GPU speed configuration, here with the aot_eager backend): the
     op stays in the stage's compiled backward (one graph for the stage, one for the loss, no graph break), every fused
     layer reports once per micro-batch, and the gradients equal the unfused run's (fp32 on the CPU: the same products,
     up to summation order)."""

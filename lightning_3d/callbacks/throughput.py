@@ -16,11 +16,12 @@ from torch import Tensor
 
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.utils.compat import logger_connector
+from lightning_3d.utils.peak_flops import dense_peak_flops
 
-# Dense peaks of an H200 (the H100 SXM's silicon) per compute dtype. Lightning's table (``get_available_flops``),
-# used for every other GPU, does not know the name an H200 reports ("NVIDIA H200"), and its "h200 sxm1" entry is the
-# sparse figure, which would halve MFU; MFU here is against the dense peak, as in benchmarks/RESULTS.md.
-H200_PEAK_TFLOPS = {torch.bfloat16: 989.4, torch.float16: 989.4, "tf32": 494.7, torch.float32: 66.9}
+# H200s take their dense peaks from the library's table (lightning_3d/utils/peak_flops.py). Lightning's table
+# (``get_available_flops``), used for every other GPU, does not know the name an H200 reports ("NVIDIA H200"), and its
+# "h200 sxm1" entry is the sparse figure, which would halve MFU; MFU here is against the dense peak, as in the
+# benchmarks (benchmarks/CONVENTIONS.md).
 
 
 def compute_dtype(precision: str) -> torch.dtype | str:
@@ -38,7 +39,7 @@ def peak_tflops_of(device: torch.device, precision: str) -> float | None:
         return None  # MFU is not meaningful on CPU
     dtype = compute_dtype(precision)
     if "h200" in torch.cuda.get_device_name(device).lower():
-        return H200_PEAK_TFLOPS[dtype]
+        return dense_peak_flops("h200", dtype) / 1e12
     flops = get_available_flops(device, dtype)
     return flops / 1e12 if flops else None
 
@@ -102,8 +103,8 @@ class ThroughputMFUMonitor(ThroughputMonitor):
 
     Args:
         peak_tflops: peak TFLOP/s of one device for the compute dtype. ``None``: the GPU's dense peak for the
-            precision's compute dtype (Lightning's table; H200s from ``H200_PEAK_TFLOPS``), and no MFU on CPU or an
-            unknown GPU (TFLOP/s are still logged).
+            precision's compute dtype (Lightning's table; H200s from ``lightning_3d.utils.peak_flops``), and no MFU
+            on CPU or an unknown GPU (TFLOP/s are still logged).
         window_size: batches in the rolling average.
     """
 

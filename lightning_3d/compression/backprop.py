@@ -7,7 +7,8 @@ and adds it to the next gradient it compresses at that boundary, across steps to
 
 By default (``epilogue_only=True``) only the schedule's cool-down sends are compressed (``BoundaryKey.epilogue``:
 the backwards after a rank's last forward, the ones on the critical path); the others travel exact. Compressing
-every send costs far more validation loss than compressing only the cool-down sends (benchmarks/RESULTS.md).
+every send costs far more validation loss than compressing only the cool-down sends
+(benchmarks/RESULTS.md#2026-11-22b-convergence).
 
 Micro-batch shapes may change (dynamic micro-batching). The error buffer of a boundary is a grid of the
 largest shape seen so far, indexed by position (sample, token, ...): a micro-batch of shape S adds and then

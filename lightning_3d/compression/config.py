@@ -25,13 +25,14 @@ class CompressionConfig:
     """Rank of CB's low-rank factors."""
     cb_epilogue_only: bool = True
     """Compress only the schedule's cool-down sends (the backwards after a rank's last forward, on the critical path):
-    compressing every send costs far more validation loss than the cool-down sends alone (benchmarks/RESULTS.md)."""
+    compressing every send costs far more validation loss than the cool-down sends alone
+    (benchmarks/RESULTS.md#2026-11-22b-convergence)."""
     cb_min_compression_ratio: float = 2.0
     """A tensor is compressed only if its factors are at least this many times smaller than it."""
     cb_lazy_error_propagation: bool = False
     """LEP, Optimus-CC's error feedback for CB. Off by default: in the runs that compared it, it widened CB's
-    validation-loss gap instead of closing it (benchmarks/RESULTS.md); a likely reason (not isolated) is that the error
-    left by one sample's gradient is added to a different sample's."""
+    validation-loss gap instead of closing it (benchmarks/RESULTS.md#2026-11-22f-convergence); a likely reason (not
+    isolated) is that the error left by one sample's gradient is added to a different sample's."""
     sc_rank: int = 128
     """Rank of SC's PowerSGD factors (SC: data-parallel gradients of the chosen pipeline ranks, needs dp > 1)."""
     sc_warmup: int | float = 0.1
@@ -44,13 +45,13 @@ class CompressionConfig:
     sc_max_link_gbps: float = 50.0
     """With the default ``compressed_stages``, SC runs only if the data-parallel all-reduce is slower than this bus
     bandwidth (GB/s), measured once at setup: on NVLink-class links SC's compute costs more than the exact all-reduce;
-    on InfiniBand- or Ethernet-class links it saves more than it costs (benchmarks/RESULTS.md). ``float("inf")``:
-    always."""
+    on InfiniBand- or Ethernet-class links it saves more than it costs (benchmarks/RESULTS.md#2026-11-22f-defaults).
+    ``float("inf")``: always."""
     compressed_stages: tuple[int, ...] | None = None
     """Pipeline ranks whose data-parallel gradients SC compresses; None: all but the last (the only one if pp = 1), as
     Optimus-CC, because the last stage's all-reduce overlaps the other stages' cool-down. On links slow enough that
-    this all-reduce outlasts the cool-down (Ethernet-like, benchmarks/RESULTS.md), list every stage. Naming stages
-    skips the link measurement."""
+    this all-reduce outlasts the cool-down (Ethernet-like, benchmarks/RESULTS.md#2026-11-22e-cc-gpt-1b), list every
+    stage. Naming stages skips the link measurement."""
     fused_embedding_sync: bool = True
     """FE: tied embedding gradients in one all-reduce over {first, last stage} x replicas (needs pp > 1)."""
     seed: int = 0

@@ -1,9 +1,10 @@
 """How fast the data-parallel link is, measured once, so that SC's default follows the hardware.
 
 SC trades compute for bandwidth: its power steps over a large model's gradients cost more than an exact all-reduce
-at NVLink's bus bandwidth and much less than one at InfiniBand-class bandwidth (the measurements are in
-benchmarks/RESULTS.md). So SC pays off on slow links and costs time on fast ones. A timed all-reduce
-tells the two apart before training starts; nothing is known about the link until then.
+at NVLink's bus bandwidth and much less than one at InfiniBand-class bandwidth (the measurements:
+benchmarks/RESULTS.md#2026-11-22d-sc-kernels and #2026-11-22f-defaults). So SC pays off on slow links and costs time
+on fast ones. A timed all-reduce tells the two apart before training starts; nothing is known about the link until
+then.
 """
 
 from __future__ import annotations

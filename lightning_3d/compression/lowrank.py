@@ -2,9 +2,9 @@
 
 Both codecs need orthonormal columns spanning a tall, thin factor P (n x r, r <= 128), every step, on the hot path.
 ``torch.linalg.qr`` does that with Householder reflections in cuSOLVER, a latency-bound call per batch whose cost
-hardly depends on the boundary size (benchmarks/RESULTS.md). Cholesky-QR needs only a Gram product, an r x r Cholesky
-factor and a
-triangular solve, batched over any number of matrices, with no host synchronisation.
+hardly depends on the boundary size (benchmarks/RESULTS.md#2026-11-22-cb-kernels). Cholesky-QR needs only a Gram
+product, an r x r Cholesky factor and a triangular solve, batched over any number of matrices, with no host
+synchronisation.
 """
 
 from __future__ import annotations

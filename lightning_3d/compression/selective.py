@@ -5,8 +5,8 @@ rank r, plain all-reduce during a warm-up, error feedback, Q warm-started from t
 whose factors would not be ``min_compression_rate`` times smaller (1-D tensors among them) sent exactly. Results
 equal the hook's up to rounding (``tests/test_compression.py`` runs both side by side).
 
-It is written here rather than called because the hook is slow on GPUs (``benchmarks/sc_kernels.py`` compares the
-two; the numbers are in benchmarks/RESULTS.md):
+It is written here rather than called because the hook is slow on GPUs (``benchmarks/compression/sc_kernels.py`` compares the
+two; the numbers: benchmarks/RESULTS.md#2026-11-22d-sc-kernels):
 - the gradient synchronizer hands a compressed stage over as one bucket with same-shape matrices side by side, so
   each shape is one batch (six for a GPT stage) computed in place on views of the bucket and of its error buffer,
   instead of one small batch per shape per bucket (thousands of kernel launches per step for a GPT stage);
@@ -34,7 +34,7 @@ from lightning_3d.compression.lowrank import fp32_matmul_precision, orthonormali
 from lightning_3d.utils.comm_stats import CommunicationStats
 
 # The power step's three bulk products (M·Q, Mᵀ·P, P·Qᵀ) on CUDA: "tf32" runs them on tensor cores, "fp32" in full
-# IEEE fp32. They are most of SC's compute (benchmarks/RESULTS.md). TF32 rounds each product to
+# IEEE fp32. They are most of SC's compute (benchmarks/RESULTS.md#2026-11-22f-sc-tf32). TF32 rounds each product to
 # ~5e-4 relative, far below what a rank-r factorisation leaves out, and error feedback carries M - P·Qᵀ exactly as
 # applied. The orthonormalisation always runs in IEEE fp32 (``lowrank.orthonormalize``).
 MATMUL_PRECISIONS = {"tf32": "tf32", "fp32": "ieee"}

@@ -19,12 +19,13 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from lightning_3d.costs.model import DeviceSpec, LayerKind, ModelShape
+from lightning_3d.utils.peak_flops import dense_peak_flops
 
 log = logging.getLogger(__name__)
 _WARNED = False
 
 #: used when no device is given: an H100 SXM (dense bf16), the most common target of these recipes
-DEFAULT_DEVICE = DeviceSpec("h100", 989e12, 3.35e12, 80 * 2**30, 0.7)
+DEFAULT_DEVICE = DeviceSpec("h100", dense_peak_flops("h100"), 3.35e12, 80 * 2**30, 0.7)
 ATTENTION_EFFICIENCY = 0.75  # of the GEMM efficiency: fused attention reaches less of the peak
 BACKWARD_ATTENTION = 2.5  # a fused attention backward recomputes the scores: 2.5x its forward, not 2x
 # Eager PyTorch launches each kernel from Python: a layer cannot run faster than its launches. Per kernel, and the

@@ -1,8 +1,8 @@
 """Known GPUs (for ``DeviceSpec``) and the cluster description a plan targets (nodes × GPUs, links, memory).
 
 A plan can target machines it is not running on: ``ClusterSpec.load`` reads a small YAML/JSON file (safe loaders
-only, no code runs), and ``device_spec("h100")`` fills the per-GPU numbers from the table below (vendor datasheet
-dense bf16 peaks, not the sparse figures). docs/planner.md shows the file format.
+only, no code runs), and ``device_spec("h100")`` fills the per-GPU numbers from the table below (dense bf16 peaks from
+``lightning_3d.utils.peak_flops``, not the sparse figures). docs/planner.md shows the file format.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ from pathlib import Path
 import yaml
 
 from lightning_3d.costs.model import DeviceSpec
+from lightning_3d.utils.peak_flops import dense_peak_flops
 
 GB = 1e9
 GIB = 2**30
 
 #: name -> (dense bf16 FLOP/s, HBM bytes/s, memory bytes, NVLink bytes/s per GPU per direction)
 KNOWN_DEVICES: dict[str, tuple[float, float, float, float]] = {
-    "h100": (989e12, 3.35e12, 80 * GIB, 450 * GB),
-    "h200": (989e12, 4.8e12, 141 * GB, 450 * GB),
-    "a100": (312e12, 2.039e12, 80 * GIB, 300 * GB),
+    "h100": (dense_peak_flops("h100"), 3.35e12, 80 * GIB, 450 * GB),
+    "h200": (dense_peak_flops("h200"), 4.8e12, 141 * GB, 450 * GB),
+    "a100": (dense_peak_flops("a100"), 2.039e12, 80 * GIB, 300 * GB),
 }
 _ALIASES = {"nvidia h100": "h100", "h100 80gb hbm3": "h100", "nvidia h200": "h200", "nvidia a100": "a100"}
 

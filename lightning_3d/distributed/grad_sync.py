@@ -87,9 +87,9 @@ class GradientSynchronizer:
             if stage in compressed_stages:
                 # SC: one bucket per dtype for the whole stage, same-shape matrices side by side. PowerSGD's cost is
                 # per shape group (a handful of small kernels each), not per byte: 25 MB buckets cut a GPT stage into
-                # dozens of buckets and thousands of kernel launches per step, host-bound (benchmarks/sc_kernels.py;
-                # the numbers are in benchmarks/RESULTS.md), and the compressed collectives are small enough to gain
-                # nothing from overlap.
+                # dozens of buckets and thousands of kernel launches per step, host-bound (benchmarks/compression/sc_kernels.py;
+                # the numbers: benchmarks/RESULTS.md#2026-11-22d-sc-kernels), and the compressed collectives are small
+                # enough to gain nothing from overlap.
                 # Adjacent shapes let the compressor work on views of the bucket, in place.
                 for kind in dict.fromkeys(self._kind(p) for p in params):
                     same_kind = [p for p in params if self._kind(p) == kind]

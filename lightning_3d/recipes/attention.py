@@ -14,7 +14,7 @@ The selection only removes a backend, with no priority order: torch then chooses
 a forward and its recomputation always run the same kernel (an explicit priority order skipped under compilation once
 made them differ, and torch's checkpoint refused the recomputed tensors). ``sdpa_kernel`` with a plain list, the form
 Dynamo has handled longest (``set_priority`` is the newer argument), traces into a compiled graph without a graph break
-and the graph then holds the kernel it allows (tests/test_sdpa_backends.py; benchmarks/peers.py reports graph breaks
+and the graph then holds the kernel it allows (tests/test_sdpa_backends.py; benchmarks/speed/peers.py reports graph breaks
 per system on the GPU's torch).
 """
 

@@ -8,10 +8,10 @@ a guess about a model one cannot read would give false errors. Every rank comput
 pipeline rank and compares the largest with its own card, so a job on equal GPUs fails on every rank alike without
 communicating.
 
-Measured against real peaks, this estimate errs both ways, over-predicting most at long sequences with
-checkpointing (benchmarks/RESULTS.md, docs/context_parallel.md), so ``memory_check="error"`` raises only when the
-estimate exceeds the usable memory by more than ``MARGIN`` (then even the largest measured over-prediction still
-does not fit) and warns between the two. docs/context_parallel.md ("Will it fit?").
+Measured against real peaks, this estimate errs both ways, over-predicting most at long sequences with checkpointing
+(benchmarks/RESULTS.md#2026-11-27-long-sequence, docs/context_parallel.md), so ``memory_check="error"`` raises only
+when the estimate exceeds the usable memory by more than ``MARGIN`` (then even the largest measured over-prediction
+still does not fit) and warns between the two. docs/context_parallel.md ("Will it fit?").
 """
 
 from __future__ import annotations

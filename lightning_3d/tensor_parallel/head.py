@@ -18,7 +18,7 @@ from lightning_3d.tensor_parallel.layers import distribute_parameters, local_vie
 from lightning_3d.tensor_parallel.mappings import TensorParallel, column_parallel_linear
 
 # "local": the layers of this package (explicit collectives on local tensors); "dtensor": torch's parallelize_module,
-# same sharding and results, kept to compare the two (benchmarks/tp_host_time.py, L3D_TP_IMPLEMENTATION in a GPU run).
+# same sharding and results, kept to compare the two (benchmarks/parallel/tp_host_time.py, L3D_TP_IMPLEMENTATION in a GPU run).
 IMPLEMENTATIONS = ("local", "dtensor")
 
 # The environment variable that picks the plan when the recipe's call names none.

@@ -41,8 +41,8 @@ def local_view(param: Tensor, partial_grad: bool = False) -> Tensor:
     into it as into any plain tensor, and the DTensor's ``.grad`` is only wrapped around the first micro-batch's
     gradient and added to in place after. Through ``to_local`` every parameter would cost a DTensor construction and
     a DTensor ``add`` per micro-batch on the host, and the GPU of a tensor-parallel step waits for the host
-    (benchmarks/RESULTS.md). Inside compiled code this is ``to_local``, because a graph cannot run the leaf cache;
-    blocks compiled by :func:`compile_on_local_tensors` read the same leaves another way (see there)."""
+    (benchmarks/RESULTS.md#2026-11-27). Inside compiled code this is ``to_local``, because a graph cannot run the
+    leaf cache; blocks compiled by :func:`compile_on_local_tensors` read the same leaves another way (see there)."""
     if not isinstance(param, DTensor):
         return param
     if torch.compiler.is_compiling():

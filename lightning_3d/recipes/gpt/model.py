@@ -150,7 +150,7 @@ class Embedding(nn.Module):
         if not self.fp32_residual and torch.is_autocast_enabled(device):
             # The residual stream in the autocast dtype, as Megatron-LM runs it: under autocast it would otherwise
             # stay fp32 (the embedding's dtype) and every block's norm, residual add and their gradients would read
-            # and write it at twice the bytes (measured in benchmarks/RESULTS.md, "the residual stream in bf16").
+            # and write it at twice the bytes (measured: benchmarks/RESULTS.md#2026-11-22e-bf16-residual).
             # Also halves the activations sent between pipeline stages.
             x = x.to(torch.get_autocast_dtype(device))
         return x

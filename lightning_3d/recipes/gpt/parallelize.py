@@ -3,7 +3,7 @@
 Tensor parallelism runs Megatron-style on local tensors with explicit collectives (lightning_3d.tensor_parallel,
 docs/tensor_parallel.md); the parameters stay DTensors. The DTensor-module plan (torch's ``parallelize_module``)
 is kept as ``parallelize_gpt(..., implementation="dtensor")`` for the host-time comparison in
-benchmarks/tp_host_time.py.
+benchmarks/parallel/tp_host_time.py.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def parallelize_gpt(
 ) -> None:
     """Megatron column/row sharding of attention and MLP, vocab-parallel embedding and output projection, on local
     tensors with explicit collectives; q, k and v run as one GEMM. ``implementation="dtensor"``: torch's DTensor
-    modules instead (same sharding, same results; slower on the host, kept for benchmarks/tp_host_time.py); None:
+    modules instead (same sharding, same results; slower on the host, kept for benchmarks/parallel/tp_host_time.py); None:
     the environment variable ``L3D_TP_IMPLEMENTATION`` if set (to compare both in a GPU benchmark run), else "local".
 
     The output projection hands its logits on as a DTensor sharded over the vocabulary, consumed by torch's
