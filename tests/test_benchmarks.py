@@ -291,7 +291,7 @@ def test_user_gpt_peer_is_its_own_model_and_takes_the_recipes_weights() -> None:
 
     from benchmarks.hf_peers import build_recipe_model
     from benchmarks.peers import parse_system
-    from benchmarks.user_gpt import UserGPT, user_peer, user_vocab
+    from benchmarks.speed.user_gpt import UserGPT, user_peer, user_vocab
     from lightning_3d.recipes.training import summed_token_cross_entropy
 
     system = parse_system("user+whole+ourinit", gpus=1)

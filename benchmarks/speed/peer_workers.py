@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from benchmarks.gpu_clocks import ClockSampler
+from benchmarks.tools.gpu_clocks import ClockSampler
 from benchmarks.tools.graph_memory import GraphedPeak
 from benchmarks.speed.hf_peers import (compile_counters, plain_peer, recipe_module, sdpa_backends_of, synthetic_data,
                                  synthetic_datamodule)
-from benchmarks.user_gpt import user_peer
+from benchmarks.speed.user_gpt import user_peer
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data.loader import worker_options
 from lightning_3d.recipes.gpt.model import GPTModel

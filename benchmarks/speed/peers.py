@@ -2,7 +2,7 @@
 
 Systems (each in fresh processes started by torchrun, same model, same initial weights, same synthetic tokens):
   plain          plain PyTorch loop on one GPU (our recipe's model, bf16 autocast, fused AdamW): the hardware anchor
-  user           a GPT written plainly as a user would, not our recipe's model (benchmarks/user_gpt.py), same loop;
+  user           a GPT written plainly as a user would, not our recipe's model (benchmarks/speed/user_gpt.py), same loop;
                  ``+whole`` compiles it with its loss, ``+ourinit`` starts it from the recipe's initial weights,
                  ``+torchinit`` from PyTorch's default initialisation
   hf             the same loop with transformers' GPT2LMHeadModel (SDPA) or T5ForConditionalGeneration, our weights

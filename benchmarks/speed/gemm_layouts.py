@@ -6,10 +6,10 @@ the input gradient ``dy @ W``, the weight gradient ``dy.T @ x``) in the layouts 
 a weight stored transposed, a column slice of a fused q/k/v output, the head over an unaligned vocabulary) and on
 several kinds of data (standard normal, weights of init scale, values with few mantissa bits, zeros), each run
 back to back for ``--seconds`` so the GPU reaches the clock it holds under sustained load, with the SM clock and power
-sampled meanwhile (benchmarks/gpu_clocks.py). Prints one row per case: ms per call, TFLOP/s, median SM MHz, watts.
+sampled meanwhile (benchmarks/tools/gpu_clocks.py). Prints one row per case: ms per call, TFLOP/s, median SM MHz, watts.
 
-    python benchmarks/gemm_layouts.py --out gemm.json
-    python benchmarks/gemm_layouts.py --tokens 256 --hidden 64 --seconds 0.05   # CPU dry run
+    python benchmarks/speed/gemm_layouts.py --out gemm.json
+    python benchmarks/speed/gemm_layouts.py --tokens 256 --hidden 64 --seconds 0.05   # CPU dry run
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+from benchmarks.tools.gpu_clocks import ClockSampler  # noqa: E402
 
 
 def data(kind: str, shape: tuple[int, ...], device: torch.device, scale: float = 1.0) -> torch.Tensor:
