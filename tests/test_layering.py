@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_3d"
 
 LAYER = {"utils": 0, "pipeline": 1, "costs": 1.5, "compression": 2, "context": 2, "tensor_parallel": 2, "dynamic": 2, "strategies": 3, "": 3.5, "planner": 4,
-         "callbacks": 4, "recipes": 4, "cli": 5}
+         "callbacks": 4, "recipes": 4, "cli": 5, "cli_checks": 5}
 # What callbacks and recipes may import from strategies: the strategy, the protocol, the mesh, the checkpoint format
 # and the dropout random streams a model's tensor-parallel code uses.
 PUBLIC_STRATEGY_MODULES = {"lightning_3d.strategies.compressed_3d", "lightning_3d.strategies.protocol",

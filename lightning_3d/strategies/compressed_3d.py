@@ -46,6 +46,7 @@ from lightning_3d.strategies.process_groups import (
     ProcessGroups, claim_live_groups, destroy_all_groups, destroy_live_groups, live_groups_of, register_exit_hook,
 )
 from lightning_3d.strategies.rng import seed_parallel_rng
+from lightning_3d.strategies.run_checks import check_run
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.compat import (
@@ -53,7 +54,6 @@ from lightning_3d.utils.compat import (
     set_device_mesh, sync_ddp_if_available,
 )
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
 class Compressed3DStrategy(ParallelStrategy):
@@ -263,10 +263,7 @@ class Compressed3DStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         # Everything that can be wrong with the configuration is checked before the first collective.
         precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"Compressed3DStrategy does not support precision={precision!r}; use one of {', '.join(SUPPORTED_PRECISION)}."
-            )
+        check_run(self.lightning_module, precision, self._process_group_backend, self.root_device)
         world_size = self.num_nodes * self.num_processes
         dp, pp, tp = resolve_sizes(world_size, *self._sizes)
         super().setup_environment()
