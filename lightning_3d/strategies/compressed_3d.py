@@ -49,9 +49,10 @@ from lightning_3d.strategies.rng import seed_parallel_rng
 from lightning_3d.strategies.run_checks import check_run
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
 from lightning_3d.utils.comm_stats import CommunicationStats
+from lightning_3d.utils.orphans import exit_with_launcher, mark_launcher
 from lightning_3d.utils.compat import (
-    SubprocessScriptLauncher, default_process_group_backend, distributed_is_initialized, init_dist_connection,
-    set_device_mesh, sync_ddp_if_available,
+    SubprocessScriptLauncher, after_gradient_hooks, default_process_group_backend, distributed_is_initialized,
+    init_dist_connection, set_device_mesh, sync_ddp_if_available,
 )
 
 
@@ -258,10 +259,12 @@ class Compressed3DStrategy(ParallelStrategy):
         if is_interactive():  # a notebook has no script to start again: no launcher, or fork (see notebook.py)
             self._launcher = interactive_launcher(self, release=destroy_all_groups)
         else:
+            mark_launcher()  # its children exit as soon as it dies (utils/orphans.py)
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         # Everything that can be wrong with the configuration is checked before the first collective.
+        exit_with_launcher()  # a rank Lightning's launcher started: end with it, not at the next collective's timeout
         precision = getattr(self.precision_plugin, "precision", "32-true")
         check_run(self.lightning_module, precision, self._process_group_backend, self.root_device)
         world_size = self.num_nodes * self.num_processes
@@ -349,6 +352,8 @@ class Compressed3DStrategy(ParallelStrategy):
         self.garbage_collection.start(trainer.state.fn)  # stopped in teardown, which Lightning runs on errors too
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
         self.precision_plugin.clip_grad_by_norm = self.engine.clip_grad_by_norm
+        after_gradient_hooks(self.precision_plugin, self.engine.after_gradient_hooks)  # the non-finite guard's place
+        self.compression_state.watch_gradient_hooks(trainer)
 
     def model_to_device(self) -> None:
         self.lightning_module.to(self.root_device)
