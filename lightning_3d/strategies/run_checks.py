@@ -48,7 +48,7 @@ def check_backend(backend: str | None, device: torch.device) -> None:
         return
     if not isinstance(backend, str):
         raise TypeError(f"`process_group_backend={backend!r}` must be a backend name such as 'nccl' or 'gloo'.")
-    if "nccl" in backend.lower().split(":")[-1].split(",")[-1] and device.type != "cuda":
+    if backend.strip().lower() == "nccl" and device.type != "cuda":  # "cpu:gloo,cuda:nccl" names a CPU backend too
         why = ("this machine has no usable CUDA GPU" if not torch.cuda.is_available()
                else f"the run's devices are {device.type} (accelerator={device.type!r})")
         raise ValueError(
