@@ -104,6 +104,15 @@ def test_run_settings_are_refused_before_any_process_group(trainer_kwargs, strat
     assert not torch.distributed.is_initialized()
 
 
+def test_a_backend_per_device_type_is_not_mistaken_for_nccl() -> None:
+    from lightning_3d.strategies.run_checks import check_backend
+
+    check_backend("cpu:gloo,cuda:nccl", torch.device("cpu"))  # gloo for the CPU tensors: fine
+    check_backend("gloo", torch.device("cpu"))
+    with pytest.raises(ValueError, match="process_group_backend='NCCL' needs CUDA devices"):
+        check_backend("NCCL", torch.device("cpu"))
+
+
 def test_fp16_loss_scaling_is_refused_with_the_fix() -> None:
     """On a GPU, Lightning hands the strategy precision "16-mixed" (a GradScaler): refused, naming bf16-mixed. (On a
     CPU Lightning turns it into bf16 before the strategy sees it; the CLI refuses it there: tests/test_cli.py.)"""
