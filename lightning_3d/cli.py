@@ -35,6 +35,7 @@ from lightning_3d.strategies.config import FLAT_OPTIONS, group_flat_options
 
 # The strategy's configs document each field by a docstring under it (strategies/config.py): show them in --help.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
+from lightning_3d.cli_checks import trainer_config_error, value_error
 
 DEFAULT_MODEL = "lightning_3d.recipes.GPT"
 DEFAULT_DATA = "lightning_3d.recipes.data.CausalLMDataModule"
@@ -203,6 +204,9 @@ def short_error(message: str, options: Sequence[str]) -> str:
     """The few lines of a jsonargparse error that say what is wrong, with a did-you-mean for misspelled options
     (``options``: the parser's option names)."""
     if _UNION in message:
+        typed = value_error(message)
+        if typed:
+            return typed
         key = re.search(r'Parser key "([^"]+)"', message)
         given = re.search(r"class_path='([\w.]+)'", message.split("Given value:", 1)[-1])
         out = []
@@ -253,6 +257,10 @@ class Lightning3DCLI(LightningCLI):
         parser.link_arguments("data.init_args.seq_length", "model.init_args.seq_length", apply_on="parse")
 
     def instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        problem = trainer_config_error(config.get("trainer") if config is not None else None)
+        if problem:  # before the data module builds its corpus and Lightning or torch raise their own errors
+            fail(" ".join(filter(None, (self.parser.prog, self.subcommand))), problem)
         try:
             super().instantiate_classes()
         except ValueError as err:  # a class refused its arguments (the strategy's checks): its message, shortly

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -55,8 +56,8 @@ def test_a_save_interrupted_at_any_step_leaves_a_checkpoint_that_resumes_exactly
     ("missing_shard", r"damaged: files \['__1_0\.distcp'\] listed in its manifest\.json are missing"),
     ("truncated_metadata", r"damaged: \.metadata does not match its manifest\.json \(size 100, expected"),
     ("no_manifest", r"has no manifest\.json .* write_manifest"),
-    ("planted_meta", r"lightning_meta\.pt holds an object lightning_3d does not load \(the global \S*open\)"),
-    ("planted_rank_state", r"rank_state/rank1\.pt holds an object lightning_3d does not load \(the global \S*open\)"),
+    ("planted_meta", r"lightning_meta\.pt holds an object lightning_3d does not load \(the global \S*open, a function"),
+    ("planted_rank_state", r"rank_state/rank1\.pt holds an object lightning_3d does not load \(the global \S*open, a function"),
     ("planted_metadata", r"its \.metadata is not a DCP metadata file \(\S*open is not a class DCP writes"),
 ])
 def test_a_damaged_checkpoint_is_the_same_error_on_every_rank(scenario: dict, name: str, message: str) -> None:
@@ -83,6 +84,38 @@ def test_plain_values_paths_namespaces_and_numpy_load_under_the_allow_list(tmp_p
     assert loaded["opts"] == value["opts"] and loaded["path"] == value["path"] and loaded["ns"] == value["ns"]
     assert torch.equal(loaded["t"], value["t"])
     assert loaded["rng"][0] == "MT19937" and np.array_equal(loaded["rng"][1], value["rng"][1])
+
+
+class _System:
+    """A planted payload as an attacker writes it: a call of ``os.system`` (never run: the reader refuses it)."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("exit 3",))
+
+
+def test_a_refused_file_names_the_object_and_never_advises_weights_only_false(tmp_path: Path) -> None:
+    """The refusal names what was refused and why; torch's advice to retry with ``weights_only=False`` (run the
+    file's code) is never passed on, whichever of torch's messages the payload provokes."""
+    import os
+
+    torch.save({"x": _System()}, tmp_path / "system.pt")  # a module torch blocks outright
+    torch.save({"x": Payload(tmp_path / "marker")}, tmp_path / "open.pt")  # a global outside the allow-list
+    (tmp_path / "inst.pt").write_bytes(b"(S'exit 3'\nios\nsystem\n.")  # protocol-0 instructions
+    torch.save({"x": np.array([object()], dtype=object)}, tmp_path / "object.pt")  # a type outside the allow-list
+    expected = {"system.pt": rf"the global {os.system.__module__}\.system, a function or class whose call could run",
+                "open.pt": r"the global \S*open, a function or class",
+                "inst.pt": r"the pickle instruction STRING, which the code-free reader does not accept",
+                "object.pt": r"an object of <class 'numpy\.dtypes\.ObjectDType'>, a type outside the allow-list"}
+    for name, found in expected.items():
+        with pytest.raises(ValueError) as err:
+            ckpt.safe_load(tmp_path / name)
+        message = str(err.value)
+        assert re.search(rf"{name} holds an object lightning_3d does not load \({found}", message), message
+        assert "weights_only" not in message and "Re-running" not in message, message
+        assert "do not load it by other means (unpickling it could run its code)" in message, message
+    assert not (tmp_path / "marker").exists()
 
 
 def _checkpoint(path: Path, hparams: dict) -> Path:

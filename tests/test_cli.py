@@ -16,7 +16,7 @@ import torch
 
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-from lightning_3d.cli import build_cli, main, packaged_configs, resolve_config, short_error
+from lightning_3d.cli import Lightning3DCLI, build_cli, main, packaged_configs, resolve_config, short_error
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.gpt import GPTModel
 from tests.conftest import RENDEZVOUS
@@ -233,6 +233,31 @@ def test_cli_errors_are_short_with_did_you_mean(tmp_path, capsys, monkeypatch):
     assert first.startswith("lightning-3d fit: error: lightning_3d.Compressed3DStrategy: The 1F1B schedule with"
                             " num_microbatches=1"), err
     assert "Traceback" not in err and len(err.splitlines()) <= 2, err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--trainer.strategy.init_args.data_parallel_size=two"],
+     "lightning-3d fit: error: trainer.strategy.init_args.data_parallel_size='two' is not accepted: it must be an"
+     " integer or 'auto' (e.g. --trainer.strategy.init_args.data_parallel_size=2)."),
+    (["--trainer.accelerator=gpu"], "lightning-3d fit: error: trainer.accelerator='gpu', but this machine has no usable"
+     " CUDA GPU"),
+    (["--trainer.precision=16-mixed"], "lightning-3d fit: error: trainer.precision='16-mixed' (fp16 with loss scaling)"
+     " is not supported by Compressed3DStrategy"),
+])
+def test_cli_refuses_values_with_one_short_line(tmp_path, capsys, monkeypatch, args, message):
+    """A word for an integer option (jsonargparse's nested union report), a GPU on a machine without one (Lightning's
+    "No supported gpu backend found!" after the data module was built) and fp16 loss scaling (which Lightning turns
+    into bf16 on a CPU): each one line naming the value and the fix, before any class is built."""
+    if "accelerator" in args[0] and torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    monkeypatch.chdir(tmp_path)
+    built = []
+    monkeypatch.setattr(Lightning3DCLI, "instantiate_trainer", lambda self, **kw: built.append(1))
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", "gpt_tiny", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(message), err
+    assert len(err.splitlines()) == 2 and "Union" not in err and not built, err
 
 
 @pytest.mark.parametrize("message,options,expected", [

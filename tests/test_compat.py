@@ -285,3 +285,40 @@ def test_only_exact_found_inf_skips_are_taken() -> None:
 def test_device_sleep_takes_cycles() -> None:
     # ``device_busy_for`` spins the GPU with ``torch.cuda._sleep(cycles)``: one integer argument, the clock cycles.
     assert _params(torch.cuda._sleep) == ["cycles"]
+
+
+def test_after_gradient_hooks_judge_what_the_update_reads() -> None:
+    """The judge runs inside ``optimizer.step(closure)`` after Lightning's ``on_before_optimizer_step`` hooks and its
+    clipping, before the update: it sees a gradient a hook edited and clipped, and what it does to the gradient is
+    what the update uses."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = []
+
+    class Edit(pl.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+            seen.append("hook")
+            for p in module.parameters():
+                p.grad.fill_(100.0)  # clipped to norm 1e-3 next, then judged
+
+    class Judged(BoringModel):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    model = Judged()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1e-3,
+                         callbacks=[Edit()])
+
+    def judge(optimizer) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+        seen.append(round(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))), 6))
+        for g in grads:
+            g.zero_()  # the update reads this: the parameters must not move
+
+    compat.after_gradient_hooks(trainer.strategy.precision_plugin, judge)
+    compat.after_gradient_hooks(trainer.strategy.precision_plugin, judge)  # idempotent: wrapped once
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit(model)
+    assert seen == ["hook", 0.001]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

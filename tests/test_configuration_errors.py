@@ -42,6 +42,8 @@ def test_mesh_coordinates_put_tensor_parallel_innermost() -> None:
         (dict(sequence_parallel=True), "sequence_parallel=True shards the sequence .* but tensor_parallel_size=1"),
         (dict(on_nonfinite="warn"), "`on_nonfinite='warn'` must be 'skip', 'raise' or 'ignore'"),
         (dict(max_consecutive_nonfinite=0), "`max_consecutive_nonfinite=0` must be a positive integer"),
+        (dict(bucket_size_mb=0), r"`bucket_size_mb=0` must be a size in MiB > 0 .*the default is 25"),
+        (dict(bucket_size_mb=-5), r"`bucket_size_mb=-5` must be a size in MiB > 0"),
     ],
 )
 def test_strategy_arguments(kwargs: dict, message: str) -> None:
@@ -84,6 +86,58 @@ def test_unsupported_precision_is_rejected_before_any_process_group(precision: s
     with pytest.raises(ValueError, match=f"does not support precision='{precision}'; use one of 32-true, bf16-mixed, bf16-true"):
         trainer.fit(GPT("tiny"))
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("trainer_kwargs,strategy_kwargs,message", [
+    (dict(gradient_clip_val=-1.0), {}, r"Trainer\(gradient_clip_val=-1\.0\) must be a number >= 0 .* Pass e\.g\."
+     r" gradient_clip_val=1\.0"),
+    ({}, dict(process_group_backend="nccl"), r"process_group_backend='nccl' needs CUDA devices, but .*Use"
+     r" process_group_backend='gloo' on CPU, or leave it unset"),
+])
+def test_run_settings_are_refused_before_any_process_group(trainer_kwargs, strategy_kwargs, message) -> None:
+    """Settings the strategy reads from the Trainer and the machine: a negative clipping norm (Lightning accepts it,
+    and it would flip the gradients) and NCCL without CUDA (torch's error from inside init_process_group)."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(**strategy_kwargs), max_steps=1,
+                         logger=False, enable_checkpointing=False, **trainer_kwargs)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(GPT("tiny"))
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_backend_per_device_type_is_not_mistaken_for_nccl() -> None:
+    from lightning_3d.strategies.run_checks import check_backend
+
+    check_backend("cpu:gloo,cuda:nccl", torch.device("cpu"))  # gloo for the CPU tensors: fine
+    check_backend("gloo", torch.device("cpu"))
+    with pytest.raises(ValueError, match="process_group_backend='NCCL' needs CUDA devices"):
+        check_backend("NCCL", torch.device("cpu"))
+
+
+def test_fp16_loss_scaling_is_refused_with_the_fix() -> None:
+    """On a GPU, Lightning hands the strategy precision "16-mixed" (a GradScaler): refused, naming bf16-mixed. (On a
+    CPU Lightning turns it into bf16 before the strategy sees it; the CLI refuses it there: tests/test_cli.py.)"""
+    from lightning_3d.strategies.run_checks import check_precision
+
+    with pytest.raises(ValueError, match=r"does not support precision='16-mixed' \(fp16 with loss scaling.*Use"
+                       r" precision='bf16-mixed'"):
+        check_precision("16-mixed")
+    check_precision("bf16-mixed")
+
+
+@pytest.mark.parametrize("recipe,kwargs,message", [
+    ("gpt", dict(vocab_multiple=-128), r"`vocab_multiple=-128` must be a positive integer, e\.g\. 128"),
+    ("gpt", dict(vocab_multiple=0), r"`vocab_multiple=0` must be a positive integer"),
+    ("t5", dict(vocab_multiple=2.5), r"`vocab_multiple=2\.5` must be a positive integer"),
+    ("gpt", dict(vocab_size=0), r"`vocab_size=0` must be a positive integer, e\.g\. the tokenizer's"),
+])
+def test_a_vocabulary_tensor_parallelism_cannot_split_is_refused(recipe, kwargs, message) -> None:
+    """The recipes pad the vocabulary to vocab_multiple x tp for even shards: a multiple that is not a positive integer
+    gave an empty (negative multiple) or fractional padded vocabulary, or a division by zero when the model was built."""
+    from lightning_3d.recipes.gpt.config import GPTConfig
+    from lightning_3d.recipes.t5.config import T5Config
+
+    with pytest.raises(ValueError, match=message):
+        (GPTConfig if recipe == "gpt" else T5Config)(**kwargs)
 
 
 def test_gpt_rejects_heads_that_do_not_divide_hidden() -> None:

@@ -48,7 +48,7 @@ def check_lazy_verdict(report: dict, k: int) -> None:
         assert lazy["losses"][:k] + lazy["losses"][k + 1:] == sync["losses"][:k] + sync["losses"][k + 1:], both
         for run in (lazy, sync):
             assert len(run["warnings"]) == 1 and f"optimizer step {k} hold NaN or inf" in run["warnings"][0], both
-        # Host reads by the step code before each step's update: the lazy path has read only the earlier steps'
+        # Host reads by the step code by the end of each step: the lazy path has read only the earlier steps'
         # verdicts (none of its own step's); the synchronous one reads its own step's too. Each verdict read once.
         steps = len(lazy["losses"])
         assert lazy["reads"] == list(range(steps)) and lazy["total"] == steps, both
@@ -79,3 +79,16 @@ def test_the_lazy_verdict_is_taken_only_where_the_optimizer_skips_exactly() -> N
     assert not engine.verdict_can_wait(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), scaled=False)
     engine.lazy_verdict = False
     assert not engine.verdict_can_wait(fused, scaled=False)
+
+
+def test_a_nan_written_in_on_before_optimizer_step_is_caught(tmp_path: Path) -> None:
+    """The guard judges the gradients the optimizer will use: after Lightning's on_before_optimizer_step hooks (and
+    clipping), on one replica only, with SC (its state restored) and with the lazy verdict's fused AdamW."""
+    report = run_scenario(2, "late_nonfinite", ["--world", "2"], tmp_path / "report.json", timeout=600)
+    for name in ("sc", "lazy"):
+        run = report[name]
+        assert run["unchanged"] and run["params_finite"], run  # parameters and optimizer state as before the step
+        assert len(run["warnings"]) == 1 and "optimizer step 2 hold NaN or inf" in run["warnings"][0], run
+        assert len(run["losses"]) == 5 and run["finite_after"], run  # the hook's NaN is in a gradient, not the loss
+    assert report["sc"]["sc_unchanged"], report["sc"]  # step count, error feedback, P and Q as before the step
+    assert report["raise"]["ok"], report["raise"]

@@ -80,8 +80,8 @@ def test_the_flat_keywords_still_work_with_a_warning_naming_each_new_place() -> 
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: RuntimeConfig(bucket_size_mb=0), r"`bucket_size_mb=0` must be a size in MB > 0 \(e.g. the default 25.0\)"),
-    (lambda: RuntimeConfig(bucket_size_mb=-5), r"`bucket_size_mb=-5` must be a size in MB > 0"),
+    (lambda: RuntimeConfig(bucket_size_mb=0), r"`bucket_size_mb=0` must be a size in MiB > 0 .*the default is 25\)"),
+    (lambda: RuntimeConfig(bucket_size_mb=-5), r"`bucket_size_mb=-5` must be a size in MiB > 0"),
     (lambda: RuntimeConfig(timeout=timedelta(0)), r"`timeout=datetime.timedelta\(0\)` must be a positive"),
     (lambda: RuntimeConfig(gc_interval=0), r"`gc_interval=0` must be a positive number of optimizer steps"),
     (lambda: RuntimeConfig(on_nonfinite="warn"), r"`on_nonfinite='warn'` must be 'skip', 'raise' or 'ignore'"),

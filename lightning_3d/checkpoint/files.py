@@ -72,16 +72,33 @@ def safe_load(file: Path, map_location: Any = None) -> Any:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        other = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|$)", str(err), re.S)
-        found = (f"the global {refused.group(1)}" if refused else other.group(1).strip() if other
-                 else str(err).splitlines()[0])
         allowed = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in _safe_globals())
         raise ValueError(
-            f"{file} holds an object lightning_3d does not load ({found}): checkpoint files are read without running"
-            f" code, so only tensors, plain Python values and {allowed} are accepted. The file was not written by"
-            f" Compressed3DStrategy or was altered; use a checkpoint that was."
+            f"{file} holds an object lightning_3d does not load ({refused_object(str(err))}): checkpoint files are read"
+            f" without running code, so only tensors, plain Python values and {allowed} are accepted. The file was not"
+            " written by Compressed3DStrategy or was altered: do not load it by other means (unpickling it could run"
+            " its code); use a checkpoint that was written by Compressed3DStrategy."
         ) from None
+
+
+def refused_object(message: str) -> str:
+    """What torch's restricted unpickler refused and why, read from its error. Only the refused object is taken from
+    that text: torch's own advice (retry with the restriction off) is exactly what must not be done with a file that
+    holds a foreign object, so it is never repeated."""
+    import pickletools
+
+    glob = re.search(r"GLOBAL ([\w.]+)", message)
+    if glob:
+        return f"the global {glob.group(1)}, a function or class whose call could run code"
+    operand = re.search(r"Unsupported operand (\d+)", message)
+    if operand:
+        code = int(operand.group(1))
+        name = next((op.name for op in pickletools.opcodes if op.code == chr(code)), None)
+        return f"the pickle instruction {name or code}, which the code-free reader does not accept"
+    built = re.search(r"but got (<class '[\w.]+'>)", message)
+    if built:
+        return f"an object of {built.group(1)}, a type outside the allow-list"
+    return "an object outside the allow-list"
 
 
 # DCP's .metadata is a pickle that DCP reads with pickle.load. Replaying it first with an unpickler that admits only

@@ -16,6 +16,8 @@ made them differ, and torch's checkpoint refused the recomputed tensors). ``sdpa
 Dynamo has handled longest (``set_priority`` is the newer argument), traces into a compiled graph without a graph break
 and the graph then holds the kernel it allows (tests/test_sdpa_backends.py; benchmarks/speed/peers.py reports graph breaks
 per system on the GPU's torch).
+
+Also the configs' shared vocabulary check (:func:`check_vocabulary`): both recipes pad the vocabulary the same way.
 """
 
 from __future__ import annotations
@@ -76,3 +78,16 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, sdpa_backends:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     with sdpa_kernel(backends):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def check_vocabulary(vocab_size: object, vocab_multiple: object) -> None:
+    """The recipes pad the vocabulary to a multiple of ``vocab_multiple * tensor_parallel_size`` so that tensor
+    parallelism splits the embedding and the head into equal shards (``padded_vocab_size``); a size or multiple that
+    is not a positive integer would give an empty or fractional vocabulary there, found only when the model is built."""
+    for name, value, fix in (("vocab_size", vocab_size, "the tokenizer's vocabulary size"),
+                             ("vocab_multiple", vocab_multiple, "128 (the default: even tensor-parallel shards and"
+                              " aligned GEMMs), or 1 to pad only to a multiple of tensor_parallel_size")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}={value!r}` must be a positive integer, e.g. {fix}: the vocabulary is padded to a"
+                             " multiple of vocab_multiple x tensor_parallel_size so tensor parallelism can split it"
+                             " evenly.")

@@ -54,10 +54,13 @@ from lightning_3d.strategies.gc_control import GarbageCollection
 from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
 from lightning_3d.strategies.options import options_from_configs
 from lightning_3d.strategies.pipeline_engine import PipelineEngine, check_optimizers
+from lightning_3d.strategies.run_checks import check_run
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
 from lightning_3d.utils.comm_stats import CommunicationStats
+from lightning_3d.utils.orphans import exit_with_launcher, mark_launcher
 from lightning_3d.utils.compat import (
     SubprocessScriptLauncher,
+    after_gradient_hooks,
     default_process_group_backend,
     distributed_is_initialized,
     init_dist_connection,
@@ -65,7 +68,6 @@ from lightning_3d.utils.compat import (
     sync_ddp_if_available,
 )
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
 class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy):
@@ -173,16 +175,15 @@ class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy)
         if is_interactive():  # a notebook has no script to start again: no launcher, or fork (see notebook.py)
             self._launcher = interactive_launcher(self, release=destroy_all_groups)
         else:
+            mark_launcher()  # its children exit as soon as it dies (utils/orphans.py)
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
         # Everything that can be wrong with the configuration is checked before the first collective.
+        exit_with_launcher()  # a rank Lightning's launcher started: end with it, not at the next collective's timeout
         precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"Compressed3DStrategy does not support precision={precision!r}; use one of {', '.join(SUPPORTED_PRECISION)}."
-            )
+        check_run(self.lightning_module, precision, self.runtime.process_group_backend, self.root_device)
         world_size = self.num_nodes * self.num_processes
         par = self.parallelism
         dp, pp, tp = resolve_sizes(world_size, par.data_parallel_size, par.pipeline_parallel_size,
@@ -271,6 +272,8 @@ class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy)
         self.garbage_collection.start(trainer.state.fn)  # stopped in teardown, which Lightning runs on errors too
         # Lightning's clipping calls the precision plugin; route norm clipping to the 3D-aware version.
         self.precision_plugin.clip_grad_by_norm = self.engine.clip_grad_by_norm
+        after_gradient_hooks(self.precision_plugin, self.engine.after_gradient_hooks)  # the non-finite guard's place
+        self.compression_state.watch_gradient_hooks(trainer)
 
     @override
     def model_to_device(self) -> None:

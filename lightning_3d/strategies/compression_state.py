@@ -48,6 +48,49 @@ class CompressionState:
         self.sc: DataParallelPowerSGD | None = None
         self._warned_unused = False
 
+    # ----- SC's state around a step a hook may poison ---------------------------------------------------------
+    # SC compresses inside the backward, before Lightning's on_before_optimizer_step hooks, so a NaN a hook writes
+    # reaches the guard after SC's error feedback and warm start already took this step's (finite) gradients. Where
+    # such a hook exists (``keep_sc_state``, set at setup), SC's state is copied before each step and put back when the
+    # guard skips it: one copy of the error buffers per step, paid only by runs with such a hook.
+    keep_sc_state = False
+    _sc_saved: Any = None
+
+    @property
+    def sc_state_saved(self) -> bool:
+        return self.keep_sc_state and self.sc is not None
+
+    def watch_gradient_hooks(self, trainer: Any) -> None:
+        """``keep_sc_state`` where the module or a callback overrides ``on_before_optimizer_step``."""
+        import lightning.pytorch as pl
+
+        base = pl.Callback.on_before_optimizer_step
+        module = type(trainer.lightning_module).on_before_optimizer_step
+        self.keep_sc_state = (module is not pl.LightningModule.on_before_optimizer_step
+                              or any(type(c).on_before_optimizer_step is not base for c in trainer.callbacks))
+
+    def save_sc_state(self) -> None:
+        s = self.sc.state if self.sc_state_saved else None
+        self._sc_saved = None if s is None else (
+            s.iter, *({k: v.clone() for k, v in d.items()} for d in (s.error_dict, s.p_memory_dict, s.q_memory_dict)),
+            s.rng.get_state(), self.sc.nonfinite_buckets)
+
+    def restore_sc_state(self) -> None:
+        saved, self._sc_saved = self._sc_saved, None
+        if saved is None or self.sc is None:
+            return
+        s = self.sc.state
+        s.iter, errors, ps, qs, rng, self.sc.nonfinite_buckets = saved
+        for now, then in ((s.error_dict, errors), (s.p_memory_dict, ps), (s.q_memory_dict, qs)):
+            for key in [k for k in now if k not in then]:  # buffers this step created: as if it never ran
+                del now[key]
+            for key, value in then.items():
+                if key in now:
+                    now[key].copy_(value)
+                else:
+                    now[key] = value
+        s.rng.set_state(rng)
+
     def start_over(self, stats: CommunicationStats) -> None:
         """A new module: fresh counters, link measurement and notes, as on a fresh strategy."""
         self.stats = stats

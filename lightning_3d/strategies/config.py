@@ -26,6 +26,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning_3d.compression.config import CompressionConfig
 from lightning_3d.context import context_parallel_config
 from lightning_3d.strategies.gc_control import check_gc_options
+from lightning_3d.strategies.run_checks import check_bucket_size
 from lightning_3d.distributed.grad_sync import DEFAULT_BUCKET_SIZE_MB
 from lightning_3d.distributed.wgrad_fusion import check_fusion_mode
 
@@ -159,10 +160,7 @@ class RuntimeConfig:
     permanent generation (``gc.freeze()``), so later collections walk only what was allocated since."""
 
     def __post_init__(self) -> None:
-        size = self.bucket_size_mb
-        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0 or size != size:
-            raise ValueError(f"`bucket_size_mb={size!r}` must be a size in MB > 0 (e.g. the default "
-                             f"{RuntimeConfig.bucket_size_mb}).")
+        check_bucket_size(self.bucket_size_mb)
         check_fusion_mode(self.gradient_accumulation_fusion)
         check_gc_options(self.gc_interval, self.gc_freeze)
         for name in ("shard_optimizer_state", "cuda_graphs"):

@@ -16,6 +16,7 @@ from lightning_3d.context import ContextParallelConfig
 from lightning_3d.strategies.config import ParallelismConfig, PipelineConfig, RuntimeConfig
 from lightning_3d.pipeline.schedule_options import resolve_schedule_options
 from lightning_3d.distributed.wgrad_fusion import check_fusion_mode
+from lightning_3d.strategies.run_checks import check_bucket_size
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def resolve_options(
     if on_nonfinite not in ("skip", "raise", "ignore"):
         raise ValueError(f"`on_nonfinite={on_nonfinite!r}` must be 'skip', 'raise' or 'ignore'.")
     check_fusion_mode(gradient_accumulation_fusion)
+    check_bucket_size(bucket_size_mb)
     if isinstance(max_consecutive_nonfinite, bool) or not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
         raise ValueError(f"`max_consecutive_nonfinite={max_consecutive_nonfinite!r}` must be a positive integer.")
     if not isinstance(shard_optimizer_state, bool):

@@ -81,6 +81,7 @@ class PipelineEngine:
         self.lazy_verdict = True
         self._pending: PendingVerdict | None = None
         self._found_inf_on: Optimizer | None = None
+        self._to_judge: tuple | None = None  # this step's loss etc., judged once Lightning's gradient hooks ran
         self.sharded: ShardedOptimizer | None = None  # shard_optimizer_state, once the optimizer is sharded
         self.local_pieces: list[ShardedOptimizer] = []  # tensor parallelism's optimizers on local shards
 
@@ -361,13 +362,22 @@ class PipelineEngine:
         self.grad_sync.scatter = self.sharded.scatter_keys(full={id(p) for p in self.tied})
 
     def step_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer, scaled: bool = False) -> Any:
-        """Lightning's closure (forward, backward, gradient sync), the sharded optimizer's gradients, then the
-        non-finite check (unless ``on_nonfinite="ignore"``). ``scaled``: a GradScaler steps this optimizer."""
-        if self.options.on_nonfinite != "ignore":
-            return self.guarded_closure(optimizer, closure, trainer, scaled)
+        """Lightning's closure (forward, backward, gradient sync) and the sharded optimizer's gradients; the
+        non-finite check (unless ``on_nonfinite="ignore"``) follows in ``after_gradient_hooks``, once the
+        ``on_before_optimizer_step`` hooks and clipping have had the gradients. ``scaled``: a GradScaler steps it."""
+        guard = self.options.on_nonfinite != "ignore"
+        if guard:
+            self.compression.save_sc_state()  # only where a hook may edit gradients after SC ran (compression_state)
         loss = closure()
         self._collect_grads(optimizer)
+        self._to_judge = (loss, trainer, scaled) if guard else None
         return loss
+
+    def after_gradient_hooks(self, optimizer: Optimizer) -> None:
+        """Lightning's hooks and clipping are done: judge the gradients the update will read (``guarded_closure``)."""
+        pending, self._to_judge = self._to_judge, None
+        if pending is not None:
+            self.guarded_closure(optimizer, *pending)
 
     def _collect_grads(self, optimizer: Optimizer) -> None:
         """Hand the gradients to the pieces the optimizer steps (sharded, or tensor-parallel local shards)."""
@@ -394,12 +404,14 @@ class PipelineEngine:
         torch optimizer object steps their pieces (its param groups rewritten), so its kernel skips them alike, and
         what follows the step (the masters copied back and all-gathered, the gradients released) carries the
         unchanged values (the robustness scenario compares both paths there)."""
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        return self.lazy_verdict and not scaled and skips_on_found_inf(opt)
+        opt = getattr(optimizer, "_optimizer", optimizer)  # SC saved for a hook: restored now, or it would be too late
+        return self.lazy_verdict and not scaled and skips_on_found_inf(opt) and not (
+            self.compression is not None and self.compression.sc_state_saved)
 
-    def guarded_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer, scaled: bool = False) -> Any:
-        """Run Lightning's closure (forward, backward, gradient sync), then decide on every rank alike whether the
-        step is finite (one all-reduced flag for the world).
+    def guarded_closure(self, optimizer: Optimizer, loss: Any, trainer: pl.Trainer, scaled: bool = False) -> Any:
+        """After Lightning's closure (forward, backward, gradient sync) and its ``on_before_optimizer_step`` hooks and
+        clipping (where users edit gradients, and a NaN can appear), decide on every rank alike whether the step is
+        finite (one all-reduced flag for the world).
 
         Synchronous verdict (the general case): the host reads the flag now (it waits for the whole backward); a
         skipped step clears the gradients, so the optimizer leaves every parameter and its state untouched (torch
@@ -416,9 +428,8 @@ class PipelineEngine:
 
         The optimizer's update runs inside ``optimizer.step(closure)``, after this returns: this is the last point
         before it. Lightning still counts the step (``global_step``, LR schedulers stepping by step), as for any
-        optimizer step."""
-        loss = closure()
-        self._collect_grads(optimizer)
+        optimizer step. A skipped step also restores SC's state where a hook may have edited gradients after SC
+        compressed them (``CompressionState.save_sc_state``)."""
         grads = [local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # The max-abs norm is finite exactly when every element is (and cannot overflow the way a sum of squares can).
         bad = torch.zeros((), device=self.device)
@@ -438,6 +449,7 @@ class PipelineEngine:
             self._pending = PendingVerdict(flag, step)
             return loss
         if self.judge(bool(bad.item()), step):
+            self.compression.restore_sc_state()
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
@@ -453,7 +465,7 @@ class PipelineEngine:
     def drop_verdict(self) -> None:
         """Forget a pending verdict and ``found_inf`` without acting (teardown: after an error, or once fit's end
         has flushed it)."""
-        self._pending = None
+        self._pending = self._to_judge = None
         if self._found_inf_on is not None:
             clear_found_inf(self._found_inf_on)
             self._found_inf_on = None

@@ -290,3 +290,18 @@ def device_busy_for(seconds: float, device: torch.device) -> None:
             rate = _CYCLES_PER_SECOND[index] = probe / max(start.elapsed_time(end) / 1e3, 1e-6)
     with torch.cuda.device(index):
         torch.cuda._sleep(int(rate * seconds))
+
+
+def after_gradient_hooks(precision_plugin: Any, judge: Any) -> None:
+    """Call ``judge(optimizer)`` right after Lightning's ``Precision._after_closure`` (the ``on_before_optimizer_step``
+    hooks of callbacks and module, then gradient clipping), i.e. on the gradients the optimizer's update will read.
+    Lightning offers no public hook after clipping and before the update; its precision plugins (also the scaler
+    path of ``MixedPrecision``) all call ``_after_closure`` there. Idempotent: a second call replaces the judge."""
+    original = getattr(precision_plugin, "_l3d_after_closure", None) or precision_plugin._after_closure
+
+    def after_closure(model: Any, optimizer: Any) -> None:
+        original(model, optimizer)
+        judge(optimizer)
+
+    precision_plugin._l3d_after_closure = original
+    precision_plugin._after_closure = after_closure

@@ -189,7 +189,8 @@ def nonfinite_run(kind: str, w: int, poison_step: int = 2, steps: int = 5) -> di
 # ----- the lazy verdict (fused AdamW) against the synchronous one --------------------------------------------------
 class VerdictReads(pl.Callback):
     """How many times the strategy's step code read a tensor on the host (``Tensor.item`` / ``bool`` called from
-    pipeline_engine.py) before each step's update (``on_before_optimizer_step``, after the closure), and in all."""
+    pipeline_engine.py) by the end of each step (its verdict is taken after Lightning's on_before_optimizer_step
+    hooks, inside the optimizer's step: the lazy path reads only earlier steps' verdicts there), and in all."""
 
     def __init__(self) -> None:
         self.before_update: list[int] = []
@@ -208,7 +209,7 @@ class VerdictReads(pl.Callback):
 
         torch.Tensor.item, torch.Tensor.__bool__ = (counted(f) for f in saved)
 
-    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.before_update.append(self.count)
 
     def on_fit_end(self, trainer, module) -> None:  # after the strategy's on_train_end (its flush)

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_3d.recipes.data.corpus import build_python_docs_corpus
 from lightning_3d.recipes.data.loader import ResumableDataLoader, build_eval_loader, train_loader_of
+from lightning_3d.recipes.data.offline import local_files_only
 from lightning_3d.recipes.data.packing import FILE_BUILDERS, PackedBlocks, cap_bytes, pack_documents, resolve_data_files
 from lightning_3d.recipes.data.tokenizer import (
     BPE_EOS_TOKEN_ID,
@@ -192,7 +193,8 @@ class CausalLMDataModule(L.LightningDataModule):
             extra = {"sample_by": "document"} if builder == "text" else {}
             paths = [str(f) for f in files]
             try:
-                ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=hf_cache, **extra)
+                with local_files_only():  # no download counter, no Hub lookup for local files (offline.py)
+                    ds = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=hf_cache, **extra)
             except Exception as err:  # datasets' generic errors name neither file nor line
                 raise read_error(files, err) from None
             where = str(paths)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_3d.recipes.data.causal_lm import CausalLMDataModule, cache_key, default_cache_dir
 from lightning_3d.recipes.data.loader import ResumableDataLoader, build_eval_loader, train_loader_of
+from lightning_3d.recipes.data.offline import local_files_only
 from lightning_3d.recipes.data.packing import FILE_BUILDERS, resolve_data_files
 from lightning_3d.recipes.data.span_corruption import (
     Seq2SeqVocab, SpanCorruptedBlocks, TokenizedPairs, save_pairs, span_lengths,
@@ -178,7 +179,9 @@ class Seq2SeqDataModule(L.LightningDataModule):
         hp = self.hparams
         builder = FILE_BUILDERS[files[0].suffix.lower()]
         try:
-            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=str(self.cache_dir / "hf"))
+            with local_files_only():  # no download counter, no Hub lookup for local files (offline.py)
+                ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                           cache_dir=str(self.cache_dir / "hf"))
         except Exception as err:  # datasets' generic errors name neither file nor line
             raise read_error(files, err) from None
         missing = [c for c in (hp.input_column, hp.target_column) if c not in ds.column_names]

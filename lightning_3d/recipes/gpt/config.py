@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, check_sdpa_backends
+from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, check_sdpa_backends, check_vocabulary
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         check_sdpa_backends(self.sdpa_backends)
+        check_vocabulary(self.vocab_size, self.vocab_multiple)
 
     @property
     def ffn_size(self) -> int:

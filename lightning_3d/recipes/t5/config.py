@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, check_sdpa_backends
+from lightning_3d.recipes.attention import DEFAULT_SDPA_BACKENDS, check_sdpa_backends, check_vocabulary
 
 FEED_FORWARD = ("relu", "gated-gelu")
 
@@ -44,6 +44,7 @@ class T5Config:
 
     def __post_init__(self) -> None:
         check_sdpa_backends(self.sdpa_backends)
+        check_vocabulary(self.vocab_size, self.vocab_multiple)
         if self.feed_forward not in FEED_FORWARD:
             raise ValueError(f"feed_forward={self.feed_forward!r} is not supported; choose one of {list(FEED_FORWARD)}.")
         for name in ("vocab_size", "num_layers", "hidden_size", "num_heads", "head_dim", "ffn_hidden_size",
