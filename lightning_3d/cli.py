@@ -12,45 +12,24 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import logging
 import os
 import re
 import sys
-import warnings
 from collections.abc import Sequence
 from importlib import resources
 from typing import NoReturn
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_3d  # noqa: F401  (registers the "compressed_3d" strategy name)
-from lightning_3d.callbacks.progress import ParallelModelSummary, StepProgressBar
+from lightning_3d.strategies.run_output import quiet_lightning_notices, use_parallel_defaults
+
+__all__ = ["build_cli", "main", "packaged_configs", "quiet_lightning_notices", "resolve_config"]
 
 DEFAULT_MODEL = "lightning_3d.recipes.GPT"
 DEFAULT_DATA = "lightning_3d.recipes.data.CausalLMDataModule"
 CONFIG_OPTIONS = ("-c", "--config")
-
-
-# Lightning notices that every `lightning-3d` run printed and that say nothing about the run: that the CSV logger is
-# used when tensorboard is not installed (the CLI's documented default: metrics.csv in the log directory), a deprecation
-# inside Lightning's own pytree helper (nothing a user can change; once per rank), and an advertisement ("Tip").
-_NOTICES = (r"Starting from v1\.9\.0, `tensorboardX` has been removed", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-_TIP_PREFIX = "\N{ELECTRIC LIGHT BULB} Tip:"
-
-
-def _not_a_tip(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_TIP_PREFIX)
-
-
-def quiet_lightning_notices() -> None:
-    """Silence the notices above in this process (the CLI calls it on every rank; Python scripts may too)."""
-    for pattern in _NOTICES:
-        warnings.filterwarnings("ignore", message=pattern)
-    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if _not_a_tip not in log.filters:
-        log.addFilter(_not_a_tip)
 
 
 def packaged_configs() -> list[str]:
@@ -196,12 +175,7 @@ class Lightning3DCLI(LightningCLI):
         """Lightning's trainer, with its default model summary and rich progress bar replaced by ours (whole-model
         parameter counts under pipeline/tensor parallelism, no "Epoch 0/-2"); user-configured ones are kept."""
         trainer = super().instantiate_trainer(**kwargs)
-        for callback in trainer.callbacks:
-            # Same attributes, other methods: switching the class keeps the options Lightning built them with.
-            if type(callback) in (ModelSummary, RichModelSummary):
-                callback.__class__ = ParallelModelSummary
-            elif type(callback) is RichProgressBar:
-                callback.__class__ = StepProgressBar
+        use_parallel_defaults(trainer)  # any strategy; Compressed3DStrategy does it again in setup (idempotent)
         return trainer
 
     def after_fit(self) -> None:

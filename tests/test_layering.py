@@ -18,12 +18,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lightning_3d"
 
 LAYER = {"utils": 0, "pipeline": 1, "costs": 1.5, "compression": 2, "context": 2, "tensor_parallel": 2, "dynamic": 2, "strategies": 3, "": 3.5, "planner": 4,
          "callbacks": 4, "recipes": 4, "cli": 5}
-# What callbacks and recipes may import from strategies: the strategy, the protocol, the mesh, the checkpoint format
-# and the dropout random streams a model's tensor-parallel code uses.
+# What callbacks and recipes may import from strategies: the strategy, the protocol, the mesh, the checkpoint format,
+# the dropout random streams a model's tensor-parallel code uses and what a run prints (summary, progress bar).
 PUBLIC_STRATEGY_MODULES = {"lightning_3d.strategies.compressed_3d", "lightning_3d.strategies.protocol",
                            "lightning_3d.strategies.parallel_dims", "lightning_3d.strategies.checkpoint",
                            "lightning_3d.strategies.checkpoint_files",
-                           "lightning_3d.strategies.rng"}
+                           "lightning_3d.strategies.rng", "lightning_3d.strategies.run_output"}
 
 
 def _module_name(path: Path) -> str:

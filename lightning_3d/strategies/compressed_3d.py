@@ -46,6 +46,7 @@ from lightning_3d.strategies.process_groups import (
     ProcessGroups, claim_live_groups, destroy_all_groups, destroy_live_groups, live_groups_of, register_exit_hook,
 )
 from lightning_3d.strategies.rng import seed_parallel_rng
+from lightning_3d.strategies.run_output import quiet_lightning_notices, use_parallel_defaults
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.compat import (
@@ -253,6 +254,7 @@ class Compressed3DStrategy(ParallelStrategy):
         return self.groups.device_mesh if self.groups is not None else None
 
     def _configure_launcher(self) -> None:
+        quiet_lightning_notices()  # the Trainer taking the strategy, before its logger notices (run_output.py)
         if self.cluster_environment.creates_processes_externally:
             return
         if is_interactive():  # a notebook has no script to start again: no launcher, or fork (see notebook.py)
@@ -333,6 +335,7 @@ class Compressed3DStrategy(ParallelStrategy):
             raise RuntimeError(f"trainer.predict is not available with context_parallel_size={self.dims.cp} (it runs the"
                                " module's own forward on whole sequences); predict with context_parallel_size=1.")
         self.accelerator.setup(trainer)
+        use_parallel_defaults(trainer)  # whole-model summary, "Epoch N" bar in place of Lightning's (run_output.py)
         # Dropout's streams: one per (dp, pp) rank, the same on its tp ranks, plus each tp rank's own (see rng.py).
         # Context-parallel ranks hold different tokens: their own streams (dp_rank * cp + cp_rank is dp_rank at cp 1).
         seed_parallel_rng(self.dp_rank * self.dims.cp + self.cp_rank, self.pp_rank, self.tp_rank, self.root_device)
