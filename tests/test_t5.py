@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
 
@@ -336,18 +339,27 @@ def test_packaged_t5_configs_parse(name: str, capsys, monkeypatch) -> None:
         assert "pipeline_parallel_size: 2" in printed and "tensor_parallel_size: 2" in printed and "preset_name: 770m" in printed
 
 
-def test_t5_tiny_config_fits_validates_and_exports(tmp_path: Path, single_process) -> None:
+def test_t5_tiny_config_fits_validates_and_exports(tmp_path: Path, single_process, capfd) -> None:
+    """As the README runs it: the packaged config with its model summary and progress bar (the summary's FLOPs per
+    token once crashed on T5's two-length signature), then the validate command the fit prints, run as printed."""
     common = ["--config", "t5_tiny", f"--data.cache_dir={tmp_path / 'cache'}", "--data.tokenizer=bytes",
               "--data.max_corpus_bytes=100000", "--data.input_length=32", "--data.batch_size=4",
-              "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}",
-              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+              "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}"]
     fit = build_cli(["fit", *common, "--trainer.max_steps=3", "--trainer.val_check_interval=3"])
     assert fit.model.config.vocab_size == 358 and fit.model.config.pad_token_id == 257  # linked from the data
     metrics = fit.trainer.callback_metrics
     assert math.isfinite(float(metrics["val_loss"]))
     assert float(metrics["val_ppl"]) == pytest.approx(math.exp(float(metrics["val_loss"])), rel=1e-6)
     (ckpt,) = (Path(fit.trainer.log_dir) / "checkpoints").iterdir()
-    val = build_cli(["validate", *common, f"--ckpt_path={ckpt}"])  # the sharded checkpoint restores the same model
+    out = capfd.readouterr().out
+    data = fit.datamodule
+    flops = get_human_readable_count(int(fit.model.flops_per_token(data.input_length, data.target_length)))
+    assert re.search(rf"Training FLOPs per token\W+{re.escape(flops)}\s", out), out[-3000:]
+    assert "Epoch 0 " in out and "Epoch 0/" not in out and "v_num" not in out, out[-3000:]
+    printed = re.search(r"^  lightning-3d validate (.+)$", out, re.M).group(1)
+    assert printed == shlex.join([*common, "--trainer.max_steps=3", "--trainer.val_check_interval=3",
+                                  "--ckpt_path", str(ckpt)]), printed
+    val = build_cli(["validate", *shlex.split(printed)])  # the sharded checkpoint restores the same model
     assert float(val.trainer.callback_metrics["val_loss"]) == pytest.approx(float(metrics["val_loss"]), rel=TOL)
     main(["export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "hf"), "--tokenizer", "bytes"])
     hf = T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()

@@ -39,7 +39,7 @@ def _warn_once() -> None:
                    " on the target GPU for a profile (docs/planner.md).")
         # One channel (a warning, not also a log line) and rank 0 only: every rank and every data loader worker of a
         # dynamic micro-batching run builds this model, and each printed the same sentence.
-        rank_zero_warn(message, stacklevel=4)
+        rank_zero_warn(message, stacklevel=6)  # the caller of AnalyticCostModel(...)
 
 
 class AnalyticCostModel:
