@@ -152,3 +152,52 @@ def test_python_path_prints_what_the_cli_prints(tmp_path):
         whole = sum(p.numel() for p in GPTModel(config, config.padded_vocab_size(1)).parameters())
     assert re.search(rf"Total params\W+{re.escape(get_human_readable_count(whole))}\s", out), (whole, out[-3000:])
     assert re.search(r"Training FLOPs per token\W+\d", out) and re.search(r"Epoch 0 ", out), out[-3000:]
+
+
+def _distribution(requirement: str) -> str:
+    return re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_declared_dependencies_are_what_the_package_imports():
+    """Every third-party module the package imports (at any depth) is declared, and nothing else is, except
+    jsonargparse[signatures], which LightningCLI needs but the package never imports."""
+    import tomllib
+    from importlib import metadata
+
+    declared = {_distribution(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    modules = set()
+    for path in (ROOT / "lightning_3d").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    owners = metadata.packages_distributions()
+    imported = {owners[m][0].lower().replace("_", "-") for m in modules - set(sys.stdlib_module_names) - {"lightning_3d"}}
+    assert imported <= declared, imported - declared
+    assert declared - imported == {"jsonargparse"}, declared - imported
+
+
+def test_install_order_extras_and_notebook_list():
+    """The CPU torch line (with its index URL) comes before the one-liner that would pull the CUDA build; the
+    notebooks have an extra with Jupyter and widgets; the README links every notebook in notebooks/."""
+    import tomllib
+
+    bash = blocks("bash")
+    cpu = next(i for i, b in enumerate(bash) if "pip install torch --index-url https://download.pytorch.org/whl/cpu" in b)
+    one_liner = next(i for i, b in enumerate(bash) if "pip install -e . && lightning-3d fit --config gpt_tiny" in b)
+    assert cpu < one_liner
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"jupyterlab", "ipykernel", "ipywidgets"} <= {_distribution(r) for r in extras["notebooks"]}
+    assert 'pip install -e ".[notebooks]"' in README
+    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert len(notebooks) == 5 and all(f"(notebooks/{name})" in README for name in notebooks), notebooks
+
+
+def test_protocol_sketch_ties_the_head_again_after_parallelize_module():
+    """parallelize_module gives each module a new Parameter: the sketch shows the re-tie the example needs."""
+    sketch = blocks("python")[2]
+    body = sketch[sketch.index("def parallelize_stage"):sketch.index("def pipeline_loss(")]
+    assert "parallelize_module(" in body and "stage.head.weight = stage.embed.weight" in body, body
+    example = (ROOT / "examples" / "own_model.py").read_text()
+    assert "stage.head.weight = stage.embed.weight" in example
