@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import time
