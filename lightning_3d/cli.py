@@ -13,9 +13,9 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-import logging
 import os
 import re
+import shlex
 import sys
 import warnings
 from collections.abc import Sequence
@@ -25,41 +25,39 @@ from typing import NoReturn
 import yaml
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_3d  # noqa: F401  (registers the "compressed_3d" strategy name)
-from lightning_3d.callbacks.progress import ParallelModelSummary, StepProgressBar
+from lightning_3d.cli_checks import trainer_config_error, value_error
 from lightning_3d.strategies.config import FLAT_OPTIONS, group_flat_options
+from lightning_3d.strategies.run_output import quiet_lightning_notices, use_parallel_defaults
+
+__all__ = ["build_cli", "main", "packaged_configs", "quiet_lightning_notices", "resolve_config"]
 
 # The strategy's configs document each field by a docstring under it (strategies/config.py): show them in --help.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
-from lightning_3d.cli_checks import trainer_config_error, value_error
 
 DEFAULT_MODEL = "lightning_3d.recipes.GPT"
 DEFAULT_DATA = "lightning_3d.recipes.data.CausalLMDataModule"
 CONFIG_OPTIONS = ("-c", "--config")
+TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 
 
-# Lightning notices that every `lightning-3d` run printed and that say nothing about the run: that the CSV logger is
-# used when tensorboard is not installed (the CLI's documented default: metrics.csv in the log directory), a deprecation
-# inside Lightning's own pytree helper (nothing a user can change; once per rank), and an advertisement ("Tip").
-_NOTICES = (r"Starting from v1\.9\.0, `tensorboardX` has been removed", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-_TIP_PREFIX = "\N{ELECTRIC LIGHT BULB} Tip:"
+def top_help() -> str:
+    """The epilog of ``lightning-3d --help``: the commands Lightning's parser does not know (export, plan, profile)."""
+    return ("Also: `lightning-3d export --checkpoint DIR --output DIR` (a checkpoint as a Hugging Face transformers"
+            " directory); `lightning-3d plan --config MODEL.yaml --gpus N --out plan.yaml` (search a layout);"
+            " `lightning-3d profile --config MODEL.yaml` (measure each layer on this GPU). Each takes --help."
+            f" Packaged configs for --config: {', '.join(packaged_configs())}.")
 
 
-def _not_a_tip(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_TIP_PREFIX)
-
-
-def quiet_lightning_notices() -> None:
-    """Silence the notices above in this process (the CLI calls it on every rank; Python scripts may too)."""
-    for pattern in _NOTICES:
-        warnings.filterwarnings("ignore", message=pattern)
-    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if _not_a_tip not in log.filters:
-        log.addFilter(_not_a_tip)
+def command_help(command: str) -> str:
+    """The description of ``lightning-3d <command> --help``: config names and where the strategy's options are."""
+    return (f"Trainer.{command} with the GPT recipe on the offline corpus unless the config says otherwise. --config takes"
+            f" a YAML path or a packaged config name: {', '.join(packaged_configs())} (e.g. `lightning-3d {command}"
+            " --config gpt_tiny`). The strategy's options: `lightning-3d fit --trainer.strategy.help"
+            " Compressed3DStrategy`.")
 
 
 def packaged_configs() -> list[str]:
@@ -246,6 +244,8 @@ def fail(prog: str, message: str) -> NoReturn:
 class Lightning3DCLI(LightningCLI):
     """LightningCLI whose model/data default to GPT on the offline corpus, any LightningModule allowed."""
 
+    _given_args: list[str] = []  # the command line as typed (parse_arguments), for the commands printed after fit
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
         # The embedding must match the tokenizer: taken from the instantiated data module (the tokenizer may be
@@ -272,26 +272,29 @@ class Lightning3DCLI(LightningCLI):
         """Lightning's trainer, with its default model summary and rich progress bar replaced by ours (whole-model
         parameter counts under pipeline/tensor parallelism, no "Epoch 0/-2"); user-configured ones are kept."""
         trainer = super().instantiate_trainer(**kwargs)
-        for callback in trainer.callbacks:
-            # Same attributes, other methods: switching the class keeps the options Lightning built them with.
-            if type(callback) in (ModelSummary, RichModelSummary):
-                callback.__class__ = ParallelModelSummary
-            elif type(callback) is RichProgressBar:
-                callback.__class__ = StepProgressBar
+        use_parallel_defaults(trainer)  # any strategy; Compressed3DStrategy does it again in setup (idempotent)
         return trainer
 
     def after_fit(self) -> None:
-        """Say where the checkpoint is and what to do with it (rank 0)."""
+        """Say where the checkpoint is and what to do with it (rank 0): the fit's own arguments, to validate."""
         callback = self.trainer.checkpoint_callback
         path = (callback.best_model_path or callback.last_model_path) if callback is not None else ""
         if path and self.trainer.is_global_zero:
-            print(f"checkpoint: {path}\n  lightning-3d validate --config <same config> --ckpt_path {path}"
-                  f"\n  lightning-3d export --checkpoint {path} --output <hf directory>")
+            print(f"checkpoint: {path}\n  lightning-3d validate {validate_arguments(self._given_args, path)}"
+                  f"\n  lightning-3d export --checkpoint {shlex.quote(path)} --output <hf directory>")
+
+    def before_validate(self) -> None:
+        # A checkpoint's ModelCheckpoint state names the fit's log version; validate writes no checkpoint, so
+        # Lightning's "dirpath has changed" (its best/last paths are not restored) says nothing here.
+        warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+    before_test = before_validate
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         if args is not None and not isinstance(args, (list, tuple)):
             return super().parse_arguments(parser, args)  # a dict or Namespace: nothing to resolve
         given = args is not None
+        self._given_args = list(args if given else sys.argv[1:])  # as typed: packaged config names unresolved
         try:
             args = resolve_config_args(args if given else sys.argv[1:])
         except FileNotFoundError as err:
@@ -299,6 +302,21 @@ class Lightning3DCLI(LightningCLI):
         if given:
             return super().parse_arguments(parser, args)
         self.config = parser.parse_args(args)  # the (rewritten) command line, without the args-vs-argv warning
+
+
+def validate_arguments(fit_args: Sequence[str], checkpoint: str) -> str:
+    """The ``validate`` arguments after a fit run with ``fit_args``: the same configs and options (data and model
+    shapes must match the checkpoint), the fit-only ``--ckpt_path`` replaced by ``checkpoint``."""
+    args, skip = [], False
+    for i, arg in enumerate(fit_args):
+        if skip or (i == 0 and arg == "fit"):
+            skip = False
+            continue
+        if arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            args.append(arg)
+    return shlex.join([*args, "--ckpt_path", checkpoint])
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
@@ -311,6 +329,8 @@ def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
         subclass_mode_data=True,
         # Every rank builds the CLI; only rank 0 writes config.yaml, and reruns into the same log dir must not fail.
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"epilog": top_help(), **{c: {"description": command_help(c), "usage": f"lightning-3d {c} [--config CONFIG] [--KEY VALUE ...]"}
+                                                for c in TRAINER_COMMANDS}},
         args=args,
         run=run,
     )

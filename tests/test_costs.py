@@ -81,6 +81,21 @@ def test_analytic_says_so_once(monkeypatch) -> None:
     assert [str(w.message) for w in caught if "AnalyticCostModel" in str(w.message)].__len__() == 1
 
 
+def test_analytic_says_so_on_one_channel_and_rank_zero_only(monkeypatch, caplog) -> None:
+    """A warning, not also a log line (the CLI printed both); ranks other than 0 stay silent (dynamic micro-batching
+    at pp = 2 printed it once per rank and channel)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    for rank, expected in ((1, 0), (0, 1)):
+        monkeypatch.setattr(analytic, "_WARNED", False)
+        monkeypatch.setattr(rank_zero_only, "rank", rank, raising=False)
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level("DEBUG"):
+            warnings.simplefilter("always")
+            AnalyticCostModel(GPT)
+        assert len([w for w in caught if "AnalyticCostModel" in str(w.message)]) == expected, rank
+        assert "AnalyticCostModel" not in caplog.text
+
+
 def test_analytic_t5_decoder_depends_on_both_lengths() -> None:
     t5 = ModelShape("t5", 2, 256, 4, 1024, 1024, num_decoder_layers=2, head_dim=64)
     m = AnalyticCostModel(t5, FLOPS_ONLY)

@@ -20,10 +20,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lightning_3d"
 LAYER = {"utils": 0, "pipeline": 1, "costs": 1.5, "compression": 2, "context": 2, "tensor_parallel": 2, "dynamic": 2,
          "distributed": 2.5, "checkpoint": 2.7, "strategies": 3, "": 3.5, "planner": 4,
          "callbacks": 4, "recipes": 4, "cli": 5, "cli_checks": 5}
-# What callbacks and recipes may import from strategies: the strategy, its configs and the model protocol (the layout,
-# the checkpoint format and the dropout streams live in the lower packages distributed/ and checkpoint/).
+# What callbacks and recipes may import from strategies: the strategy, its configs, the model protocol and what a run
+# prints (summary, progress bar); the layout, the checkpoint format and the dropout streams live in the lower packages
+# distributed/ and checkpoint/.
 PUBLIC_STRATEGY_MODULES = {"lightning_3d.strategies.compressed_3d", "lightning_3d.strategies.protocol",
-                           "lightning_3d.strategies.config"}
+                           "lightning_3d.strategies.config", "lightning_3d.strategies.run_output"}
 
 
 def _module_name(path: Path) -> str:

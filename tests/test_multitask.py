@@ -351,9 +351,18 @@ def test_dynamic_microbatching_covers_the_global_batch_over_replicas(tmp_path: P
             assert mb["labels"].shape == (mb["input_ids"] if model_type == "gpt" else mb["decoder_input_ids"]).shape
             scored += (mb["labels"] != IGNORE_INDEX).sum().item()
     assert scored == (whole["labels"] != IGNORE_INDEX).sum().item()
+    # No memory_budget_gb: 80 % of the device's memory (the host's on CPU, shared by the node's processes) minus the
+    # rank's model state (16 bytes per parameter), so the config header's `--data.microbatching=dynamic` runs as written.
+    from lightning_3d.recipes.data import memory_budget
+
     dm.hparams.memory_budget_gb = None
-    with pytest.raises(ValueError, match="needs memory_budget_gb"):
-        dm.collator(2, 0)
+    strategy.root_device, strategy.num_processes = torch.device("cpu"), 2
+    held = sum(p.numel() for p in model.parameters())
+    expected = 0.8 * memory_budget.device_memory_bytes(torch.device("cpu"), 2) - 16 * held
+    assert dm.collator(2, 0).dynamic.options["memory_budget"] == pytest.approx(expected)
+    with pytest.raises(ValueError, match=r"leaves nothing for activations. Pass memory_budget_gb explicitly \(e.g."
+                                         r" --data.memory_budget_gb=1\)"):
+        memory_budget.default_memory_budget_gb(torch.device("cpu"), 2**40)
 
 
 def test_file_options_keys_val_files_bpe_inputs_in_the_loss_and_workers(tmp_path: Path) -> None:

@@ -105,3 +105,99 @@ def test_export_command_and_configs_exist(capsys):
         assert all(option in usage for option in command if option.startswith("--"))
     named = set(re.findall(r"`(gpt_[\w.]+|t5_[\w.]+)`", README)) - {"gpt_from_pretrained", "t5_from_pretrained"}
     assert named and named <= set(packaged_configs()), named - set(packaged_configs())
+
+
+SNIPPET = """
+import lightning.pytorch as pl
+from lightning_3d import Compressed3DStrategy
+from lightning_3d.recipes import GPT
+from lightning_3d.recipes.data import CausalLMDataModule
+
+data = CausalLMDataModule(seq_length=64, batch_size=4, max_corpus_bytes=200000, cache_dir={cache!r})
+model = GPT("tiny", vocab_size=data.vocab_size, seq_length=64)
+trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=2, limit_val_batches=1, val_check_interval=2,
+                     default_root_dir={runs!r},
+                     strategy=Compressed3DStrategy(pipeline_parallel_size=2, num_microbatches=2))
+trainer.fit(model, datamodule=data)
+"""
+
+
+def test_python_path_prints_what_the_cli_prints(tmp_path):
+    """README "1. In Python" at tiny scale (CPU, pp = 2, a plain script): the model summary counts the whole model
+    (not one stage), shows FLOPs per token, the bar reads "Epoch 0" without v_num, and none of Lightning's notices
+    that say nothing (tensorboardX, "Tip", LeafSpec per rank) is printed: the strategy installs what the CLI does."""
+    import os
+    import subprocess
+
+    import torch
+
+    from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+    from lightning_3d.recipes import GPT
+    from lightning_3d.recipes.gpt import GPTModel
+    from tests.conftest import RENDEZVOUS
+
+    script = tmp_path / "train.py"
+    script.write_text(SNIPPET.format(cache=str(tmp_path / "cache"), runs=str(tmp_path / "runs")))
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", COLUMNS="160")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, text=True, capture_output=True,
+                          timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    for noise in ("tensorboardX", "Tip:", "LeafSpec", "Epoch 0/", "v_num", "Total FLOPs"):
+        assert noise not in out, (noise, out[-3000:])
+    with torch.device("meta"):
+        config = GPT("tiny", vocab_size=4096, seq_length=64).config
+        whole = sum(p.numel() for p in GPTModel(config, config.padded_vocab_size(1)).parameters())
+    assert re.search(rf"Total params\W+{re.escape(get_human_readable_count(whole))}\s", out), (whole, out[-3000:])
+    assert re.search(r"Training FLOPs per token\W+\d", out) and re.search(r"Epoch 0 ", out), out[-3000:]
+
+
+def _distribution(requirement: str) -> str:
+    return re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_declared_dependencies_are_what_the_package_imports():
+    """Every third-party module the package imports (at any depth) is declared, and nothing else is, except
+    jsonargparse[signatures], which LightningCLI needs but the package never imports."""
+    import tomllib
+    from importlib import metadata
+
+    declared = {_distribution(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    modules = set()
+    for path in (ROOT / "lightning_3d").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    owners = metadata.packages_distributions()
+    imported = {owners[m][0].lower().replace("_", "-") for m in modules - set(sys.stdlib_module_names) - {"lightning_3d"}}
+    assert imported <= declared, imported - declared
+    assert declared - imported == {"jsonargparse"}, declared - imported
+
+
+def test_install_order_extras_and_notebook_list():
+    """The CPU torch line (with its index URL) comes before the one-liner that would pull the CUDA build; the
+    notebooks have an extra with Jupyter and widgets; the README links every notebook in notebooks/."""
+    import tomllib
+
+    bash = blocks("bash")
+    cpu = next(i for i, b in enumerate(bash) if "pip install torch --index-url https://download.pytorch.org/whl/cpu" in b)
+    one_liner = next(i for i, b in enumerate(bash) if "pip install -e . && lightning-3d fit --config gpt_tiny" in b)
+    assert cpu < one_liner
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"jupyterlab", "ipykernel", "ipywidgets"} <= {_distribution(r) for r in extras["notebooks"]}
+    assert 'pip install -e ".[notebooks]"' in README
+    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert len(notebooks) == 5 and all(f"(notebooks/{name})" in README for name in notebooks), notebooks
+
+
+def test_protocol_sketch_ties_the_head_again_after_parallelize_module():
+    """parallelize_module gives each module a new Parameter: the sketch shows the re-tie the example needs."""
+    sketch = blocks("python")[2]
+    body = sketch[sketch.index("def parallelize_stage"):sketch.index("def pipeline_loss(")]
+    assert "parallelize_module(" in body and "stage.head.weight = stage.embed.weight" in body, body
+    example = (ROOT / "examples" / "own_model.py").read_text()
+    assert "stage.head.weight = stage.embed.weight" in example

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
 
@@ -336,18 +340,35 @@ def test_packaged_t5_configs_parse(name: str, capsys, monkeypatch) -> None:
         assert "pipeline_parallel_size: 2" in printed and "tensor_parallel_size: 2" in printed and "preset_name: 770m" in printed
 
 
-def test_t5_tiny_config_fits_validates_and_exports(tmp_path: Path, single_process) -> None:
+def test_t5_tiny_config_fits_validates_and_exports(tmp_path: Path, single_process, capfd, caplog) -> None:
+    """As the README runs it: the packaged config with its model summary and progress bar (the summary's FLOPs per
+    token once crashed on T5's two-length signature), then the validate command the fit prints, run as printed."""
     common = ["--config", "t5_tiny", f"--data.cache_dir={tmp_path / 'cache'}", "--data.tokenizer=bytes",
               "--data.max_corpus_bytes=100000", "--data.input_length=32", "--data.batch_size=4",
-              "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}",
-              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
-    fit = build_cli(["fit", *common, "--trainer.max_steps=3", "--trainer.val_check_interval=3"])
+              "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}"]
+    with caplog.at_level("INFO"):
+        fit = build_cli(["fit", *common, "--trainer.max_steps=3", "--trainer.val_check_interval=3"])
     assert fit.model.config.vocab_size == 358 and fit.model.config.pad_token_id == 257  # linked from the data
     metrics = fit.trainer.callback_metrics
     assert math.isfinite(float(metrics["val_loss"]))
     assert float(metrics["val_ppl"]) == pytest.approx(math.exp(float(metrics["val_loss"])), rel=1e-6)
     (ckpt,) = (Path(fit.trainer.log_dir) / "checkpoints").iterdir()
-    val = build_cli(["validate", *common, f"--ckpt_path={ckpt}"])  # the sharded checkpoint restores the same model
+    out, err = capfd.readouterr()
+    # One process: no distributed banner (the strategy's gloo group of one is an implementation detail).
+    logged = out + err + caplog.text
+    assert "Starting with 1 processes" not in logged and "MEMBER: 1/1" not in logged and "Tip:" not in logged, logged[-2000:]
+    assert "Seed set to 1234" in caplog.text  # Lightning's log lines reach caplog: the checks above can fail
+    data = fit.datamodule
+    flops = get_human_readable_count(int(fit.model.flops_per_token(data.input_length, data.target_length)))
+    assert re.search(rf"Training FLOPs per token\W+{re.escape(flops)}\s", out), out[-3000:]
+    assert "Epoch 0 " in out and "Epoch 0/" not in out and "v_num" not in out, out[-3000:]
+    printed = re.search(r"^  lightning-3d validate (.+)$", out, re.M).group(1)
+    assert printed == shlex.join([*common, "--trainer.max_steps=3", "--trainer.val_check_interval=3",
+                                  "--ckpt_path", str(ckpt)]), printed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        val = build_cli(["validate", *shlex.split(printed)])  # the sharded checkpoint restores the same model
+    assert not [w for w in caught if "dirpath has changed" in str(w.message)]  # validate writes no checkpoint
     assert float(val.trainer.callback_metrics["val_loss"]) == pytest.approx(float(metrics["val_loss"]), rel=TOL)
     main(["export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "hf"), "--tokenizer", "bytes"])
     hf = T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()

@@ -153,17 +153,25 @@ def test_fusable_linears_skips_what_it_cannot_fuse() -> None:
 
 
 def test_plain_modules_and_tensor_parallel_are_told_it_does_not_apply(caplog: pytest.LogCaptureFixture) -> None:
-
+    """Told when the option was chosen (True); the default "auto" says nothing where it fuses nothing."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(), max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0)
-    with caplog.at_level("INFO"):
-        trainer.fit(BoringModel())
-    assert "BoringModel's gradients accumulate as autograd's" in caplog.text
+    for mode in ("auto", True):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(gradient_accumulation_fusion=mode),
+                             max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            trainer.fit(BoringModel())
+        assert ("BoringModel's gradients accumulate as autograd's" in caplog.text) is (mode is True), mode
+        assert ("gradient_accumulation_fusion" in caplog.text) is (mode is True), (mode, caplog.text)
     assert not any(isinstance(m, FusedGradLinear) for m in trainer.lightning_module.modules())
-    strategy, stage = Compressed3DStrategy(gradient_accumulation_fusion=True), nn.Sequential(nn.Linear(4, 4))
+    stage = nn.Sequential(nn.Linear(4, 4))
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        Compressed3DStrategy().engine.fuse_gradient_accumulation({0: stage}, tp=2)  # "auto": silent
+    assert "gradient_accumulation_fusion" not in caplog.text
+    strategy = Compressed3DStrategy(gradient_accumulation_fusion=True)
     with caplog.at_level("INFO"):
         strategy.engine.fuse_gradient_accumulation({0: stage}, tp=2)
     assert "does not apply with tensor_parallel_size > 1" in caplog.text and type(stage[0]) is nn.Linear

@@ -1,125 +1,13 @@
-"""What a run prints, made true under 3D parallelism: a model summary of the whole model (all pipeline stages and
-tensor shards, not rank 0's part) and a progress bar without Lightning's "Epoch 0/-2" and "v_num: 0.000" when
-training is bounded by steps. ``lightning-3d`` uses both in place of Lightning's defaults."""
+"""The model summary and progress bar of a 3D-parallel run (whole-model parameter counts and FLOPs per token; "Epoch
+N" without "v_num"). They live beside the strategy, which installs them in place of Lightning's defaults
+(lightning_3d/strategies/run_output.py); here they are importable with the other callbacks, e.g. to pass your own
+``ParallelModelSummary(max_depth=2)``."""
 
-from __future__ import annotations
+from lightning_3d.strategies.run_output import (
+    ParallelModelSummary,
+    StepProgressBar,
+    stage_parameter_counts,
+    whole_model_counts,
+)
 
-from typing import Any
-
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelSummary, RichProgressBar
-from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-from lightning_3d.callbacks.plumbing import gather
-from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
-
-
-def stage_parameter_counts(pl_module: pl.LightningModule) -> dict[str, tuple[int, int]]:
-    """``{top-level child name: (parameters, trainable)}`` of the parameters this rank holds, each counted at its
-    full size (a DTensor's ``numel`` is the global one). A tied copy whose partner lives on another pipeline stage
-    (``pipeline_tied_parameters``: the last stage's head tied to the first stage's embedding) is left out: the model
-    has it once."""
-    params = dict(pl_module.named_parameters())
-    tied = getattr(pl_module, "pipeline_tied_parameters", dict)() or {}
-    copies = {last for first, last in tied.items() if last in params and first not in params}
-    counts: dict[str, tuple[int, int]] = {}
-    for name, p in params.items():
-        if name in copies:
-            continue
-        row = name.split(".", 1)[0]
-        total, trainable = counts.get(row, (0, 0))
-        counts[row] = (total + p.numel(), trainable + (p.numel() if p.requires_grad else 0))
-    return counts
-
-
-def whole_model_counts(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, tuple[int, int]]:
-    """:func:`stage_parameter_counts` summed over the pipeline stages of one model replica (the ranks with dp and tp
-    coordinate 0). A collective under :class:`Compressed3DStrategy`: every rank calls it."""
-    mine = stage_parameter_counts(pl_module)
-    strategy = trainer.strategy
-    if not isinstance(strategy, Compressed3DStrategy) or strategy.dims is None or strategy.dims.world_size == 1:
-        return mine
-    counted = strategy.dp_rank == 0 and strategy.tp_rank == 0
-    out: dict[str, tuple[int, int]] = {}
-    for part in gather(mine if counted else {}):
-        for row, (total, trainable) in part.items():
-            t, tr = out.get(row, (0, 0))
-            out[row] = (t + total, tr + trainable)
-    return out
-
-
-class ParallelModelSummary(ModelSummary):
-    """Lightning's model summary with the whole model's parameter counts (summed over pipeline stages, tensor-parallel
-    parameters at full size) and, instead of Lightning's "Total FLOPs" (0 without an ``example_input_array``), the
-    module's training FLOPs per token when it defines ``flops_per_token()`` (the recipes do). Printed on rank 0."""
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._counts = whole_model_counts(trainer, pl_module)
-        self._local = sum(total for total, _ in stage_parameter_counts(pl_module).values())
-        flops = getattr(pl_module, "flops_per_token", None)
-        self._flops_per_token = flops() if callable(flops) else None
-        super().on_fit_start(trainer, pl_module)
-
-    def summarize(self, summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
-                  model_size: float, total_training_modes: dict[str, int], total_flops: int, **kwargs: Any) -> None:
-        counts = getattr(self, "_counts", {})
-        columns = dict(summary_data)
-        names, params = columns.get("Name", []), columns.get("Params")
-        if params is not None:
-            columns["Params"] = [get_human_readable_count(counts[n][0]) if n in counts else p for n, p in zip(names, params)]
-        columns.pop("FLOPs", None)
-        whole = sum(t for t, _ in counts.values()) or total_parameters
-        trainable = sum(tr for _, tr in counts.values()) if counts else trainable_parameters
-        size = model_size * whole / max(getattr(self, "_local", 0) or total_parameters, 1)
-        lines = [("Trainable params", get_human_readable_count(trainable)),
-                 ("Non-trainable params", get_human_readable_count(whole - trainable)),
-                 ("Total params", get_human_readable_count(whole)),
-                 ("Total estimated model params size (MB)", get_formatted_model_size(size)),
-                 ("Modules in train mode (this rank)", str(total_training_modes["train"])),
-                 ("Modules in eval mode (this rank)", str(total_training_modes["eval"]))]
-        if getattr(self, "_flops_per_token", None):
-            lines.append(("Training FLOPs per token", get_human_readable_count(int(self._flops_per_token))))
-        _print_summary(columns, lines)
-
-
-def _print_summary(columns: dict[str, list[str]], lines: list[tuple[str, str]]) -> None:
-    try:
-        from rich import get_console
-        from rich.table import Table
-    except ImportError:  # Lightning without rich: plain text
-        header = " | ".join(columns)
-        rows = [" | ".join(row) for row in zip(*columns.values())]
-        rank_zero_info("\n".join([header, *rows, *(f"{k}: {v}" for k, v in lines)]))
-        return
-    table = Table(header_style="bold magenta")
-    for name in columns:
-        table.add_column(name, justify="right" if name == "Params" else "left", no_wrap=name == "Name")
-    for row in zip(*columns.values()):
-        table.add_row(*row)
-    console = get_console()
-    console.print(table)
-    grid = Table.grid(expand=True)
-    grid.add_column()
-    for key, value in lines:
-        grid.add_row(f"[bold]{key}[/]: {value}")
-    console.print(grid)
-
-
-class StepProgressBar(RichProgressBar):
-    """Lightning's rich progress bar reading "Epoch N" (not "Epoch N/-2") when ``max_epochs`` is unbounded (training
-    bounded by ``max_steps``), without the logger version ("v_num: 0.000")."""
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        if trainer.max_epochs in (None, -1) and self.progress is not None and self.train_progress_bar_id is not None:
-            description = f"Epoch {trainer.current_epoch}"
-            if self.theme.description:
-                description = f"[{self.theme.description}]{description}"
-            self.progress.update(self.train_progress_bar_id, description=description)
-            self.refresh()
-
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        items = super().get_metrics(trainer, pl_module)
-        items.pop("v_num", None)
-        return items
+__all__ = ["ParallelModelSummary", "StepProgressBar", "stage_parameter_counts", "whole_model_counts"]

@@ -1,7 +1,7 @@
 """The analytic cost model: layer times from FLOPs and bytes, activation memory from tensor sizes.
 
 It stands in where no profile exists (CPU, tests, planning for a GPU one is not on) and says so
-(``source == "analytic"``, one warning per process). GEMMs run at ``device.peak_flops × gemm_efficiency``;
+(``source == "analytic"``, one warning per process, on global rank 0). GEMMs run at ``device.peak_flops × gemm_efficiency``;
 attention's quadratic term at a lower efficiency (fused attention kernels reach less of the peak than large GEMMs);
 norms, activations, residual adds and the loss's softmax are memory-bound (bytes / bandwidth). Stored activations
 follow Korthikanti et al. (2022) with a fused attention kernel (no s² scores kept); docs/planner.md derives them.
@@ -12,16 +12,13 @@ that prices communication itself does not count them twice.
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import numpy as np
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from numpy.typing import ArrayLike
 
 from lightning_3d.costs.model import DeviceSpec, LayerKind, ModelShape
 from lightning_3d.utils.peak_flops import dense_peak_flops
 
-log = logging.getLogger(__name__)
 _WARNED = False
 
 #: used when no device is given: an H100 SXM (dense bf16), the most common target of these recipes
@@ -41,8 +38,9 @@ def _warn_once() -> None:
         _WARNED = True
         message = ("AnalyticCostModel: costs are estimated from FLOPs and bytes, not measured; run `lightning-3d profile`"
                    " on the target GPU for a profile (docs/planner.md).")
-        log.warning(message)
-        warnings.warn(message, stacklevel=3)
+        # One channel (a warning, not also a log line) and rank 0 only: every rank and every data loader worker of a
+        # dynamic micro-batching run builds this model, and each printed the same sentence.
+        rank_zero_warn(message, stacklevel=6)  # the caller of AnalyticCostModel(...)
 
 
 class AnalyticCostModel:

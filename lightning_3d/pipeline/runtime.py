@@ -103,7 +103,9 @@ class PipelineRuntime:
 
     @torch.no_grad()
     def eval_step(self, microbatches: Sequence[Any], orders: Sequence[Sequence[Action]] | None = None) -> Tensor | None:
-        """Forward only; ``orders`` as in ``train_step``, with forward actions only."""
+        """Forward only; ``orders`` as in ``train_step``. A training schedule runs its forward actions in their given
+        order (the dynamic micro-batcher plans validation batches as it plans training ones); dropping the backwards
+        removes only dependencies, so the forward projection of a valid schedule is a valid forward-only one."""
         order = self._orders(len(microbatches), train=False, given=self._given(microbatches, orders))
         return self._run(order, microbatches, train=False, loss_scale=1.0)
 
@@ -119,7 +121,7 @@ class PipelineRuntime:
                     f"An explicit schedule needs one action list per pipeline rank: got {len(given)} for"
                     f" pipeline_parallel_size={self.pp}."
                 )
-            orders = [mark_epilogue(order) for order in given]
+            orders = [mark_epilogue(order if train else [a for a in order if a.kind == "F"]) for order in given]
             key = ("train" if train else "eval", m, tuple(orders))
         else:
             if train:

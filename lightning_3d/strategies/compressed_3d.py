@@ -55,6 +55,7 @@ from lightning_3d.strategies.notebook import interactive_launcher, is_interactiv
 from lightning_3d.strategies.options import options_from_configs
 from lightning_3d.strategies.pipeline_engine import PipelineEngine, check_optimizers
 from lightning_3d.strategies.run_checks import check_run
+from lightning_3d.strategies.run_output import quiet_lightning_notices, use_parallel_defaults
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.orphans import exit_with_launcher, mark_launcher
@@ -170,6 +171,7 @@ class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy)
 
     @override
     def _configure_launcher(self) -> None:
+        quiet_lightning_notices()  # the Trainer taking the strategy, before its logger notices (run_output.py)
         if self.cluster_environment.creates_processes_externally:
             return
         if is_interactive():  # a notebook has no script to start again: no launcher, or fork (see notebook.py)
@@ -253,6 +255,7 @@ class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy)
             raise RuntimeError(f"trainer.predict is not available with context_parallel_size={self.dims.cp} (it runs the"
                                " module's own forward on whole sequences); predict with context_parallel_size=1.")
         self.accelerator.setup(trainer)
+        use_parallel_defaults(trainer)  # whole-model summary, "Epoch N" bar in place of Lightning's (run_output.py)
         # Dropout's streams: one per (dp, pp) rank, the same on its tp ranks, plus each tp rank's own (see rng.py).
         # Context-parallel ranks hold different tokens: their own streams (dp_rank * cp + cp_rank is dp_rank at cp 1).
         seed_parallel_rng(self.dp_rank * self.dims.cp + self.cp_rank, self.pp_rank, self.tp_rank, self.root_device)

@@ -111,7 +111,7 @@ class PipelineEngine:
                     f"{option}={value} needs the `lightning_3d.Parallel3DModule` protocol, which"
                     f" {type(module).__name__} does not implement; {fix}."
                 )
-        if o.gradient_accumulation_fusion:
+        if o.gradient_accumulation_fusion is True:  # "auto", the default, says nothing about an option not chosen
             rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion applies to modules with the pipeline"
                            f" protocol (the recipes); {type(module).__name__}'s gradients accumulate as autograd's.")
         module.to(device)
@@ -163,23 +163,21 @@ class PipelineEngine:
     def fuse_gradient_accumulation(self, stages: dict[int, nn.Module], tp: int) -> None:
         if not self.options.gradient_accumulation_fusion:
             return
-        if tp > 1:
-            rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion does not apply with tensor_parallel_size > 1"
-                           " (the weights are DTensors); their gradients accumulate as autograd's.")
-            return
-        mode = self.options.gradient_accumulation_fusion
-        if self.options.cuda_graphs:  # "auto" (True is refused with cuda_graphs): the fused op's host code would not replay
-            rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion='auto' fuses nothing under cuda_graphs=True.")
+        mode = self.options.gradient_accumulation_fusion  # "auto" (the default) reports only what it fused
+        if tp > 1 or self.options.cuda_graphs:  # True is refused with cuda_graphs; the weights are DTensors under tp
+            if mode is True:
+                rank_zero_info("Compressed3DStrategy: gradient_accumulation_fusion does not apply with"
+                               " tensor_parallel_size > 1 (the weights are DTensors); gradients accumulate as autograd's.")
             return
         linears = [m for stage in stages.values() for m in fusable_linears(stage, exclude={id(p) for p in self.tied})]
         fused, small = choose_fused(linears, mode)
         self.fused_weights = fuse_gradient_accumulation(fused)
-        if mode == "auto":
+        if mode == "auto" and fused:
             rank_zero_info(f"Compressed3DStrategy: gradient_accumulation_fusion='auto' on {len(fused)} nn.Linear weights"
                            f" of this rank's stages; {len(small)} left unfused (fewer than"
                            f" {wgrad_fusion.FUSION_MIN_ELEMENTS} elements, where the fused op's host time exceeds what it"
                            " saves; True fuses them too).")
-        else:
+        elif mode is True:
             rank_zero_info(f"Compressed3DStrategy: gradient_accumulation_fusion on {len(fused)} nn.Linear weights of this"
                            " rank's stages.")
 

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_3d.dynamic.handoff import PlanWaits, background
 from lightning_3d.recipes.data.causal_lm import cache_key, default_cache_dir
+from lightning_3d.recipes.data.memory_budget import default_memory_budget_gb
 from lightning_3d.recipes.data.loader import (ResumableDataLoader, ResumableDistributedSampler, data_parallel_rank,
                                              worker_options)
 from lightning_3d.recipes.data.multitask_batching import (
@@ -110,7 +111,8 @@ class MultiTaskDataModule(L.LightningDataModule):
     ``global_batch_size`` samples per optimizer step over all data-parallel replicas. ``microbatching``:
     ``"padding"`` (``micro_batch_size`` samples, padded to the longest), ``"packing"`` (``micro_batch_size`` rows of
     ``seq_length`` tokens, documents masked from each other), ``"token_budget"`` (at most ``token_budget`` padded
-    tokens per micro-batch) or ``"dynamic"`` (DynaPipe planner; ``memory_budget_gb`` per GPU). ``microbatch_multiple``:
+    tokens per micro-batch) or ``"dynamic"`` (DynaPipe planner; ``memory_budget_gb`` of activations per device, by
+    default 80 % of the device's memory minus the rank's model state: recipes/data/memory_budget.py). ``microbatch_multiple``:
     the largest micro-batches are halved until their count is a multiple of it (interleaved 1F1B needs a multiple of
     the pipeline size). ``tokenizer`` as in
     :class:`CausalLMDataModule`; T5's pad (= decoder start) id is appended after the text vocabulary.
@@ -345,17 +347,18 @@ class MultiTaskDataModule(L.LightningDataModule):
         if config is None:
             raise ValueError("microbatching='dynamic' plans with the model's shape: train a recipe model (GPT or T5,"
                              " which have a .config) with this data module.")
-        if hp.memory_budget_gb is None:
-            raise ValueError("microbatching='dynamic' needs memory_budget_gb: the activation memory per GPU the planner"
-                             " may fill (e.g. 0.8 x the card's memory minus weights and optimizer state).")
         strategy = trainer.strategy
+        budget_gb = hp.memory_budget_gb
+        if budget_gb is None:  # derived from the device and this rank's parameters (memory_budget.py)
+            held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainer.lightning_module.parameters())
+            budget_gb = default_memory_budget_gb(strategy.root_device, held, getattr(strategy, "num_processes", 1))
         dims = getattr(strategy, "dims", None)
         pp, tp = (dims.pp, dims.tp) if dims is not None else (1, 1)
         half = any(k in str(trainer.precision) for k in ("16", "bf16"))
         t5 = hp.model_type == "t5"
         return DynamicMicroBatcher(
             collator.collate, shape=model_shape(config, bytes_per_element=2 if half else 4, tensor_parallel_size=tp),
-            dp=dp, pp=pp, dp_rank=rank, memory_budget=hp.memory_budget_gb * 2**30, tp=tp, seed=hp.seed,
+            dp=dp, pp=pp, dp_rank=rank, memory_budget=budget_gb * 2**30, tp=tp, seed=hp.seed,
             virtual_stages=getattr(strategy, "virtual_stages", 1) or 1, schedule=getattr(strategy, "schedule", "1f1b"),
             layer_split=getattr(strategy, "pipeline_layer_split", None), max_seq_len=hp.seq_length,
             max_target_len=hp.target_length if t5 else None, input_length=sample_input_length,
