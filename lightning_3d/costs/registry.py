@@ -5,7 +5,7 @@ training config's model and data sections become a workload, its config object a
 the profiler times, and a tiny model the profiler trains for the step's costs outside the layers. Everything the
 planner knows of a recipe comes from here: nothing reads a class by its dotted name or guesses a family from a
 config's field names. ``import lightning_3d.recipes`` registers the GPT and T5 recipes (the CLI does it);
-docs/extending.md and docs/planner.md ("Recipes register how they are read") describe the entries.
+docs/planner.md (the paragraph "Recipes register how they are read") describes the entries.
 """
 
 from __future__ import annotations
