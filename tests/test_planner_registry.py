@@ -103,3 +103,29 @@ def test_fuse_standalone_fuses_what_the_mode_fuses_with_slots_of_its_own() -> No
     finally:
         unfuse_gradient_accumulation(weights)
     assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+
+
+def test_the_profiler_times_the_adamw_the_recipe_registers(restored_registry) -> None:
+    """The optimizer's arguments come from ``RecipeCosts.optimizer`` (the recipes' rule: the module's own
+    optimizer_foreach/optimizer_fused, else fused on a GPU), not from the planner reading the config's field names."""
+    from lightning_3d.planner.layers import profile_layers
+
+    gpt = recipe_costs("lightning_3d.recipes.GPT")
+    assert gpt.optimizer({}, torch.device("cuda")) == {"foreach": None, "fused": True}
+    assert gpt.optimizer({}, torch.device("cpu")) == {"foreach": None, "fused": None}
+    assert gpt.optimizer({"optimizer_foreach": True}, torch.device("cuda")) == {"foreach": True, "fused": None}
+    asked = []
+
+    def foreach_always(model_args, device):
+        asked.append(dict(model_args))
+        return {"foreach": True, "fused": None}
+
+    register_recipe(["tests.ForeachGPT"], RecipeCosts(gpt.workload, gpt.layers, optimizer=foreach_always))
+    cfg = {"trainer": {"precision": "32-true"},
+           "model": {"class_path": "tests.ForeachGPT", "init_args": {"preset_name": "tiny", "vocab_size": 512,
+                                                                      "num_layers": 1, "optimizer_fused": True}},
+           "data": {"init_args": {"seq_length": 16}}}
+    doc = profile_layers(cfg, torch.device("cpu"), microbatch_sizes=[1], seq_lens=[16], recompute=(False,), warmup=0,
+                         repeats=1, log=lambda *a: None)
+    assert asked == [cfg["model"]["init_args"]]
+    assert doc["optimizer"]["implementation"] == {"foreach": True, "fused": None}

@@ -41,7 +41,9 @@ class RecipeCosts:
     shards one of those modules as the recipe's tensor-parallel plan does (False: that kind is not sharded by it),
     for the profiler's measured tensor-parallel grids; ``shape(config, bytes_per_element, tensor_parallel_size) ->
     ModelShape`` reads the recipe's config objects, whose classes are ``config_types`` (``model_shape``);
-    ``tiny``: the model the profiler trains for the per-step and per-micro-batch overheads (None: not measured)."""
+    ``tiny``: the model the profiler trains for the per-step and per-micro-batch overheads (None: not measured);
+    ``optimizer(model_args, device) -> {"foreach": ..., "fused": ...}``: the arguments of the AdamW the recipe builds
+    for a model of ``model_args`` on ``device``, which the profiler times (None: torch's defaults)."""
 
     workload: Callable[[dict, dict, int], tuple[ModelShape, int, int | None]]
     layers: Callable[..., dict] | None = None
@@ -49,6 +51,7 @@ class RecipeCosts:
     shape: Callable[[Any, int, int], ModelShape] | None = None
     config_types: tuple[type, ...] = ()
     tiny: TinyModel | None = None
+    optimizer: Callable[[dict, Any], dict] | None = None
 
 
 RECIPES: dict[str, RecipeCosts] = {}

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
 from lightning_3d.planner.api import BYTES, workload_from_config
 from lightning_3d.planner.timing import (QUANTITIES, grid_get, grid_indices, grid_set, measure_optimizer, model_tensors,
-                                         nested, optimizer_implementation, time_point)
+                                         nested, time_point)
 from lightning_3d.strategies.wgrad_fusion import check_fusion_mode, fuse_standalone, unfuse_gradient_accumulation
 
 
@@ -114,7 +114,8 @@ def profile_layers(cfg: dict, device: torch.device, *, microbatch_sizes=(1, 2, 4
     _finish_profile_layers(doc, calls, single)
     doc["gradient_accumulation_fusion"] = fuse_gradients
     doc["fused_weights"] = {kind: len(weights) for kind, weights in fused.items()}
-    doc["optimizer"] = _time_optimizer(cfg, layers, shape, device, warmup, repeats)
+    doc["optimizer"] = _time_optimizer(recipe.optimizer(dict(model.get("init_args") or {}), device)
+                                       if recipe.optimizer else None, layers, shape, device, warmup, repeats)
     log("optimizer measured")
     for weights in fused.values():
         unfuse_gradient_accumulation(weights)
@@ -123,10 +124,11 @@ def profile_layers(cfg: dict, device: torch.device, *, microbatch_sizes=(1, 2, 4
     return doc
 
 
-def _time_optimizer(cfg: dict, layers: dict, shape: ModelShape, device: torch.device, warmup: int, repeats: int) -> dict:
-    """The AdamW step over tensors shaped like the whole model's, or over one block where they would not fit."""
+def _time_optimizer(implementation: dict | None, layers: dict, shape: ModelShape, device: torch.device, warmup: int,
+                    repeats: int) -> dict:
+    """The AdamW step (``implementation``: its ``foreach``/``fused`` arguments) over tensors shaped like the whole
+    model's, or over one block where they would not fit."""
     tensors = model_tensors(layers, shape, device)
-    implementation = optimizer_implementation(cfg, device)
     if tensors is not None:
         return measure_optimizer(tensors, device, warmup, repeats, implementation)
     block = layers.get("block", layers.get("encoder_block"))[0]

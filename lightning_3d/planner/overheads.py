@@ -51,11 +51,13 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     ``fresh_process``: the tiny models train in a new Python interpreter (the state of a `lightning-3d fit` run), not
     in this one (False: in this process, a few seconds faster)."""
     class_path = (cfg.get("model") or {}).get("class_path", "lightning_3d.recipes.GPT")
-    tiny = recipe_costs(class_path).tiny
+    recipe = recipe_costs(class_path)
+    tiny = recipe.tiny
     if tiny is None:
         return {}
-    args = (tiny, tiny.at_depth(dict(tiny.model_args), shape), device, precision, microbatches, warmup, steps, in_situ,
-            fuse_gradients)
+    deep_args = tiny.at_depth(dict(tiny.model_args), shape)
+    adamw = recipe.optimizer(deep_args, device) if recipe.optimizer else None
+    args = (tiny, deep_args, device, precision, microbatches, warmup, steps, in_situ, fuse_gradients, adamw)
     if fresh_process:
         # The loop's host seconds are what the planner predicts for `lightning-3d fit`, a fresh process. Timed inside
         # the profiler's own process, after it has built and timed every layer (its allocator's state, the objects

@@ -49,13 +49,13 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     gradient-accumulation fusion as ``gradient_accumulation_fusion=fuse_gradients`` applies it (``"auto"``, the
     strategy's default: only weights of at least ``FUSION_MIN_ELEMENTS`` elements; True: every fusable layer; False:
     plain autograd); the document records the setting and how many weights of each layer kind were fused.
-    ``eager=False`` with ``compile``: only the compiled grids (to add to an eager profile's layers later). ``overheads``: the per-micro-batch and per-step costs outside
-    the layers, from a few steps of a tiny model of the same recipe under the strategy (``planner.overheads.measure_overheads``).
+    ``eager=False`` with ``compile``: only the compiled grids (to add to an eager profile's layers later).
+    ``overheads``: the per-micro-batch and per-step costs outside the layers, from a few steps of a tiny model of the
+    same recipe under the strategy (``planner.overheads.measure_overheads``).
     ``tp_layers``: with ``collectives`` on several GPUs, also the recipe's tensor-parallel layers at each degree of
     ``tp_degrees`` (``recompute`` settings ``tp_recompute``), measured across the GPUs with their collectives
     (``measure_tp_layers``); grids with ``"collectives": true`` that the planner reads instead of deriving.
     """
-    check_fusion_mode(fuse_gradients, "fuse_gradients")
     check_fusion_mode(fuse_gradients, "fuse_gradients")
     device = resolve_device(device)
     cfg = load_config(config)

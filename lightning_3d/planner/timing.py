@@ -205,23 +205,10 @@ def grid_set(grid, idx, value):
     grid[idx[-1]] = value
 
 
-def optimizer_implementation(cfg: dict, device: torch.device) -> dict:
-    """The AdamW implementation a config's recipe builds on ``device`` (``foreach``/``fused`` keyword arguments): its
-    ``optimizer_foreach``/``optimizer_fused`` when set, else the recipes' default (``recipes/training.py``
-    ``default_fused``: fused where every parameter is on a GPU, torch's own choice elsewhere). The planner sits beside
-    the recipes and cannot import them: the rule is read here from the same config. Fused and foreach steps differ by
-    several times on a GPU (one kernel over all tensors against a launch per tensor group)."""
-    init = ((cfg.get("model") or {}).get("init_args") or {})
-    foreach, fused = init.get("optimizer_foreach"), init.get("optimizer_fused")
-    if fused is None and not foreach:
-        fused = True if device.type == "cuda" else None
-    return {"foreach": foreach, "fused": fused}
-
-
 def measure_optimizer(module: nn.Module | list[torch.Tensor], device: torch.device, warmup: int, repeats: int,
                       implementation: dict | None = None) -> dict:
     """An AdamW step and ``zero_grad`` as the recipes run them (fp32 state; ``implementation``: the ``foreach``/
-    ``fused`` arguments, ``optimizer_implementation``'s answer; None: torch's default), on ``module``'s parameters or
+    ``fused`` arguments, the registered recipe's answer, ``RecipeCosts.optimizer``; None: torch's default), on ``module``'s parameters or
     on a list of tensors shaped like a whole model's: seconds per step and per parameter (the host's per-tensor
     launches are part of it, which is why the whole model's tensor list is timed)."""
     implementation = dict(implementation or {})

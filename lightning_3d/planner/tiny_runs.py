@@ -16,15 +16,15 @@ from collections.abc import Mapping
 import torch
 
 from lightning_3d.costs import TinyModel
-from lightning_3d.planner.timing import measure_optimizer, optimizer_implementation
+from lightning_3d.planner.timing import measure_optimizer
 
 #: timed steps of each in-situ run (``tiny_runs``)
 IN_SITU_STEPS = 10
 
 
 def tiny_runs(tiny: TinyModel, deep_args: dict, device: torch.device, precision: str, microbatches: int, warmup: int,
-              steps: int, in_situ: bool,
-              fuse_gradients: bool | str) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]], dict]:
+              steps: int, in_situ: bool, fuse_gradients: bool | str, adamw: dict | None = None
+              ) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]], dict]:
     """The tiny models' timed steps for ``measure_overheads``: the one-layer model (``tiny.model_args``) at 1 and
     ``microbatches`` micro-batches, and (``in_situ``) the tiny widths at the real depth (``deep_args``) without and
     with checkpointing; and the steps' tails (``train_tiny``'s ``tails_out``) of the one-layer model (``tail_seconds``) and of the deep ones
@@ -50,7 +50,7 @@ def tiny_runs(tiny: TinyModel, deep_args: dict, device: torch.device, precision:
                 # differed by tens of per cent between two profiles of the same tiny model on one machine).
                 deep[rc] = train_tiny(tiny, dict(deep_args, activation_checkpointing=rc), tiny.data_args, device,
                                       precision, microbatches, 3, IN_SITU_STEPS, fuse_gradients,
-                                      optimizer_out=None if rc else deep_optimizer, tails_out=deep_tails)
+                                      optimizer_out=None if rc else deep_optimizer, tails_out=deep_tails, adamw=adamw)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -65,7 +65,8 @@ def tiny_runs(tiny: TinyModel, deep_args: dict, device: torch.device, precision:
 
 def train_tiny(tiny: TinyModel, model_args: Mapping, data_args: Mapping, device: torch.device, precision: str,
                microbatches: int, warmup: int, steps: int, fuse_gradients: bool | str = "auto", samples: int = 1,
-               optimizer_out: dict | None = None, tails_out: dict | None = None) -> dict[int, list[float]]:
+               optimizer_out: dict | None = None, tails_out: dict | None = None,
+               adamw: dict | None = None) -> dict[int, list[float]]:
     """Seconds of each timed step (GPU-synchronised batch start to end) of a model of the recipe ``tiny`` belongs to
     (``tiny.build(model_args, data_args, ...)``: the tiny model's own arguments, or others), per micro-batch count
     (1 and ``microbatches``, each of ``samples`` sequences). ``optimizer_out``: filled with ``measure_optimizer``'s
@@ -106,7 +107,7 @@ def train_tiny(tiny: TinyModel, model_args: Mapping, data_args: Mapping, device:
     flushed = device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         _fit_tiny(tiny, model_args, data_args, device, accelerator, precision, microbatches, warmup, steps, Timer,
-                  fuse_gradients, samples, optimizer_out)
+                  fuse_gradients, samples, optimizer_out, adamw)
     finally:
         if flushed:
             torch.set_flush_denormal(False)
@@ -114,7 +115,7 @@ def train_tiny(tiny: TinyModel, model_args: Mapping, data_args: Mapping, device:
 
 
 def _fit_tiny(tiny, model_args, data_args, device, accelerator, precision, microbatches, warmup, steps, Timer,
-              fuse_gradients="auto", samples=1, optimizer_out=None) -> None:
+              fuse_gradients="auto", samples=1, optimizer_out=None, adamw=None) -> None:
     import lightning.pytorch as pl
 
     from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
@@ -132,7 +133,7 @@ def _fit_tiny(tiny, model_args, data_args, device, accelerator, precision, micro
                                  default_root_dir=tmp, callbacks=[Timer(m)])
             trainer.fit(model, datamodule=data)
             if optimizer_out is not None and m == microbatches:
-                optimizer_out.update(measure_optimizer(model, device, 2, 5, optimizer_implementation({}, device)))
+                optimizer_out.update(measure_optimizer(model, device, 2, 5, adamw))
             del trainer, model, data
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_3d.costs import ModelShape, RecipeCosts, TinyModel, register_recipe
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.recipes.gpt.model import Block, Embedding, LMHead
+from lightning_3d.recipes.training import adamw_arguments
 
 CLASS_PATHS = ("lightning_3d.recipes.GPT", "lightning_3d.recipes.gpt.GPT", "lightning_3d.recipes.gpt.module.GPT")
 # tie_embeddings: the planner counts a tied head once where one stage holds it (ModelShape.tied_embeddings)
@@ -89,4 +90,4 @@ TINY = TinyModel(dict(preset_name="tiny", vocab_size=512, seq_length=64, num_lay
                  dict(vocab_size=512, seq_length=64), build_tiny, tiny_at_depth)
 
 register_recipe(CLASS_PATHS, RecipeCosts(workload, layers, tensor_parallel, shape=shape_of, config_types=(GPTConfig,),
-                                         tiny=TINY))
+                                         tiny=TINY, optimizer=adamw_arguments))

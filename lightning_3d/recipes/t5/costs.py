@@ -17,6 +17,7 @@ from lightning_3d.recipes.data.span_corruption import span_lengths
 from lightning_3d.recipes.gpt.model import LMHead
 from lightning_3d.recipes.t5.config import T5Config, preset
 from lightning_3d.recipes.t5.model import DecoderBlock, EncoderBlock, RMSNorm, position_bias
+from lightning_3d.recipes.training import adamw_arguments
 
 CLASS_PATHS = ("lightning_3d.recipes.T5", "lightning_3d.recipes.t5.T5", "lightning_3d.recipes.t5.module.T5")
 # tie_embeddings: the planner counts a tied head once where one stage holds it (ModelShape.tied_embeddings)
@@ -97,4 +98,5 @@ def tiny_at_depth(model_args: dict, shape: ModelShape) -> dict:
 TINY = TinyModel(dict(preset_name="tiny", vocab_size=512, num_layers=1, num_decoder_layers=1),
                  dict(vocab_size=512, input_length=32, target_length=16), build_tiny, tiny_at_depth)
 
-register_recipe(CLASS_PATHS, RecipeCosts(workload, layers, shape=shape_of, config_types=(T5Config,), tiny=TINY))
+register_recipe(CLASS_PATHS, RecipeCosts(workload, layers, shape=shape_of, config_types=(T5Config,), tiny=TINY,
+                                         optimizer=adamw_arguments))
