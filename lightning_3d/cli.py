@@ -370,8 +370,7 @@ def main(args: ArgsType = None) -> None:
     argv = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else None
     if argv and argv[0] in ("profile", "plan"):  # `lightning-3d profile|plan ...` (docs/planner.md)
         import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
-        from lightning_3d.planner.api import plan_main
-        from lightning_3d.planner.profile import profile_main
+        from lightning_3d.planner import plan_main, profile_main
 
         (profile_main if argv[0] == "profile" else plan_main)(argv[1:])
         return

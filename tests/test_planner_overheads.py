@@ -187,12 +187,14 @@ def test_a_tiny_steps_tail_is_timed_once_per_step_inside_the_step() -> None:
     profiler's timer under the strategy's engine."""
     import torch
 
-    from lightning_3d.planner.profile import _TINY, _train_tiny
+    import lightning_3d.recipes  # noqa: F401
+    from lightning_3d.costs import recipe_costs
+    from lightning_3d.planner import train_tiny
 
-    module, data, model_args, data_args = _TINY["gpt"]
+    tiny = recipe_costs("lightning_3d.recipes.GPT").tiny
     tails: dict = {}
-    steps = _train_tiny(module, data, dict(model_args, num_layers=2, activation_checkpointing=True), data_args, "gpt",
-                        torch.device("cpu"), "32-true", 3, 1, 3, tails_out=tails)
+    steps = train_tiny(tiny, dict(tiny.model_args, num_layers=2, activation_checkpointing=True), tiny.data_args,
+                       torch.device("cpu"), "32-true", 3, 1, 3, tails_out=tails)
     assert sorted(tails) == sorted(steps) == [1, 3]
     for m in (1, 3):
         assert len(tails[m]) == len(steps[m]) == 3
@@ -203,7 +205,7 @@ def test_the_step_seconds_per_block_come_from_the_tails_of_the_tiny_steps() -> N
     """The medians of the steps' tails (last backward to the step's end), each less its model's optimizer step: the
     deep model's excess over the one-layer model's, per block beyond the tiny model's."""
     from lightning_3d.costs import ModelShape
-    from lightning_3d.planner.profile import step_seconds_at_depth
+    from lightning_3d.planner import step_seconds_at_depth
 
     tiny = ModelShape(family="gpt", num_layers=1, hidden_size=128, num_heads=4, ffn_hidden_size=512, vocab_size=512)
     real = ModelShape(family="gpt", num_layers=25, hidden_size=1024, num_heads=16, ffn_hidden_size=4096,
@@ -282,7 +284,7 @@ def test_in_situ_floor_holds_for_eager_blocks_only() -> None:
 
 
 def test_marginal_layer_time_is_clamped_to_one_call() -> None:
-    from lightning_3d.planner.profile import _marginal
+    from lightning_3d.planner.timing import marginal as _marginal
 
     assert _marginal(1.0, 2.6, 3) == pytest.approx(0.8)  # T(1) = 0.2 fixed + 0.8, T(3) = 0.2 + 2.4
     assert _marginal(1.0, 0.9, 3) == 0.0  # noise: T(3) < T(1)
@@ -302,7 +304,7 @@ def test_the_microbatch_overhead_prices_the_layers_by_the_max_rule() -> None:
 
 def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) -> None:
     import lightning_3d.recipes  # noqa: F401
-    from lightning_3d.planner.profile import profile_model
+    from lightning_3d.planner import profile_model
 
     cfg = {"trainer": {"precision": "32-true"},
            "model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "vocab_size": 512,
@@ -422,7 +424,7 @@ def test_validation_suites_are_the_sizes_the_issue_asks() -> None:
 
 def test_compiled_grids_profiled_alone_join_an_eager_profile(monkeypatch) -> None:
     import lightning_3d.recipes  # noqa: F401
-    from lightning_3d.planner.profile import profile_model
+    from lightning_3d.planner import profile_model
 
     monkeypatch.setenv("L3D_COMPILE_BACKEND", "aot_eager")  # the recipes' switch: no C++ build on CI
     cfg = {"trainer": {"precision": "32-true"},
@@ -508,7 +510,7 @@ def test_in_situ_host_layers_are_checked_by_name() -> None:
 
 def test_the_in_situ_scale_solves_the_depth_equations() -> None:
     from lightning_3d.costs import ModelShape
-    from lightning_3d.planner.profile import host_layers_in_situ
+    from lightning_3d.planner import host_layers_in_situ
 
     tiny = ModelShape("gpt", 1, 64, 2, 256, 512)
     real = ModelShape("gpt", 24, 1024, 16, 4096, 50304)
@@ -660,7 +662,7 @@ def test_the_overheads_train_and_profile_the_tiny_model_with_the_profiles_fusion
     import torch
 
     import lightning_3d.strategies.compressed_3d as c3d
-    from lightning_3d.planner.profile import measure_overheads
+    from lightning_3d.planner import measure_overheads
 
     built = []
 
@@ -691,7 +693,7 @@ def test_the_fresh_process_past_its_timeout_is_ended_and_the_error_raised(monkey
 
     import torch
 
-    import lightning_3d.planner.profile as prof
+    import lightning_3d.planner.overheads as prof
     from lightning_3d.costs import ModelShape
 
     monkeypatch.setattr(prof, "FRESH_PROCESS_TIMEOUT_S", 0.5)
@@ -708,20 +710,24 @@ def test_the_fresh_process_past_its_timeout_is_ended_and_the_error_raised(monkey
 def test_the_fresh_interpreter_does_not_run_the_callers_main_module(tmp_path) -> None:
     """A script that profiles without an ``if __name__ == "__main__":`` guard runs once: the tiny models' process is a
     new interpreter, not a multiprocessing worker that would import the script again. Its failure (here an unknown
-    model class, so that nothing trains) comes back as an error with the worker's own message."""
+    preset of the registered GPT recipe's tiny model, so that nothing trains) comes back as an error with the worker's
+    own message."""
     script = tmp_path / "unguarded.py"
     marker = tmp_path / "runs.txt"
     script.write_text(f"""
+from dataclasses import replace
 import torch
-import lightning_3d.planner.profile as prof
+import lightning_3d.recipes
+import lightning_3d.planner.overheads as prof
+from lightning_3d.costs import recipe_costs
 with open({str(marker)!r}, "a") as f:
     f.write("run\\n")
-args = ("no_such_package.Model", "no_such_package.Data", {{}}, {{}}, {{}}, "gpt", torch.device("cpu"), "32-true", 2, 0,
-        1, True, False)
+tiny = replace(recipe_costs("lightning_3d.recipes.GPT").tiny, model_args={{"preset_name": "no_such_preset"}})
+args = (tiny, {{}}, torch.device("cpu"), "32-true", 2, 0, 1, True, False)
 try:
     prof._tiny_runs_in_fresh_interpreter(args)
 except RuntimeError as error:
-    assert "the tiny models' process exited with 1" in str(error) and "no_such_package" in str(error), error
+    assert "the tiny models' process exited with 1" in str(error) and "no_such_preset" in str(error), error
 else:
     raise AssertionError("no error")
 """)

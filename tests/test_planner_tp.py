@@ -96,7 +96,7 @@ def test_a_measured_tp_grids_host_time_is_its_own_floor() -> None:
 
 
 def test_tp_degrees_are_the_powers_of_two_that_divide_the_heads() -> None:
-    from lightning_3d.planner.profile import tp_degrees
+    from lightning_3d.planner import tp_degrees
 
     shape = ModelShape.__new__(ModelShape)
     base = json.loads(PROFILE.read_text())["model"]
@@ -109,7 +109,7 @@ def test_tp_degrees_are_the_powers_of_two_that_divide_the_heads() -> None:
 
 def test_the_profiler_measures_tp_blocks_across_processes_on_cpu() -> None:
     import lightning_3d.recipes  # noqa: F401
-    from lightning_3d.planner.profile import measure_tp_layers
+    from lightning_3d.planner import measure_tp_layers
 
     cfg = {"trainer": {"precision": "32-true"},
            "model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "vocab_size": 512}},
@@ -187,7 +187,7 @@ def test_a_configuration_starts_only_with_its_launch_and_steps_left(monkeypatch)
 def test_measuring_processes_past_their_deadline_are_stopped() -> None:
     import time
 
-    from lightning_3d.planner.profile import _spawn
+    from lightning_3d.planner.multi_gpu import _spawn
 
     t0 = time.monotonic()
     # time.sleep(rank): the last of three ranks sleeps 2 s, past a 0.3 s deadline (its start alone takes longer).
@@ -197,7 +197,7 @@ def test_measuring_processes_past_their_deadline_are_stopped() -> None:
 
 
 def test_a_noisy_chains_single_timing_loses_the_median_fixed_cost() -> None:
-    from lightning_3d.planner.profile import _subtract_fixed
+    from lightning_3d.planner.timing import subtract_fixed as _subtract_fixed
 
     grid = {"forward": [[1.0e-3], [0.2e-3], [5.0e-3]], "backward": [[2.0e-3], [0.1e-3], [6.0e-3]]}
     fixed = {"forward": [0.3e-3, 0.5e-3, 0.4e-3], "backward": [0.2e-3]}

@@ -2,7 +2,7 @@
 trained as the recipes train it (fp32 weights, bf16 autocast, AdamW):
 
 1. ``profile``: the cost model. ``--profile measure`` runs ``lightning-3d profile``'s measurement
-   (``lightning_3d.planner.profile.profile_model``, the planner's own file format) over a grid of micro-batch sizes
+   (``lightning_3d.planner.profile_model``, the planner's own file format) over a grid of micro-batch sizes
    and lengths that covers what the planner asks for, and writes it to ``$OUT/profile_<preset>.json``;
    ``--profile PATH`` reads one; ``--profile none`` plans with the analytic model.
 2. ``accuracy``: over ``--batches`` random global batches of a long-tailed length mix (``--tokens`` each), the plan's
@@ -162,7 +162,7 @@ def get_profile(args, shape, vocab: int):
         return default_cost_model(shape), None
     if args.profile != "measure":
         return ProfiledCostModel(args.profile), None
-    from lightning_3d.planner.profile import profile_model
+    from lightning_3d.planner import profile_model
 
     config = {"model": {"class_path": "lightning_3d.recipes.GPT",
                         "init_args": {"preset_name": args.preset, "vocab_size": vocab, "seq_length": args.max_seq_len}},

@@ -200,7 +200,7 @@ def cost_model_for(args, module, shape):
         return default_cost_model(shape)
     if args.profile != "measure":
         return ProfiledCostModel(args.profile)
-    from lightning_3d.planner.profile import profile_model
+    from lightning_3d.planner import profile_model
 
     path = "lightning_3d.recipes.GPT" if args.model == "gpt" else "lightning_3d.recipes.T5"
     init = {"preset_name": args.preset, "vocab_size": module.config.vocab_size}

@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from lightning_3d.planner.profile import _TINY, _train_tiny  # noqa: E402
+import lightning_3d.recipes  # noqa: E402,F401  (registers the GPT recipe and its tiny model)
+from lightning_3d.costs import recipe_costs  # noqa: E402
+from lightning_3d.planner import train_tiny  # noqa: E402
 from lightning_3d.recipes.gpt.config import PRESETS  # noqa: E402
 
 MICROBATCHES = 4  # as the profiler's in-situ run
@@ -68,8 +70,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     fusion = {"auto": "auto", "true": True, "false": False}[ns.fusion]
     depth = ns.layers or PRESETS[ns.preset].num_layers
-    module, data, tiny_args, tiny_data = _TINY["gpt"]
-    models = {"tiny": (dict(tiny_args, num_layers=depth), tiny_data),
+    tiny = recipe_costs("lightning_3d.recipes.GPT").tiny
+    models = {"tiny": (dict(tiny.model_args, num_layers=depth), tiny.data_args),
               "full": (dict(preset_name=ns.preset, vocab_size=ns.vocab_size, num_layers=depth),
                        dict(vocab_size=ns.vocab_size, seq_length=ns.seq_length))}
     warnings.simplefilter("ignore")
@@ -79,8 +81,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in ns.models:
         model_args, data_args = models[name]
         for b in ns.sizes:
-            step_s = _train_tiny(module, data, model_args, data_args, "gpt", device, precision, MICROBATCHES,
-                                 ns.warmup, ns.steps, fusion, samples=b)
+            step_s = train_tiny(tiny, model_args, data_args, device, precision, MICROBATCHES, ns.warmup, ns.steps,
+                                fusion, samples=b)
             mb, one, many = per_microbatch(step_s)
             rows.append({"model": name, "layers": depth, "microbatch_size": b, "per_microbatch_s": mb,
                          "step_1_s": one, f"step_{MICROBATCHES}_s": many,

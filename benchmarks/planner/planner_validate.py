@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import lightning_3d.recipes  # noqa: E402,F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import ClusterSpec, ModelShape, ProfiledCostModel, recipe_costs  # noqa: E402
-from lightning_3d.planner.model import Candidate, Workload, predict, simulate_candidate  # noqa: E402
-from lightning_3d.planner.profile import measure_tp_layers, profile_model  # noqa: E402
+from lightning_3d.planner import (Candidate, Workload, measure_tp_layers, predict, profile_model,  # noqa: E402
+                                  simulate_candidate)
 
 
 @dataclass(frozen=True)
@@ -494,7 +494,7 @@ def _print_summary(report: dict) -> None:
 def breakdown(c: Candidate, w: Workload) -> dict:
     """One micro-batch of a one-stage candidate, term by term (seconds): the layers' device spans, their host times,
     the host floor the model takes, the per-micro-batch overhead; and the step's fixed terms."""
-    from lightning_3d.planner.model import layer_terms
+    from lightning_3d.planner import layer_terms
 
     out = layer_terms(c.microbatch_size, c.tp, c.stage_checkpointing[0], w)
     return {k: round(v * 1e3, 3) for k, v in out.items()}

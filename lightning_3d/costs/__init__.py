@@ -13,11 +13,12 @@ from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_
 from lightning_3d.costs.model import CostModel, DeviceSpec, LayerKind, ModelShape
 from lightning_3d.costs.profiled import (PROFILE_FORMAT, PROFILE_VERSION, READABLE_VERSIONS, ProfiledCostModel, check_profile,
                                         new_profile)
-from lightning_3d.costs.shapes import RECIPES, RecipeCosts, model_shape, recipe_costs, register_recipe
+from lightning_3d.costs.registry import CONFIGS, RECIPES, RecipeCosts, TinyModel, model_shape, recipe_costs, register_recipe
 
 __all__ = [
     "AnalyticCostModel", "ClusterSpec", "CostModel", "DeviceSpec", "KNOWN_DEVICES", "LayerKind", "ModelShape",
     "layer_host_time", "microbatch_overhead", "stage_pass_seconds",
     "PROFILE_FORMAT", "PROFILE_VERSION", "READABLE_VERSIONS", "ProfiledCostModel", "check_profile", "device_spec", "layer_parameters",
-    "model_shape", "new_profile", "RECIPES", "RecipeCosts", "recipe_costs", "register_recipe", "weight_matrices",
+    "model_shape", "new_profile", "CONFIGS", "RECIPES", "RecipeCosts", "TinyModel", "recipe_costs", "register_recipe",
+    "weight_matrices",
 ]

@@ -140,7 +140,7 @@ class ProfiledCostModel:
         self.step_overhead_seconds = float(overheads.get("step_seconds") or 0.0)
         #: how the step's own seconds grow per block a rank holds beyond ``step_overhead_blocks`` (the tiny model's
         #: blocks, where ``step_overhead_seconds`` was measured): the tiny widths at the real depth measure it
-        #: (``planner.profile.step_seconds_at_depth``); 0 where a profile lacks it
+        #: (``planner.overheads.step_seconds_at_depth``); 0 where a profile lacks it
         self.step_overhead_per_block_seconds = float(overheads.get("step_seconds_per_block") or 0.0)
         self.step_overhead_blocks = int(overheads.get("step_blocks") or 0)
         #: per block kind, the host's seconds to issue the layer inside the training loop (the profiler's tiny model
@@ -268,7 +268,7 @@ def _in_situ_terms(overheads: dict, shape: ModelShape) -> dict[str, dict[str, fl
     """The in-situ host seconds per block kind (``overheads.host_layers``), re-derived from the stored seconds of the
     tiny models where the profile holds them (``costs.host.in_situ_host_layers``: the loop scales as measured).
     Profiles written before that rule clamped the scales at 1 and did not store the isolated times: those are the
-    stored terms over their scales, and the tiny model had one block of each kind (the profiler's ``_TINY``)."""
+    stored terms over their scales, and the tiny model had one block of each kind (the recipe's ``RecipeCosts.tiny``)."""
     stored = {k: {q: float(v[q]) for q in IN_SITU_PASSES} for k, v in (overheads.get("host_layers") or {}).items()}
     seconds, scales = overheads.get("host_microbatch_seconds"), overheads.get("host_scale")
     if not stored or not seconds or not scales:

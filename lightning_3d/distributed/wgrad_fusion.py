@@ -13,6 +13,10 @@ A fused layer's weight gets its gradient from a custom op called in the layer's 
 as one opaque call inside a compiled block. The op keeps autograd's contract: it writes into ``weight.grad`` (the
 weight's slot of its bucket, once the synchronizer owns the layer), assigning when ``grad`` is None and adding
 otherwise, and then tells the synchronizer that the gradient moved, as a post-accumulate-grad hook would.
+
+Outside the strategies, code uses three functions: ``check_fusion_mode`` (the setting's validation),
+``fuse_standalone`` (a module's layers fused as the strategy would, with slots of their own) and
+``unfuse_gradient_accumulation`` (undo it); the rest is the strategy's machinery.
 """
 
 from __future__ import annotations
@@ -240,3 +244,17 @@ def unfuse_gradient_accumulation(weights: Iterable[nn.Parameter]) -> None:
         if type(owner) is FusedGradLinear:
             del owner.grad_slot  # the non-persistent buffer fuse_gradient_accumulation registered
             owner.__class__ = nn.Linear
+
+
+def fuse_standalone(module: nn.Module, mode: bool | str, name: str = "gradient_accumulation_fusion") -> list[nn.Parameter]:
+    """Fuse the layers of ``module`` that ``gradient_accumulation_fusion=mode`` fuses (``fusable_linears``, then
+    ``choose_fused``), each weight with an fp32 gradient slot of its own and no synchronizer: the layers as the
+    strategy trains them, for code that runs them outside a strategy (the planner's profiler times them one at a
+    time). ``name``: the caller's argument, for the message when ``mode`` is invalid. Returns the fused weights, for
+    ``unfuse_gradient_accumulation`` once done. The module must be on its final device first (a slot is a tensor on
+    it, keyed by its address)."""
+    check_fusion_mode(mode, name)
+    weights = fuse_gradient_accumulation(choose_fused(fusable_linears(module), mode)[0])
+    for w in weights:
+        register_slot(w, torch.zeros_like(w), None)
+    return weights

@@ -194,6 +194,17 @@ def default_fused(params: list[Tensor]) -> bool | None:
     return True if params and all(p.device.type == "cuda" for p in params) else None
 
 
+def adamw_arguments(model_args: dict, device: torch.device) -> dict[str, bool | None]:
+    """The ``foreach``/``fused`` arguments of the AdamW a recipe module built with ``model_args`` takes when its
+    parameters are on ``device``: its ``optimizer_foreach``/``optimizer_fused``, else ``default_fused``'s rule.
+    Registered as the recipes' ``RecipeCosts.optimizer``, so that the planner's profiler times this implementation
+    (fused and foreach steps differ by several times on a GPU)."""
+    foreach, fused = model_args.get("optimizer_foreach"), model_args.get("optimizer_fused")
+    if fused is None and not foreach:
+        fused = True if device.type == "cuda" else None
+    return {"foreach": foreach, "fused": fused}
+
+
 def adamw_warmup_cosine(module: pl.LightningModule, decays: Callable[[str, Tensor], bool]) -> dict[str, Any]:
     """AdamW with weight decay where ``decays(name, param)``; linear warm-up, then cosine decay to
     ``min_learning_rate`` over ``decay_steps`` (default: the trainer's ``max_steps``). Reads the module's hparams."""

@@ -1,6 +1,7 @@
 """How the planner and the profiler read the GPT recipe (registered with ``lightning_3d.costs.register_recipe``):
-a training config's model and data sections as a ``ModelShape`` and sequence length, and the recipe's own layers
-(embedding, ``Block``, final norm + head + loss) as modules the profiler times one at a time (docs/planner.md)."""
+a training config's model and data sections as a ``ModelShape`` and sequence length, a ``GPTConfig`` as a
+``ModelShape``, the recipe's own layers (embedding, ``Block``, final norm + head + loss) as modules the profiler times
+one at a time, and the tiny model it trains for the step's overheads (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_3d.costs import ModelShape, RecipeCosts, model_shape, register_recipe
+from lightning_3d.costs import ModelShape, RecipeCosts, TinyModel, register_recipe
 from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.recipes.gpt.model import Block, Embedding, LMHead
+from lightning_3d.recipes.training import adamw_arguments
 
 CLASS_PATHS = ("lightning_3d.recipes.GPT", "lightning_3d.recipes.gpt.GPT", "lightning_3d.recipes.gpt.module.GPT")
 # tie_embeddings: the planner counts a tied head once where one stage holds it (ModelShape.tied_embeddings)
@@ -27,9 +29,16 @@ def config_of(model_args: dict, data_args: dict) -> GPTConfig:
     return preset(model_args.get("preset_name", "tiny"), **overrides)
 
 
+def shape_of(config: GPTConfig, bytes_per_element: int = 2, tensor_parallel_size: int = 1) -> ModelShape:
+    """``config`` as the planner's ``ModelShape`` (vocabulary padded for ``tensor_parallel_size``)."""
+    return ModelShape("gpt", config.num_layers, config.hidden_size, config.num_heads, config.ffn_size,
+                      config.padded_vocab_size(tensor_parallel_size), bytes_per_element=bytes_per_element,
+                      tied_embeddings=bool(config.tie_embeddings))
+
+
 def workload(model_args: dict, data_args: dict, bytes_per_element: int) -> tuple[ModelShape, int, None]:
     config = config_of(model_args, data_args)
-    return model_shape(config, bytes_per_element=bytes_per_element), config.seq_length, None
+    return shape_of(config, bytes_per_element), config.seq_length, None
 
 
 def layers(model_args: dict, data_args: dict, shape: ModelShape, device: torch.device) -> dict:
@@ -64,4 +73,21 @@ def tensor_parallel(kind: str, module: nn.Module, mesh) -> bool:
     return True
 
 
-register_recipe(CLASS_PATHS, RecipeCosts(workload, layers, tensor_parallel))
+def build_tiny(model_args: dict, data_args: dict, batch_size: int, num_samples: int):
+    """A ``GPT`` and its synthetic data module (``RecipeCosts.tiny``: the profiler's in-situ runs)."""
+    from lightning_3d.recipes.data.synthetic import SyntheticLMDataModule
+    from lightning_3d.recipes.gpt.module import GPT
+
+    data = SyntheticLMDataModule(batch_size=batch_size, num_samples=num_samples, **data_args)
+    return GPT(**model_args), data
+
+
+def tiny_at_depth(model_args: dict, shape: ModelShape) -> dict:
+    return dict(model_args, num_layers=shape.num_layers)
+
+
+TINY = TinyModel(dict(preset_name="tiny", vocab_size=512, seq_length=64, num_layers=1),
+                 dict(vocab_size=512, seq_length=64), build_tiny, tiny_at_depth)
+
+register_recipe(CLASS_PATHS, RecipeCosts(workload, layers, tensor_parallel, shape=shape_of, config_types=(GPTConfig,),
+                                         tiny=TINY, optimizer=adamw_arguments))

@@ -1,7 +1,8 @@
 """How the planner and the profiler read the T5 recipe (registered with ``lightning_3d.costs.register_recipe``):
 a training config's model and data sections as a ``ModelShape`` with input and target lengths (span corruption's
-target length by T5's rule), and the recipe's own layers (shared embedding, ``EncoderBlock``, ``DecoderBlock``,
-final norm + head + loss) as modules the profiler times one at a time (docs/planner.md)."""
+target length by T5's rule), a ``T5Config`` as a ``ModelShape``, the recipe's own layers (shared embedding,
+``EncoderBlock``, ``DecoderBlock``, final norm + head + loss) as modules the profiler times one at a time, and the
+tiny model it trains for the step's overheads (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_3d.costs import ModelShape, RecipeCosts, model_shape, register_recipe
+from lightning_3d.costs import ModelShape, RecipeCosts, TinyModel, register_recipe
 from lightning_3d.recipes.data.span_corruption import span_lengths
 from lightning_3d.recipes.gpt.model import LMHead
 from lightning_3d.recipes.t5.config import T5Config, preset
 from lightning_3d.recipes.t5.model import DecoderBlock, EncoderBlock, RMSNorm, position_bias
+from lightning_3d.recipes.training import adamw_arguments
 
 CLASS_PATHS = ("lightning_3d.recipes.T5", "lightning_3d.recipes.t5.T5", "lightning_3d.recipes.t5.module.T5")
 # tie_embeddings: the planner counts a tied head once where one stage holds it (ModelShape.tied_embeddings)
@@ -45,8 +47,17 @@ def lengths(data_args: dict) -> tuple[int, int]:
     return seq, int(target)
 
 
+def shape_of(config: T5Config, bytes_per_element: int = 2, tensor_parallel_size: int = 1) -> ModelShape:
+    """``config`` as the planner's ``ModelShape`` (vocabulary padded for ``tensor_parallel_size``; any feed-forward
+    but plain ReLU has two input projections)."""
+    return ModelShape("t5", config.num_layers, config.hidden_size, config.num_heads, config.ffn_hidden_size,
+                      config.padded_vocab_size(tensor_parallel_size), num_decoder_layers=config.decoder_layers,
+                      head_dim=config.head_dim, gated_ffn=config.feed_forward != "relu",
+                      bytes_per_element=bytes_per_element, tied_embeddings=bool(config.tie_embeddings))
+
+
 def workload(model_args: dict, data_args: dict, bytes_per_element: int) -> tuple[ModelShape, int, int]:
-    return (model_shape(config_of(model_args, data_args), bytes_per_element=bytes_per_element), *lengths(data_args))
+    return (shape_of(config_of(model_args, data_args), bytes_per_element), *lengths(data_args))
 
 
 def layers(model_args: dict, data_args: dict, shape: ModelShape, device: torch.device) -> dict:
@@ -71,4 +82,21 @@ def layers(model_args: dict, data_args: dict, shape: ModelShape, device: torch.d
     }
 
 
-register_recipe(CLASS_PATHS, RecipeCosts(workload, layers))
+def build_tiny(model_args: dict, data_args: dict, batch_size: int, num_samples: int):
+    """A ``T5`` and its synthetic data module, the model taking the data's special tokens (``RecipeCosts.tiny``)."""
+    from lightning_3d.recipes.data.synthetic import SyntheticSeq2SeqDataModule
+    from lightning_3d.recipes.t5.module import T5
+
+    data = SyntheticSeq2SeqDataModule(batch_size=batch_size, num_samples=num_samples, **data_args)
+    return T5(**model_args, pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id), data
+
+
+def tiny_at_depth(model_args: dict, shape: ModelShape) -> dict:
+    return dict(model_args, num_layers=shape.num_layers, num_decoder_layers=shape.num_decoder_layers)
+
+
+TINY = TinyModel(dict(preset_name="tiny", vocab_size=512, num_layers=1, num_decoder_layers=1),
+                 dict(vocab_size=512, input_length=32, target_length=16), build_tiny, tiny_at_depth)
+
+register_recipe(CLASS_PATHS, RecipeCosts(workload, layers, shape=shape_of, config_types=(T5Config,), tiny=TINY,
+                                         optimizer=adamw_arguments))
