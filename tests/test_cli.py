@@ -236,9 +236,9 @@ def test_cli_errors_are_short_with_did_you_mean(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--trainer.strategy.init_args.data_parallel_size=two"],
-     "lightning-3d fit: error: trainer.strategy.init_args.data_parallel_size='two' is not accepted: it must be an"
-     " integer or 'auto' (e.g. --trainer.strategy.init_args.data_parallel_size=2)."),
+    (["--trainer.strategy.init_args.parallelism.data_parallel_size=two"],
+     "lightning-3d fit: error: trainer.strategy.init_args.parallelism.data_parallel_size='two' is not accepted: it must"
+     " be an integer or 'auto' (e.g. --trainer.strategy.init_args.parallelism.data_parallel_size=2)."),
     (["--trainer.accelerator=gpu"], "lightning-3d fit: error: trainer.accelerator='gpu', but this machine has no usable"
      " CUDA GPU"),
     (["--trainer.precision=16-mixed"], "lightning-3d fit: error: trainer.precision='16-mixed' (fp16 with loss scaling)"
@@ -288,14 +288,14 @@ def test_help_names_every_command_the_configs_and_the_strategy_options(capsys):
     assert "lightning-3d fit --trainer.strategy.help Compressed3DStrategy" in head, head
     with pytest.raises(SystemExit):
         main(["fit", "--trainer.strategy.help", "Compressed3DStrategy"])
-    assert "--trainer.strategy.pipeline_parallel_size" in capsys.readouterr().out
+    assert "--trainer.strategy.parallelism.pipeline_parallel_size" in capsys.readouterr().out
 
 
 def test_dynamic_microbatching_in_a_pipeline_validates_with_the_default_budget(tmp_path):
     """The config header's `--data.microbatching=dynamic` at pp = 2, no memory_budget_gb (derived from the device),
     through a validation (whose batches carry the planned training order) and with the analytic-cost warning once."""
     fit = lightning_3d("fit", "--config", "gpt_multitask_tiny", "--data.microbatching=dynamic", "--trainer.devices=2",
-                       "--trainer.strategy.pipeline_parallel_size=2", f"--data.cache_dir={tmp_path / 'cache'}",
+                       "--trainer.strategy.parallelism.pipeline_parallel_size=2", f"--data.cache_dir={tmp_path / 'cache'}",
                        "--data.num_samples=400", "--trainer.max_steps=3", "--trainer.val_check_interval=2",
                        "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}", cwd=tmp_path)
     out = fit.stdout + fit.stderr
