@@ -159,8 +159,7 @@ def _distribution(requirement: str) -> str:
 
 
 def test_declared_dependencies_are_what_the_package_imports():
-    """Every third-party module the package imports (at any depth) is declared, and nothing else is, except
-    jsonargparse[signatures], which LightningCLI needs but the package never imports."""
+    """Every third-party module the package imports (at any depth) is declared, and nothing else is."""
     import tomllib
     from importlib import metadata
 
@@ -175,7 +174,7 @@ def test_declared_dependencies_are_what_the_package_imports():
     owners = metadata.packages_distributions()
     imported = {owners[m][0].lower().replace("_", "-") for m in modules - set(sys.stdlib_module_names) - {"lightning_3d"}}
     assert imported <= declared, imported - declared
-    assert declared - imported == {"jsonargparse"}, declared - imported
+    assert declared - imported == set(), declared - imported
 
 
 def test_install_order_extras_and_notebook_list():
