@@ -35,6 +35,7 @@ from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.strategies import checkpoint as ckpt
 from lightning_3d.strategies.comm_metrics import log_job_communication
+from lightning_3d.strategies.cb_link import restore_cb_record
 from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.fit_check import check_fit, check_memory_option, read_workload
 from lightning_3d.strategies.gc_control import GarbageCollection
@@ -146,7 +147,7 @@ class Compressed3DStrategy(ParallelStrategy):
         bucket_size_mb: float = 25.0,
         gradient_accumulation_fusion: bool | Literal["auto"] = "auto",
         compression: bool = True,
-        compressed_backprop: bool = True,
+        compressed_backprop: bool | Literal["auto"] = "auto",
         cb_rank: int = 16,
         cb_epilogue_only: bool = True,
         cb_min_compression_ratio: float = 2.0,
@@ -177,6 +178,7 @@ class Compressed3DStrategy(ParallelStrategy):
         gc_interval: int | None = 50,
         gc_freeze: bool = True,
         cuda_graphs: bool = False,
+        cb_max_link_gbps: float = 100.0,
     ) -> None:
         # Every check here runs on every rank before any process group exists.
         options = resolve_options(
@@ -196,7 +198,7 @@ class Compressed3DStrategy(ParallelStrategy):
             compression, compressed_backprop, cb_rank, cb_epilogue_only, cb_min_compression_ratio, cb_lazy_error_propagation, sc_rank,
             sc_warmup, sc_min_compression_ratio, sc_matmul_precision, sc_max_link_gbps,
             list(compressed_stages) if compressed_stages is not None else None,
-            fused_embedding_sync, compression_seed,
+            fused_embedding_sync, compression_seed, cb_max_link_gbps,
         )
         self.compression.validate(pipeline_parallel_size)
         self.options = options
@@ -488,7 +490,7 @@ class Compressed3DStrategy(ParallelStrategy):
         """``weights_only`` changes nothing: loading never unpickles code, whatever it says."""
         return self.checkpoints.load(checkpoint_path, self.lightning_module, self.optimizers, self.global_rank,
                                      self.is_global_zero, self._layout_key(), self.root_device,
-                                     self.restore_compression_record, self.compressed_backprop)
+                                     self.restore_compression_record, lambda: self.compressed_backprop)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         self.checkpoints.remove(filepath, self.is_global_zero)
@@ -503,7 +505,10 @@ class Compressed3DStrategy(ParallelStrategy):
 
     def restore_compression_record(self, record: dict[str, Any] | None) -> None:
         """Resume with the link measurement the checkpointed run decided by, not this run's own (load happens after
-        setup, so the gradient synchronizer and SC built from this run's measurement are rebuilt if it differs)."""
+        setup, so the gradient synchronizer and SC, or CB's codec, built from this run's measurement are rebuilt if it
+        differs)."""
+        if restore_cb_record(self.compression_state, self.dims, record):
+            self.engine.install_codec()  # before the checkpoint's per-rank CB state is loaded into it
         if not self.compression_state.restore_record(self.dims, record):
             return
         self.engine.build_grad_sync()
