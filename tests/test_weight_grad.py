@@ -47,8 +47,8 @@ def _grads(model, x, dy, split: bool, microbatches: int = 2):
     input_grad = x.grad.clone()
     hooks_before_w = dict(model.calls) if hasattr(model, "calls") else {}
     for mine in work:
-        for run in mine:
-            run()
+        weight_grad.run_deferred(mine)
+    assert not any(p.grad.requires_grad for p in model.parameters())  # W ran without building a graph
     return input_grad, {n: p.grad.clone() for n, p in model.named_parameters()}, hooks_before_w
 
 

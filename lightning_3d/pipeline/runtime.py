@@ -27,7 +27,7 @@ from lightning_3d.pipeline.rounds import lockstep_rounds
 from lightning_3d.pipeline.schedules import (
     Action, build_forward_only, build_schedule, check_schedule, deferred_weights, mark_epilogue,
 )
-from lightning_3d.pipeline.weight_grad import deferring
+from lightning_3d.pipeline.weight_grad import deferring, run_deferred
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
 
@@ -243,8 +243,7 @@ class PipelineRuntime:
         """W: the weight gradients that ``action``'s B deferred, accumulated as autograd would have."""
         work = self._weight_work.pop((action.stage, action.microbatch), [])
         with self._span("weight", action.stage, action.microbatch):
-            for run in work:
-                run()
+            run_deferred(work)
 
     def _global_terms(self) -> Tensor:
         """The loss terms of this step summed over the data-parallel replicas (waits for their all-reduce)."""

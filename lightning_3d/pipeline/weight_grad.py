@@ -52,6 +52,14 @@ def defer(work: Callable[[], None]) -> bool:
     return True
 
 
+def run_deferred(work: list[Callable[[], None]]) -> None:
+    """W: run what a B deferred, in order. Grad mode off, as inside a backward: the saved inputs require grad, and a
+    product of them taken with grad mode on would put a graph on the gradient (and on its data-parallel bucket)."""
+    with torch.no_grad():
+        for run in work:
+            run()
+
+
 def weight_grad(grad_output: Tensor, saved_input: Tensor) -> Tensor:
     """(out, in) = grad_outputᵀ · input over every leading dimension: one GEMM, the same in B and in W."""
     return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(saved_input.reshape(-1, saved_input.shape[-1]))
