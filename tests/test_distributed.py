@@ -55,8 +55,11 @@ def test_every_layout_and_schedule_matches_single_process_training(world: int, t
             assert {r["schedule"] for r in results if (r["dp"], r["pp"], r["tp"]) == layout} >= expected_schedules
     zero_bubble = [r for r in results if r["schedule"] == "zb_h1"]
     assert all(r["w_ran"] == 1.0 for r in zero_bubble), zero_bubble  # split backwards ran (W actions) on ranks > 0
-    # fused layers split themselves; with fusion off the plain nn.Linear layers became split layers
-    assert all(r["split_layers"] > 0 if r.get("fusion") is False else r["fused_layers"] > 0 for r in zero_bubble)
+    # fused layers split themselves; with fusion off the plain nn.Linear layers became split layers; tensor-parallel
+    # (DTensor) weights keep their gradients in B (docs/extending.md), and the run is still exact
+    assert all(r["split_layers"] > 0 if r.get("fusion") is False else r["fused_layers"] > 0 for r in zero_bubble
+               if r["tp"] == 1)
+    assert all(r["split_layers"] == r["fused_layers"] == 0 for r in zero_bubble if r["tp"] > 1)
     assert world in (1, 8) or any(r.get("fusion") is False for r in zero_bubble)
     if world == 4:  # zero bubble with CB at full rank (B's sends compressed) and with ZeRO-1, both exact
         cb, sharded = report["zb_cb"], report["zb_sharded"]

@@ -67,7 +67,7 @@ def variants(world: int) -> list[dict]:
                   dict(dp=2, pp=2, tp=1, schedule="interleaved_1f1b", m=4, variable=True),
                   dict(dp=1, pp=2, tp=2, schedule="gpipe", m=4, sp=True, variable=True),
                   # zero bubble: split plain layers whose W feeds the data-parallel buckets, with accumulation
-                  dict(dp=2, pp=2, tp=1, schedule="zb_h1", m=4, fusion=False, variable=True, accumulate=2)]
+                  dict(dp=2, pp=2, tp=1, schedule="zb_h1", m=4, fusion=False, accumulate=2)]
     return extra
 
 
