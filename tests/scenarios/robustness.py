@@ -322,13 +322,14 @@ def cb_link_resume(w: int, workdir: Path, saved_gbps: float, resumed_gbps: float
     full, first, second = LossRecorder(), LossRecorder(), LossRecorder()
     straight = strategy(saved_gbps)
     trainer(straight, 4, [full]).fit(model(), datamodule=resumable_data(8))
+    straight_cb = straight.compressed_backprop is not None  # read now: the next fit releases this run's runtime
     ckpt_dir = workdir / f"cb_link_{saved_gbps:g}"
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)
     trainer(strategy(saved_gbps), 2, [first, saver], enable_checkpointing=True).fit(model(), datamodule=resumable_data(8))
     path = str(next(ckpt_dir.glob("*.ckpt")))
     resumed = strategy(resumed_gbps)
     trainer(resumed, 4, [second]).fit(model(), datamodule=resumable_data(8), ckpt_path=path)
-    return {"straight": full.losses, "resumed": first.losses + second.losses, "straight_cb": straight.compressed_backprop is not None,
+    return {"straight": full.losses, "resumed": first.losses + second.losses, "straight_cb": straight_cb,
             "link": resumed.compression_state.pipeline_link_gbps, "cb": resumed.compressed_backprop is not None}
 
 
