@@ -60,7 +60,7 @@ def test_every_layout_and_schedule_matches_single_process_training(world: int, t
     assert all(r["split_layers"] > 0 if r.get("fusion") is False else r["fused_layers"] > 0 for r in zero_bubble
                if r["tp"] == 1)
     assert all(r["split_layers"] == r["fused_layers"] == 0 for r in zero_bubble if r["tp"] > 1)
-    assert world in (1, 8) or any(r.get("fusion") is False for r in zero_bubble)
+    assert world not in (2, 4) or any(r.get("fusion") is False for r in zero_bubble)  # split plain layers ran
     if world == 4:  # zero bubble with CB at full rank (B's sends compressed) and with ZeRO-1, both exact
         cb, sharded = report["zb_cb"], report["zb_sharded"]
         assert cb["loss_err"] <= TOLERANCE and cb["param_err"] <= TOLERANCE and cb["compressed_sends"] > 0, cb
