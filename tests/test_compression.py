@@ -245,6 +245,8 @@ def test_full_rank_power_step_is_exact_after_a_rank_deficient_warm_start() -> No
         (dict(cb_min_compression_ratio=-1.0), "must be >= 0"),
         (dict(sc_matmul_precision="bf16"), "`sc_matmul_precision='bf16'` must be 'tf32'"),
         (dict(sc_max_link_gbps=0), r"`sc_max_link_gbps=0` must be a bandwidth in GB/s > 0"),
+        (dict(cb_max_link_gbps=-5.0), r"`cb_max_link_gbps=-5.0` must be a bandwidth in GB/s > 0"),
+        (dict(compressed_backprop="yes"), r"`compressed_backprop='yes'` must be 'auto' .*True \(always\) or False"),
     ],
 )
 def test_bad_compression_options(kwargs: dict, message: str) -> None:
@@ -350,3 +352,68 @@ def test_cb_state_ignores_a_nonfinite_gradient() -> None:
     assert torch.equal(codec.q_memory[(1, 0)], q) and torch.equal(codec.errors[(1, 0)], error)
     codec.encode(g, key)  # and the next finite gradient compresses from that state
     assert torch.isfinite(codec.q_memory[(1, 0)]).all() and torch.isfinite(codec.errors[(1, 0)]).all()
+
+
+def test_cb_by_default_only_below_the_pipeline_link_threshold() -> None:
+    cfg = CompressionConfig()
+    assert cfg.compressed_backprop == "auto" and cfg.cb_max_link_gbps == 100.0
+    assert not cfg.cb_on_link(None)  # never measured: exact
+    assert cfg.cb_on_link(25.0) and not cfg.cb_on_link(100.0) and not cfg.cb_on_link(400.0)  # IB-like / NVLink-like
+    assert CompressionConfig(compressed_backprop=True).cb_on_link(400.0)  # True and False force the choice
+    assert not CompressionConfig(compressed_backprop=False).cb_on_link(1.0)
+    assert CompressionConfig(cb_max_link_gbps=float("inf")).cb_on_link(1e6)
+    assert CompressionConfig(compressed_backprop=True, cb_max_link_gbps=10.0).unused_options(dp=1, pp=2, tied=True) == [
+        "cb_max_link_gbps has no effect: compressed_backprop=True compresses on any link"]
+    assert CompressionConfig(cb_max_link_gbps=10.0).unused_options(dp=1, pp=1, tied=True) == [
+        "cb_max_link_gbps has no effect: compressed backpropagation needs pipeline_parallel_size > 1"]
+
+
+def test_cb_link_decision_is_measured_once_recorded_and_restored(monkeypatch) -> None:
+    """strategies/cb_link.py on a one-process group (the probe replaced): measured only under "auto" with pp > 1,
+    recorded, and a recorded measurement replaces this run's own on resume, saying whether CB flips."""
+    import torch.distributed as dist
+
+    from lightning_3d.strategies import cb_link
+    from lightning_3d.strategies.compression_state import CompressionState
+    from lightning_3d.distributed.parallel_dims import ParallelDims
+    from lightning_3d.utils.comm_stats import CommunicationStats
+
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: None)  # one process: the minimum is itself
+    pp2, pp1 = ParallelDims(1, 2, 1, 2), ParallelDims(1, 1, 1, 1)
+
+    def state(gbps: float, **cfg) -> CompressionState:
+        s = CompressionState(CompressionConfig(**cfg), CommunicationStats(), guard_nonfinite=False)
+        s.probed = 0
+
+        def probe(group, device):
+            s.probed += 1
+            return gbps
+        s.pipeline_link_probe = probe
+        return s
+
+    nvlink, ib = state(400.0), state(20.0)
+    for s in (nvlink, ib):
+        with pytest.warns(UserWarning, match="the pipeline link runs at"):
+            cb_link.measure_pipeline_link(s, pp2, None, torch.device("cpu"))
+        cb_link.measure_pipeline_link(s, pp2, None, torch.device("cpu"))  # once per run
+        assert s.probed == 1
+    assert not cb_link.compresses_backprop(nvlink, pp2) and cb_link.compresses_backprop(ib, pp2)
+    assert nvlink.build_codec(pp2, None, False) is None and ib.build_codec(pp2, None, False) is not None
+    record = nvlink.record(pp2)
+    assert (record["pp_link_gbps"], record["cb_max_link_gbps"], record["cb_on"]) == (400.0, 100.0, False)
+    assert ib.record(pp2)["cb_on"] is True and ib.record(pp2)["pp_link_gbps"] == 20.0
+    # Resumed on a slow link from a run saved on a fast one: keeps the recorded (exact) decision, and says it flips.
+    resumed = state(20.0)
+    resumed.pipeline_link_gbps = 20.0  # its own measurement, taken at setup
+    with pytest.warns(UserWarning, match=r"400.0 GB/s .*recorded in the checkpoint.*off \(exact"):
+        assert cb_link.restore_cb_record(resumed, pp2, nvlink.record(pp2)) is True
+    assert not cb_link.compresses_backprop(resumed, pp2)
+    assert cb_link.restore_cb_record(resumed, pp2, nvlink.record(pp2)) is False  # already the recorded one
+    # True / False (and pp = 1, compression off) decide without measuring, and ignore a recorded measurement.
+    for forced, dims, on in ((state(400.0, compressed_backprop=True), pp2, True),
+                             (state(1.0, compressed_backprop=False), pp2, False),
+                             (state(1.0), pp1, False), (state(1.0, enabled=False), pp2, False)):
+        cb_link.measure_pipeline_link(forced, dims, None, torch.device("cpu"))
+        assert forced.probed == 0 and forced.pipeline_link_gbps is None
+        assert cb_link.compresses_backprop(forced, dims) is on
+        assert cb_link.restore_cb_record(forced, dims, ib.record(pp2)) is False and forced.pipeline_link_gbps is None

@@ -161,6 +161,7 @@ def test_tight_memory_cuts_smaller_microbatches_fewer_warmups_then_recomputation
     # one 256-token sample stores 2 x 256 x 1000 B per stage: 4 in flight on rank 0 need > 2 MB, a 1F1B with fewer
     # warm-up forwards or recomputation (a tenth of it stored) is needed
     assert in_flight("1f1b", 4, 1, 8) == (4, 3, 2, 1)
+    assert in_flight("zb_h1", 4, 1, 8) == (4, 4, 4, 4)  # a split backward holds its activations until its W
     check_schedule(list(limited_1f1b(4, 6, 1)), 4, 6, train=True)
     squeezed = plan_step([256] * 8, cost_model=TOY, shape=TINY, dp=1, pp=4, memory_budget=1.6e6, max_seq_len=256)
     assert not squeezed.recompute and squeezed.peak_memory <= 1.6e6

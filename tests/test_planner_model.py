@@ -60,7 +60,8 @@ def test_closed_forms_with_sends_gpipe_exact_1f1b_an_upper_bound() -> None:
         assert one == pytest.approx(_sim("1f1b", pp, 1, 1, f, b, ls, lb).makespan, rel=1e-12)
 
 
-@pytest.mark.parametrize("name,pp,v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 3)])
+@pytest.mark.parametrize("name,pp,v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 3),
+                                       ("zb_h1", 4, 1), ("zb_h1", 3, 1)])
 @pytest.mark.parametrize("m_per_pp", [1, 2, 3])
 def test_in_flight_counts_equal_the_simulated_peaks(name, pp, v, m_per_pp) -> None:
     m = pp * m_per_pp

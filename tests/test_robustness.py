@@ -1,4 +1,4 @@
-"""Options that used to be accepted and ignored, SC's recorded link decision, tied names and non-finite steps
+"""Options that used to be accepted and ignored, SC's and CB's recorded link decisions, tied names and non-finite steps
 (``tests/scenarios/robustness.py``, one group of two processes)."""
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ def test_options_link_decision_tied_names_and_nonfinite_steps(tmp_path: Path) ->
     assert not fast["sc"] and fast["link"] == 1e6 and fast["resumed"] == fast["straight"]
     assert fast["straight"][2:] != slow["straight"][2:]  # the two decisions do train differently
     assert report["strict_loading"]["strict"]["ok"] and report["strict_loading"]["loose_step"] == 2
+    # CB decided by the pipeline link: saved on a slow link (CB on), resumed on a fast one, it stays on; the other way
+    # round it stays off; each resumed run trains exactly as the straight one.
+    slow, fast = report["cb_link_slow_then_fast"], report["cb_link_fast_then_slow"]
+    assert slow["straight_cb"] and slow["cb"] and slow["link"] == 1.0 and slow["resumed"] == slow["straight"], slow
+    assert not fast["straight_cb"] and not fast["cb"] and fast["link"] == 1e6 and fast["resumed"] == fast["straight"], fast
+    assert fast["straight"][1:] != slow["straight"][1:]  # the two decisions do train differently
+    forced = report["cb_link_forced"]  # True / False override the link, which is then never measured
+    assert forced == {"True": {"cb": True, "probed": 0, "link": None}, "False": {"cb": False, "probed": 0, "link": None}}
     assert report["healthy_finite"] and len(report["healthy_losses"]) == 2
 
 

@@ -13,7 +13,7 @@ from lightning_3d.pipeline.schedules import (
 )
 from lightning_3d.pipeline.schedule_options import resolve_schedule_options
 
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", 1)]
 
 
 @pytest.mark.parametrize("name,virtual", CASES)
@@ -175,13 +175,14 @@ def test_a_registered_schedule_is_built_checked_and_accepted_by_name(registry) -
         resolve_schedule_options("test_reverse_looped", 1, None, 3)
     with pytest.raises(ValueError, match="virtual_stages=2 only applies to interleaved schedules, not 'test_reverse_gpipe'"):
         resolve_schedule_options("test_reverse_gpipe", 2, 2, 4)
-    names = "'gpipe', '1f1b', 'interleaved_1f1b', 'test_reverse_gpipe', 'test_reverse_looped'"
+    names = "'gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1', 'test_reverse_gpipe', 'test_reverse_looped'"
     with pytest.raises(ValueError, match=f"Unknown schedule 'zb'; choose one of {names}"):
         resolve_schedule_options("zb", 2, None, 4)
 
 
 def test_the_registry_holds_the_builtin_constraints() -> None:
-    assert list(schedules.SCHEDULES) == ["gpipe", "1f1b", "interleaved_1f1b"]
+    assert list(schedules.SCHEDULES) == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+    assert [n for n, spec in schedules.SCHEDULES.items() if spec.splits_backward] == ["zb_h1"]
     assert resolve_schedule_options("interleaved_1f1b", 4, None, 8) == 2
     assert resolve_schedule_options("gpipe", 4, None, 1) == 1
     with pytest.raises(ValueError, match=r"1F1B schedule with num_microbatches=3 < 4 at pipeline_parallel_size=4"):
@@ -229,3 +230,46 @@ def test_the_example_schedule_is_one_file_plus_a_registry_line(registry) -> None
                 f"B{pp - 1},{i}*" for i in reversed(range(m))]
     strategy = Compressed3DStrategy(pipeline_parallel_size=2, schedule="reverse_gpipe")
     assert (strategy.schedule, strategy.num_microbatches, strategy.virtual_stages) == ("reverse_gpipe", 2, 1)
+
+
+def test_zb_h1_orders_per_rank() -> None:
+    """ZB-H1 (zero_bubble.py): 1F1B's forwards and backwards in 1F1B's order, each backward of a rank r > 0 split,
+    its W deferred by r micro-batches in the steady state, one W after each drain B, the rest at the end; rank 0
+    keeps whole backwards."""
+    got = {r: " ".join(map(repr, build_schedule("zb_h1", 4, 1, 8, r))) for r in range(4)}
+    assert got[0] == ("F0,0 F0,1 F0,2 F0,3 B0,0 F0,4 B0,1 F0,5 B0,2 F0,6 B0,3 F0,7 B0,4* B0,5* B0,6* B0,7*")
+    assert got[1] == ("F1,0 F1,1 F1,2 B1,0 F1,3 B1,1 W1,0 F1,4 B1,2 W1,1 F1,5 B1,3 W1,2 F1,6 B1,4 W1,3 F1,7 B1,5*"
+                      " W1,4 B1,6* W1,5 B1,7* W1,6 W1,7")
+    assert got[2] == ("F2,0 F2,1 B2,0 F2,2 B2,1 F2,3 B2,2 W2,0 F2,4 B2,3 W2,1 F2,5 B2,4 W2,2 F2,6 B2,5 W2,3 F2,7 B2,6*"
+                      " W2,4 B2,7* W2,5 W2,6 W2,7")
+    assert got[3] == ("F3,0 B3,0 F3,1 B3,1 F3,2 B3,2 F3,3 B3,3 W3,0 F3,4 B3,4 W3,1 F3,5 B3,5 W3,2 F3,6 B3,6 W3,3 F3,7"
+                      " B3,7* W3,4 W3,5 W3,6 W3,7")
+    for pp in (2, 3, 4):
+        for m in range(1, 2 * pp + 1):
+            for r in range(pp):
+                order = build_schedule("zb_h1", pp, 1, m, r)
+                one_f_one_b = build_schedule("1f1b", pp, 1, m, r)
+                assert [a for a in order if a.kind != "W"] == list(one_f_one_b)  # same F/B order and epilogue
+                assert schedules.deferred_weights(order) == (frozenset() if r == 0 else {(r, i) for i in range(m)})
+                # at most pp micro-batches hold activations (forwards not yet through their W, or B if whole)
+                held = peak = 0
+                split = schedules.deferred_weights(order)
+                for a in order:
+                    held += 1 if a.kind == "F" else -1 if a.kind == "W" or (a.stage, a.microbatch) not in split else 0
+                    peak = max(peak, held)
+                assert peak == min(pp, m)  # 1F1B's first rank: ZB-H1's memory rule
+
+
+def test_simulator_checks_weight_actions() -> None:
+    f, b, w = Action("F", 0, 0), Action("B", 0, 0), Action("W", 0, 0)
+    check_schedule([(f, b, w)], 1, 1, train=True)
+    check_schedule([(f, b)], 1, 1, train=True)  # W is optional: B is then the whole backward
+    with pytest.raises(ValueError, match=r"rank 0: W0,0 runs before its input-gradient backward B"):
+        check_schedule([(f, w, b)], 1, 1, train=True)
+    with pytest.raises(ValueError, match=r"schedule runs W0,0 more than once"):
+        check_schedule([(f, b, w, w)], 1, 1, train=True)
+    with pytest.raises(ValueError, match=r"W0,0 is not an action of a forward-only schedule"):
+        check_schedule([(f, w)], 1, 1, train=False)
+    # W sends nothing: the previous stage's B still receives exactly one gradient per micro-batch.
+    orders = [(Action("F", 0, 0), Action("B", 0, 0)), (Action("F", 1, 0), Action("B", 1, 0), Action("W", 1, 0))]
+    check_schedule(orders, 2, 1, train=True)

@@ -106,3 +106,36 @@ def test_host_ahead_never_slower_than_max_per_action_nor_faster_than_either_alon
     assert alone.makespan <= ahead.makespan <= both.makespan
     for r, order in enumerate(orders):
         assert ahead.rank_end[r] >= sum(host[a.kind, a.stage] for a in order) - 1e-12
+
+
+def _zero_bubble_cost(orders, f: float, b: float, w: float):
+    """B costs b where split (its W costs w), else b + w: the whole backward."""
+    from lightning_3d.pipeline.schedules import deferred_weights
+
+    split = set().union(*(deferred_weights(o) for o in orders))
+    return lambda a: f if a.kind == "F" else w if a.kind == "W" else b if (a.stage, a.microbatch) in split else b + w
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 4), (3, 6), (8, 16)])
+def test_zb_h1_bubble_is_a_third_of_1f1b_at_1f1b_first_rank_memory(pp: int, m: int) -> None:
+    # Qi et al.: ZB-H1's idle time per rank is (pp - 1)(T_F + T_B - T_W), 1F1B's (pp - 1)(T_F + T_B + T_W).
+    zb = _orders("zb_h1", pp, m)
+    keep = lambda a: 10.0  # noqa: E731
+    t_zb = simulate(zb, pp, _zero_bubble_cost(zb, 1.0, 1.0, 1.0), stored=keep)
+    t_1f1b = simulate(_orders("1f1b", pp, m), pp, _cost(1.0, 2.0), stored=keep)
+    idle = lambda t: pp * t.makespan - sum(t.rank_busy)  # noqa: E731
+    assert sum(t_zb.rank_busy) == sum(t_1f1b.rank_busy) == pp * m * 3.0
+    assert idle(t_1f1b) == pytest.approx(pp * (pp - 1) * 3.0)
+    assert idle(t_zb) == pytest.approx(pp * (pp - 1) * 1.0)
+    assert idle(t_zb) <= idle(t_1f1b) / 3 + 1e-9
+    # Memory: every rank holds at most what 1F1B's first rank holds (pp micro-batches; W keeps its forward's inputs).
+    assert t_zb.peak_memory == (min(pp, m) * 10.0,) * pp
+    assert max(t_1f1b.peak_memory) == min(pp, m) * 10.0
+
+
+def test_a_weight_action_waits_for_its_b_and_keeps_memory_until_it_runs() -> None:
+    order = [[Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("B", 0, 1), Action("W", 0, 0),
+              Action("W", 0, 1)]]
+    t = simulate(order, 1, lambda a: {"F": 1.0, "B": 2.0, "W": 3.0}[a.kind], stored=lambda a: 5.0)
+    assert t.end[("W", 0, 0)] == 9.0 and t.makespan == 12.0
+    assert t.peak_memory == (10.0,)  # both forwards held through the B's

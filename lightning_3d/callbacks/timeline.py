@@ -14,7 +14,7 @@ from lightning_3d.callbacks.plumbing import (
     SpanRecorder, attach, detach, gather, output_dir, pipeline_runtime, require_compressed_3d,
 )
 
-COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C44E52", "idle": "#D9D9D9"}
+COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "weight": "#55A868", "wait": "#C44E52", "idle": "#D9D9D9"}
 
 
 class PipelineTimeline(Callback):

@@ -19,8 +19,10 @@ class CompressionConfig:
 
     enabled: bool = True
     """False: no CB, no SC (exact training); FE stays (it is exact)."""
-    compressed_backprop: bool = True
-    """CB + LEP: compress activation gradients sent between pipeline stages (needs pipeline_parallel_size > 1)."""
+    compressed_backprop: bool | Literal["auto"] = "auto"
+    """CB + LEP: compress activation gradients sent between pipeline stages (needs pipeline_parallel_size > 1).
+    "auto": only where the pipeline link, measured at setup, is slower than ``cb_max_link_gbps``; True / False: always
+    / never (no measurement)."""
     cb_rank: int = 16
     """Rank of CB's low-rank factors."""
     cb_epilogue_only: bool = True
@@ -56,6 +58,12 @@ class CompressionConfig:
     """FE: tied embedding gradients in one all-reduce over {first, last stage} x replicas (needs pp > 1)."""
     seed: int = 0
     """Seed of the compressors' random initial factors (the same on every rank)."""
+    cb_max_link_gbps: float = 100.0
+    """With ``compressed_backprop="auto"``, CB runs only if the pipeline link (bus bandwidth of an all-reduce over a
+    pipeline's ranks, GB/s, measured once at setup) is slower than this. On NVLink (hundreds of GB/s) an activation
+    gradient's send is short next to a stage's backward, so compressing it saves no time and costs validation loss
+    (benchmarks/RESULTS.md); on InfiniBand- or Ethernet-class links (tens of GB/s or less) the exposed cool-down sends
+    are long enough for CB to pay. ``float("inf")``: compress on any link."""
 
     def __post_init__(self) -> None:
         if self.compressed_stages is not None and not isinstance(self.compressed_stages, tuple):
@@ -66,8 +74,7 @@ class CompressionConfig:
 
     def validate(self, pipeline_parallel_size: int | None) -> None:
         """Each field on its own (at construction), and the stages against ``pipeline_parallel_size`` when given."""
-        for name in ("enabled", "compressed_backprop", "cb_epilogue_only", "cb_lazy_error_propagation",
-                     "fused_embedding_sync"):
+        for name in ("enabled", "cb_epilogue_only", "cb_lazy_error_propagation", "fused_embedding_sync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
         for name in ("cb_rank", "sc_rank"):
@@ -83,10 +90,16 @@ class CompressionConfig:
                 f"`sc_matmul_precision={self.sc_matmul_precision!r}` must be 'tf32' (tensor cores, the default) or"
                 f" 'fp32' (full IEEE fp32 products)."
             )
-        gbps = self.sc_max_link_gbps
-        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0:
+        for name in ("sc_max_link_gbps", "cb_max_link_gbps"):
+            gbps = getattr(self, name)
+            if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0:
+                raise ValueError(
+                    f"`{name}={gbps!r}` must be a bandwidth in GB/s > 0 (float('inf') compresses on any link)."
+                )
+        if not (isinstance(self.compressed_backprop, bool) or self.compressed_backprop == "auto"):
             raise ValueError(
-                f"`sc_max_link_gbps={gbps!r}` must be a bandwidth in GB/s > 0 (float('inf') compresses on any link)."
+                f"`compressed_backprop={self.compressed_backprop!r}` must be 'auto' (compress activation gradients where"
+                " the pipeline link is slower than cb_max_link_gbps, the default), True (always) or False (never)."
             )
         warmup = self.sc_warmup
         if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or warmup < 0 or (isinstance(warmup, float) and warmup >= 1):
@@ -112,6 +125,13 @@ class CompressionConfig:
             return True
         return measured_gbps is not None and measured_gbps < self.sc_max_link_gbps
 
+    def cb_on_link(self, measured_gbps: float | None) -> bool:
+        """Whether CB runs (pp > 1, compression on), given the pipeline link's measured bus bandwidth (None: not
+        measured; only True forces CB then)."""
+        if isinstance(self.compressed_backprop, bool):
+            return self.compressed_backprop
+        return measured_gbps is not None and measured_gbps < self.cb_max_link_gbps
+
     def stages_to_compress(self, pipeline_parallel_size: int) -> set[int]:
         if self.compressed_stages is not None:
             return set(self.compressed_stages)
@@ -130,7 +150,7 @@ class CompressionConfig:
         """Options the user set that change nothing in this configuration and topology (reported once, not an error)."""
         asked = self.explicitly_set()
         cb = sorted(asked & {"compressed_backprop", "cb_rank", "cb_epilogue_only", "cb_min_compression_ratio",
-                             "cb_lazy_error_propagation"})
+                             "cb_lazy_error_propagation", "cb_max_link_gbps"})
         sc = sorted(asked & {"sc_rank", "sc_warmup", "sc_min_compression_ratio", "sc_matmul_precision", "sc_max_link_gbps",
                              "compressed_stages"})
         notes = []
@@ -143,6 +163,8 @@ class CompressionConfig:
                 notes.append(_no_effect(cb, "compressed backpropagation needs pipeline_parallel_size > 1"))
             elif not self.compressed_backprop and cb_tuning:
                 notes.append(_no_effect(cb_tuning, "compressed_backprop=False"))
+            elif self.compressed_backprop is True and "cb_max_link_gbps" in asked:
+                notes.append("cb_max_link_gbps has no effect: compressed_backprop=True compresses on any link")
             if dp == 1 and sc:
                 notes.append(_no_effect(sc, "selective stage compression needs data_parallel_size > 1"))
             elif self.compressed_stages is not None and not self.compressed_stages and len(sc) > 1:

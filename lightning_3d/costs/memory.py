@@ -32,6 +32,8 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
     """Micro-batch chunks a rank holds at most (Megatron's warm-up count + 1 for interleaving)."""
     if schedule == "gpipe":
         return m * v
+    if schedule == "zb_h1":  # rank r: pp - r forwards plus r split backwards awaiting their W (pipeline/zero_bubble.py)
+        return min(pp, m)
     if v == 1:
         return min(pp - rank, m)
     return min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1)

@@ -206,6 +206,10 @@ class GradientSynchronizer:
             self._on_grad_ready(param)
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None and id(param) not in self._fused:
+            # A split backward's B (pipeline/weight_grad.py): autograd runs the hook of a weight whose gradient the
+            # layer deferred to W; the hook runs again when W accumulates it. (A fused weight reports after writing.)
+            return
         bucket = self._bucket_of.get(id(param))
         if bucket is not None and bucket.work is not None:
             # Only a fused weight can get here (autograd sums a parameter's uses before its hook fires; the fused op

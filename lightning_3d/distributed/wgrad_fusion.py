@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_3d.pipeline.weight_grad import defer
+
 # ``gradient_accumulation_fusion="auto"`` fuses only layers whose weight has at least this many elements. The fused op
 # saves device memory traffic in proportion to the weight (the bf16 gradient, its fp32 copy and AccumulateGrad's
 # read-read-write: about 18 bytes per element and micro-batch) but costs a fixed amount of host time per call (a Python
@@ -147,8 +149,9 @@ class _LinearWithFusedWeightGrad(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
         x_cast, w_cast = ctx.saved_tensors
         grad_input = grad_output @ w_cast if ctx.needs_input_grad[0] else None
-        accumulate_weight_grad(ctx.slot, grad_output.reshape(-1, grad_output.shape[-1]).t(),
-                               x_cast.reshape(-1, x_cast.shape[-1]))
+        slot, g_t, x = ctx.slot, grad_output.reshape(-1, grad_output.shape[-1]).t(), x_cast.reshape(-1, x_cast.shape[-1])
+        if not defer(lambda: accumulate_weight_grad(slot, g_t, x)):  # a zero-bubble B: done in its W (weight_grad.py)
+            accumulate_weight_grad(slot, g_t, x)
         grad_bias = None
         if ctx.bias_dtype is not None:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)

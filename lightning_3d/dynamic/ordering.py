@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from lightning_3d.dynamic.stage_costs import StageCosts
-from lightning_3d.pipeline.schedules import Action, build_schedule, check_schedule, mark_epilogue
+from lightning_3d.pipeline.schedules import Action, build_schedule, check_schedule, deferred_weights, mark_epilogue
 from lightning_3d.pipeline.timing import Timeline, simulate
 
 # Replicas of at most EXHAUSTIVE micro-batches try every order (5! = 120 simulations); up to MAX_SWAP_SEARCH, the
@@ -44,8 +44,10 @@ def in_flight(schedule: str, pp: int, virtual_stages: int, m: int) -> tuple[int,
     out = []
     for rank in range(pp):
         held = peak = 0
-        for a in build_schedule(schedule, pp, virtual_stages, m, rank):
-            held += 1 if a.kind == "F" else -1
+        order = build_schedule(schedule, pp, virtual_stages, m, rank)
+        split = deferred_weights(order)  # a split backward's activations are held until its W
+        for a in order:
+            held += 1 if a.kind == "F" else -1 if a.kind == "W" or (a.stage, a.microbatch) not in split else 0
             peak = max(peak, held)
         out.append(peak)
     return tuple(out)

@@ -5,6 +5,7 @@ from lightning_3d.pipeline.microbatch import MicroBatches, split_batch
 from lightning_3d.pipeline.schedules import (
     Action, ScheduleSpec, build_forward_only, build_schedule, check_schedule, register_schedule,
 )
+from lightning_3d.pipeline import zero_bubble  # noqa: F401  (registers the zero-bubble schedules)
 
 __all__ = [
     "Action", "BoundaryKey", "GradientCodec", "IdentityCodec", "MicroBatches", "ScheduleSpec",

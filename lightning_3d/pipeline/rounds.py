@@ -33,7 +33,10 @@ class Round:
 
 
 def destination(kind: str, stage: int, num_stages: int, pp: int) -> int | None:
-    """Pipeline rank that receives what ``stage`` sends after its ``kind`` action (None: nothing is sent)."""
+    """Pipeline rank that receives what ``stage`` sends after its ``kind`` action (None: nothing is sent; a W never
+    sends)."""
+    if kind == "W":
+        return None
     nxt = stage + (1 if kind == "F" else -1)
     return nxt % pp if 0 <= nxt < num_stages else None
 

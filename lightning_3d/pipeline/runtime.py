@@ -24,7 +24,10 @@ from lightning_3d.pipeline.graphs import StageGraphs
 from lightning_3d.pipeline.microbatch import signature
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.rounds import lockstep_rounds
-from lightning_3d.pipeline.schedules import Action, build_forward_only, build_schedule, check_schedule, mark_epilogue
+from lightning_3d.pipeline.schedules import (
+    Action, build_forward_only, build_schedule, check_schedule, deferred_weights, mark_epilogue,
+)
+from lightning_3d.pipeline.weight_grad import deferring, run_deferred
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
 
@@ -36,7 +39,8 @@ class RuntimeObserver(Protocol):
         """``phase`` is "begin" or "end" of one pipeline step."""
 
     def span(self, name: str, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
-        """Wraps "forward", "backward" and "wait" (for a received tensor) of one (stage, micro-batch)."""
+        """Wraps "forward", "backward" (B, or the whole backward), "weight" (W: a split backward's weight gradients)
+        and "wait" (for a received tensor) of one (stage, micro-batch)."""
 
     def on_received(self, stage: int, microbatch: int, tensors: list[Tensor]) -> None:
         """The activations ``stage`` received for ``microbatch`` (the tensors whose gradient it sends back)."""
@@ -142,7 +146,11 @@ class PipelineRuntime:
         mine = orders[self.pp_rank]
         self.exchange.begin(orders, [signature(mb) for mb in mbs], self.codec)
         self._saved: dict[tuple[int, int], tuple[list[Tensor], Any]] = {}
-        last_backward = {a.stage: i for i, a in enumerate(mine) if a.kind == "B"}
+        # A B with a later W computes only what the pipeline waits for; its weight-gradient work waits for the W.
+        self._split = deferred_weights(mine)
+        self._weight_work: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        # The stage's gradients are final during its last B or W (the hook of the data-parallel buckets).
+        last_backward = {a.stage: i for i, a in enumerate(mine) if a.kind != "F"}
         self._terms: Tensor | None = None
         self._terms_work: dist.Work | None = None
         self._loss_scale = loss_scale
@@ -172,7 +180,10 @@ class PipelineRuntime:
             elif action is not None:
                 if self.before_last_backward is not None and last_backward[action.stage] == index:
                     self.before_last_backward(action.stage)
-                self._backward(action)
+                if action.kind == "W":
+                    self._weights(action)
+                else:
+                    self._backward(action)
             index += action is not None
             self.exchange.end_round(rnd)
         self.exchange.finish()
@@ -212,20 +223,29 @@ class PipelineRuntime:
     def _backward(self, action: Action) -> None:
         stage, m = action.stage, action.microbatch
         inputs, outputs = self._saved.pop((stage, m))
+        split = contextlib.nullcontext()
+        if (stage, m) in self._split:  # weight gradients deferred to this (stage, m)'s W (pipeline/weight_grad.py)
+            split = deferring(self._weight_work.setdefault((stage, m), []))
         if stage == self.num_stages - 1:
-            with self.loss_context(), self._span("backward", stage, m):
+            with self.loss_context(), self._span("backward", stage, m), split:
                 torch.autograd.backward(outputs * self._factor())
         else:
             grads = self.exchange.take("B", stage + 1, m, self._span)  # one per floating-point output
             floating = [o for o in outputs if o.is_floating_point()]
             pairs = [(o, g) for o, g in zip(floating, grads, strict=True) if o.requires_grad]
             if pairs:
-                with self._span("backward", stage, m):
+                with self._span("backward", stage, m), split:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if stage > 0:
             grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point()]
             for grad, parts in zip(grads, self.exchange.send_gradients(stage, m, grads)):
                 self._count("backward_activation_grads", grad, parts)
+
+    def _weights(self, action: Action) -> None:
+        """W: the weight gradients that ``action``'s B deferred, accumulated as autograd would have."""
+        work = self._weight_work.pop((action.stage, action.microbatch), [])
+        with self._span("weight", action.stage, action.microbatch):
+            run_deferred(work)
 
     def _global_terms(self) -> Tensor:
         """The loss terms of this step summed over the data-parallel replicas (waits for their all-reduce)."""

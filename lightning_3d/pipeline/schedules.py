@@ -1,7 +1,9 @@
 """Pipeline schedules as explicit per-rank action lists (picotron style: read them top to bottom).
 
 A schedule is, for each pipeline rank, the order in which it runs forwards ``F`` and backwards ``B`` of
-(stage, micro-batch) pairs. Stages are placed round-robin ("looped"): stage ``s`` lives on pipeline rank
+(stage, micro-batch) pairs, and optionally weight-gradient actions ``W``: a ``B`` with a later ``W`` of the same
+(stage, micro-batch) computes and sends only the input gradient, and its ``W`` computes the weight gradients
+(zero-bubble schedules, ``zero_bubble.py``); a ``B`` without one is the whole backward. Stages are placed round-robin ("looped"): stage ``s`` lives on pipeline rank
 ``s % pp``, so with ``v`` virtual stages per rank, rank ``r`` owns stages ``r, r + pp, ..., r + (v-1)·pp``.
 
 Communication is not part of the list: every F of a non-first stage receives the previous stage's output,
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-Kind = Literal["F", "B"]
+Kind = Literal["F", "B", "W"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class ScheduleSpec:
     min_microbatches: Callable[[int], int] = lambda pp: 1
     min_microbatches_reason: str = ""
     title: str = ""
+    # The builder emits W actions (split backwards): the strategy then gives the stages' nn.Linear layers a backward
+    # whose weight gradient can be deferred to W (pipeline/weight_grad.py).
+    splits_backward: bool = False
 
     def check_microbatches(self, pp: int, num_microbatches: int) -> None:
         """The hard constraint of the builder on the micro-batch count (raised at configuration and at every build)."""
@@ -194,6 +199,11 @@ def mark_epilogue(order: Sequence[Action]) -> tuple[Action, ...]:
     )
 
 
+def deferred_weights(order: Sequence[Action]) -> frozenset[tuple[int, int]]:
+    """(stage, micro-batch) of the backwards in ``order`` whose weight gradients a later W computes (split backwards)."""
+    return frozenset((a.stage, a.microbatch) for a in order if a.kind == "W")
+
+
 def message_order(
     orders: list[tuple[Action, ...]], num_stages: int, kind: Kind, src_rank: int, dst_rank: int
 ) -> list[tuple[int, int]]:
@@ -216,7 +226,7 @@ def check_schedule(orders: list[tuple[Action, ...]], num_stages: int, num_microb
 
     Content: every stage runs on its own rank (``stage % pp``), every F of every (stage, micro-batch) in
     ``range(num_stages) x range(num_microbatches)`` runs exactly once, and in training (``train``) every B
-    exactly once too; a forward-only schedule has no B. Simulation: each rank executes its list in order; an F
+    exactly once too, and W at most once, after its B; a forward-only schedule has no B. Simulation: each rank executes its list in order; an F
     of stage s > 0 needs the activation of (s - 1, m), a B of a non-last stage needs the gradient of (s + 1, m),
     and each message must be the next one in its channel.
     """
@@ -240,6 +250,8 @@ def check_schedule(orders: list[tuple[Action, ...]], num_stages: int, num_microb
                     need = None
                 if a.kind == "B" and not done[("F", a.stage, a.microbatch)]:
                     raise ValueError(f"rank {rank}: {a} runs before its forward")
+                if a.kind == "W" and not done.get(("B", a.stage, a.microbatch)):
+                    raise ValueError(f"rank {rank}: {a} runs before its input-gradient backward B")
                 if need is not None:
                     channel = (a.kind, src, rank)
                     queue, head = sent.get(channel, []), received.get(channel, 0)
@@ -250,7 +262,7 @@ def check_schedule(orders: list[tuple[Action, ...]], num_stages: int, num_microb
                     received[channel] = head + 1
                 done[(a.kind, a.stage, a.microbatch)] = True
                 nxt = a.stage + (1 if a.kind == "F" else -1)
-                if 0 <= nxt < num_stages:
+                if a.kind != "W" and 0 <= nxt < num_stages:  # a W sends nothing
                     sent.setdefault((a.kind, a.stage % pp, nxt % pp), []).append((a.stage, a.microbatch))
                 position[rank] += 1
                 progress = True
@@ -261,7 +273,7 @@ def check_schedule(orders: list[tuple[Action, ...]], num_stages: int, num_microb
 
 def _check_content(orders: list[tuple[Action, ...]], num_stages: int, num_microbatches: int, train: bool) -> None:
     pp = len(orders)
-    kinds = "FB" if train else "F"
+    kinds = "FBW" if train else "F"
     for rank, order in enumerate(orders):
         for a in order:
             if a.kind not in kinds:
@@ -278,7 +290,7 @@ def _check_content(orders: list[tuple[Action, ...]], num_stages: int, num_microb
         raise ValueError(f"schedule runs {_describe(repeated)} more than once")
     missing = [
         (kind, stage, mb)
-        for kind in kinds
+        for kind in kinds.replace("W", "")  # W is optional: a B without one is the whole backward
         for stage in range(num_stages)
         for mb in range(num_microbatches)
         if (kind, stage, mb) not in counts

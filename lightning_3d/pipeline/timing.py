@@ -6,7 +6,8 @@ and *how much memory*, for the planner's schedule costs and for dynamic micro-ba
 different sizes to shorten the step within a memory budget (docs/extending.md). It runs the same dependency rules as
 the runtime: a rank executes its list in order; F(s, m) of a stage s > 0 needs F(s - 1, m) to have ended and its
 output to have arrived (``latency``); B(s, m) needs F(s, m), and unless s is the last stage, B(s + 1, m) plus the
-gradient's arrival. Sends are asynchronous (a rank does not wait for its own sends), as in the runtime.
+gradient's arrival; W(s, m) (a split backward's weight gradients) needs B(s, m) and sends nothing. Sends are
+asynchronous (a rank does not wait for its own sends), as in the runtime.
 
 Host and device (``host``): eager PyTorch issues an action's kernels from the host, and a rank's host does not wait
 for the device or for a received message (the runtime's waits on NCCL receives are stream waits), so it issues the
@@ -17,7 +18,7 @@ pass). An action starts on the device no earlier than its issue starts, and ends
 alone (the host never the bound).
 
 Memory per rank is counted in the order the rank runs its actions: a forward's ``stored`` bytes are held from its
-start until its backward ends; while an action runs, its ``transient`` bytes come on top. Forward-only schedules
+start until its backward ends (its W, where the backward is split: W needs the saved inputs of the stage's layers); while an action runs, its ``transient`` bytes come on top. Forward-only schedules
 (evaluation) keep nothing.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_3d.pipeline.schedules import Action, check_schedule
+from lightning_3d.pipeline.schedules import Action, check_schedule, deferred_weights
 
 ActionCost = Callable[[Action], float]
 
@@ -72,7 +73,7 @@ def simulate(
     to issue the action (module docstring); ``rank_busy`` stays the device's sum.
     """
     pp = len(orders)
-    train = any(a.kind == "B" for order in orders for a in order)
+    train = any(a.kind != "F" for order in orders for a in order)
     if check:
         m = num_microbatches if num_microbatches is not None else 1 + max(a.microbatch for o in orders for a in o)
         check_schedule([tuple(o) for o in orders], num_stages, m, train=train)
@@ -124,6 +125,8 @@ def _ready(a: Action, num_stages: int, pp: int, end: dict, lat: ActionCost) -> f
         if a.stage > 0:
             producer = Action("F", a.stage - 1, a.microbatch)
             times.append(_arrival(producer, a, pp, end, lat))
+    elif a.kind == "W":
+        times.append(end.get(("B", a.stage, a.microbatch)))
     else:
         times.append(end.get(("F", a.stage, a.microbatch)))
         if a.stage < num_stages - 1:
@@ -146,6 +149,7 @@ def _peak_memory(order: Sequence[Action], stored: ActionCost | None, transient: 
     held: dict[tuple[int, int], float] = {}
     current = peak = 0.0
     keeps = any(b.kind == "B" for b in order)  # forward-only lists keep nothing
+    split = deferred_weights(order)  # these keep their activations until their W
     for a in order:
         extra = float(transient(a)) if transient is not None else 0.0
         if a.kind == "F":
@@ -156,5 +160,6 @@ def _peak_memory(order: Sequence[Action], stored: ActionCost | None, transient: 
                 current += keep
         else:
             peak = max(peak, current + extra)
-            current -= held.pop((a.stage, a.microbatch), 0.0)
+            if a.kind == "W" or (a.stage, a.microbatch) not in split:
+                current -= held.pop((a.stage, a.microbatch), 0.0)
     return peak

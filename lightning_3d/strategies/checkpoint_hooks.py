@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.checkpoint import state as ckpt
+from lightning_3d.strategies.cb_link import restore_cb_record
 
 
 class CheckpointHooks:
@@ -50,7 +51,7 @@ class CheckpointHooks:
         """``weights_only`` changes nothing: loading never unpickles code, whatever it says."""
         return self.checkpoints.load(checkpoint_path, self.lightning_module, self.optimizers, self.global_rank,
                                      self.is_global_zero, self._layout_key(), self.root_device,
-                                     self.restore_compression_record, self.compressed_backprop)
+                                     self.restore_compression_record, lambda: self.compressed_backprop)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -66,7 +67,10 @@ class CheckpointHooks:
 
     def restore_compression_record(self, record: dict[str, Any] | None) -> None:
         """Resume with the link measurement the checkpointed run decided by, not this run's own (load happens after
-        setup, so the gradient synchronizer and SC built from this run's measurement are rebuilt if it differs)."""
+        setup, so the gradient synchronizer and SC, or CB's codec, built from this run's measurement are rebuilt if it
+        differs)."""
+        if restore_cb_record(self.compression_state, self.dims, record):
+            self.engine.install_codec()  # before the checkpoint's per-rank CB state is loaded into it
         if not self.compression_state.restore_record(self.dims, record):
             return
         self.engine.build_grad_sync()

@@ -41,6 +41,7 @@ from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.strategies.accessors import StrategyAccessors
 from lightning_3d.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_3d.strategies.comm_metrics import log_job_communication
+from lightning_3d.strategies.cb_link import restore_cb_record
 from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.config import (
     ParallelismConfig,

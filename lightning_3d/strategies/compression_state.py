@@ -25,6 +25,7 @@ from lightning_3d.compression.config import CompressionConfig
 from lightning_3d.compression.link import allreduce_bus_gbps
 from lightning_3d.compression.selective import DataParallelPowerSGD, compression_sizes
 from lightning_3d.distributed.parallel_dims import ParallelDims
+from lightning_3d.strategies.cb_link import cb_record, compresses_backprop
 from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.tensors import local
 
@@ -34,6 +35,8 @@ class CompressionState:
 
     ``link_probe(group, device)`` measures the data-parallel link in GB/s at setup (a collective over ``group``);
     tests replace it. ``link_gbps`` is the measurement the run decides by (None where nothing was measured).
+    ``pipeline_link_probe`` and ``pipeline_link_gbps`` are the same for the pipeline link, which decides CB under
+    ``compressed_backprop="auto"`` (``cb_link.py``).
     """
 
     def __init__(
@@ -45,6 +48,8 @@ class CompressionState:
         self.guard_nonfinite = guard_nonfinite
         self.link_probe = link_probe
         self.link_gbps: float | None = None
+        self.pipeline_link_probe = link_probe
+        self.pipeline_link_gbps: float | None = None
         self.sc: DataParallelPowerSGD | None = None
         self._warned_unused = False
 
@@ -94,7 +99,7 @@ class CompressionState:
     def start_over(self, stats: CommunicationStats) -> None:
         """A new module: fresh counters, link measurement and notes, as on a fresh strategy."""
         self.stats = stats
-        self.link_gbps = None
+        self.link_gbps = self.pipeline_link_gbps = None
         self.sc = None
         self._warned_unused = False
 
@@ -113,7 +118,7 @@ class CompressionState:
                     ) -> CompressedBackprop | None:
         """The activation-gradient codec (CB + LEP) of this rank's pipeline; None leaves the runtime's exact codec."""
         cfg = self.config
-        if not (cfg.enabled and cfg.compressed_backprop and dims.pp > 1):
+        if not compresses_backprop(self, dims):
             return None
         return CompressedBackprop(
             CompressedBackpropConfig(cfg.cb_rank, cfg.cb_epilogue_only, cfg.cb_min_compression_ratio,
@@ -162,6 +167,7 @@ class CompressionState:
             "dp_link_gbps": self.link_gbps,
             "sc_max_link_gbps": float(self.config.sc_max_link_gbps),
             "sc_pipeline_ranks": sorted(self.config.stages_to_compress(dims.pp)) if self.compresses_anywhere(dims) else [],
+            **cb_record(self, dims),
         }
 
     def restore_record(self, dims: ParallelDims, record: dict[str, Any] | None) -> bool:

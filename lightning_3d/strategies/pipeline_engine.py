@@ -33,7 +33,10 @@ from torch.optim import Optimizer
 from lightning_3d.dynamic.consistency import check_same_plan
 from lightning_3d.pipeline.microbatch import split_batch
 from lightning_3d.pipeline.graphs import StageGraphs
+from lightning_3d.pipeline.codec import IdentityCodec
 from lightning_3d.pipeline.runtime import PipelineRuntime
+from lightning_3d.pipeline.schedules import schedule_spec
+from lightning_3d.pipeline.weight_grad import split_linears, splittable_linears, unsplit_linears
 from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.context_parallel import (
     check_context_module, enable_context_parallel, sequence_keys, shard_microbatches,
@@ -48,6 +51,7 @@ from lightning_3d.strategies.stage_builder import (
     tied_copies,
 )
 from lightning_3d.distributed import wgrad_fusion
+from lightning_3d.strategies.cb_link import measure_pipeline_link
 from lightning_3d.distributed.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
                                                   unfuse_gradient_accumulation)
 from lightning_3d.utils.comm_stats import CommunicationStats
@@ -70,6 +74,7 @@ class PipelineEngine:
         self.device: torch.device | None = None
         self.stage_params: dict[int | None, list[nn.Parameter]] = {}
         self.fused_weights: list[nn.Parameter] = []
+        self.split_layers: list[nn.Linear] = []  # zero-bubble schedules: layers whose W computes their weight gradient
         self.tied: list[nn.Parameter] = []
         self.fused_tied = False
         self.sync_blocked = False
@@ -145,6 +150,9 @@ class PipelineEngine:
         self.fused_tied = bool(self.tied) and self.compression.config.fused_embedding_sync
         self.stage_params = {index: list(stage.parameters()) for index, stage in stages.items()}
         self.fuse_gradient_accumulation(stages, dims.tp)
+        if dims.pp > 1 and schedule_spec(o.schedule).splits_backward:  # fused layers split themselves (weight_grad.py)
+            self.split_layers = split_linears([m for stage in stages.values()
+                                               for m in splittable_linears(stage, exclude={id(p) for p in self.tied})])
         self.runtime = PipelineRuntime(
             stages=stages, num_stages=plan.num_stages, pp_rank=pp_rank, pp_size=dims.pp, schedule=o.schedule,
             channels=groups.channels, device=device, loss_fn=module.pipeline_loss, loss_terms_fn=module.pipeline_loss_terms,
@@ -154,11 +162,18 @@ class PipelineEngine:
         )
         self.build_grad_sync()
         self.compression.warn_unused(dims, tied=bool(module.pipeline_tied_parameters()))
-        codec = self.compression.build_codec(dims, groups.tp_mesh.get_group() if dims.tp > 1 else None, o.sequence_parallel)
-        if codec is not None:
-            self.runtime.codec = codec
+        # CB's default depends on the pipeline link: measured here, on every rank, before the first step (cb_link.py).
+        measure_pipeline_link(self.compression, dims, groups.device_mesh.get_group("pp"), device)
+        self.install_codec()
         if o.cuda_graphs:
             self.runtime.graphs = StageGraphs()
+
+    def install_codec(self) -> None:
+        """The runtime's activation-gradient codec: CB's where the compression state says it runs, else exact."""
+        dims = self.groups.dims
+        codec = self.compression.build_codec(dims, self.groups.tp_mesh.get_group() if dims.tp > 1 else None,
+                                             self.options.sequence_parallel)
+        self.runtime.codec = codec if codec is not None else IdentityCodec()
 
     def fuse_gradient_accumulation(self, stages: dict[int, nn.Module], tp: int) -> None:
         if not self.options.gradient_accumulation_fusion:
@@ -236,6 +251,8 @@ class PipelineEngine:
         state (the runtime and its codec hold groups). Idempotent."""
         self.teardown()
         unfuse_gradient_accumulation(self.fused_weights)
+        unsplit_linears(self.split_layers)
+        self.split_layers = []
         self.fused_weights, self.stage_params = [], {}
         self.runtime = self.groups = self.sharded = None
         self.local_pieces = []

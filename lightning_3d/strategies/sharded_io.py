@@ -50,10 +50,11 @@ class ShardedCheckpointIO:
     def load(
         self, checkpoint_path: Any, module: pl.LightningModule, optimizers: Sequence[Optimizer], global_rank: int,
         is_global_zero: bool, layout_key: tuple, device: torch.device, restore_record: Callable[[dict | None], None],
-        codec: CompressedBackprop | None,
+        codec_of: Callable[[], CompressedBackprop | None],
     ) -> dict[str, Any]:
-        """Load model and optimizer state into this rank's shards, hand the recorded link decision to
-        ``restore_record`` (which may rebuild SC) before this rank's compression state is loaded into it; returns
+        """Load model and optimizer state into this rank's shards, hand the recorded link decisions to
+        ``restore_record`` (which may rebuild SC or install another CB codec) before this rank's compression state is
+        loaded into it (``codec_of()``: the CB codec of this rank then); returns
         the rest of Lightning's checkpoint. Where another layout wrote the checkpoint, the compression state starts
         afresh, and says so."""
         path = Path(checkpoint_path)
@@ -63,7 +64,8 @@ class ShardedCheckpointIO:
         aliases = {**{last: first for first, last in tied.items()}, **tied}
         optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
         meta = ckpt.load(path, module, optimizers, {}, strict=module.strict_loading, padded=padded, aliases=aliases)
-        restore_record(meta.get("compressed_3d"))  # before the SC state below is loaded into it
+        restore_record(meta.get("compressed_3d"))  # before the SC and CB state below is loaded into them
+        codec = codec_of()
         states = ckpt.load_rank_state(path, global_rank, layout_key, device)
         if states is not None:
             self.compression.load_rank_state_dict(states, codec)

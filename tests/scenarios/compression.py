@@ -22,11 +22,11 @@ def strategy(dp, pp, tp, m, **kw) -> Compressed3DStrategy:
                                 num_microbatches=m, **kw)
 
 
-def exact_at_full_rank(dp: int, pp: int, tp: int) -> dict:
+def exact_at_full_rank(dp: int, pp: int, tp: int, **kw) -> dict:
     """CB at full rank (rank >= hidden) with LEP on every send, SC still in its warm-up, FE: equal to the uncompressed
-    run."""
+    run. ``kw``: more strategy options (a schedule)."""
     recorder, model = LossRecorder(), make_model()
-    s = strategy(dp, pp, tp, 4, cb_rank=64, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_warmup=100)
+    s = strategy(dp, pp, tp, 4, cb_rank=64, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_warmup=100, **kw)
     trainer(s, 6, [recorder]).fit(model, datamodule=TestData(dp * 8))
     result = compare(model, recorder.losses, reference(6, dp * 8))
     sends = sum(s.compressed_backprop.compressed_sends.values()) if s.compressed_backprop else 0

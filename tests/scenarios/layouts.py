@@ -39,7 +39,7 @@ def layouts(world: int) -> list[dict]:
                 runs.append(dict(dp=dp, pp=pp, tp=tp, schedule="1f1b", m=2))
                 continue
             m = 6 if pp == 3 else 4
-            for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+            for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
                 runs.append(dict(dp=dp, pp=pp, tp=tp, schedule=schedule, m=m))
     return runs
 
@@ -55,7 +55,9 @@ def variants(world: int) -> list[dict]:
                   dict(dp=2, pp=1, tp=1, schedule="1f1b", m=2, variable=True, fusion="auto_mixed"),
                   # the default micro-batch count (pp) and per-stage activation checkpointing (stage 0 only)
                   dict(dp=1, pp=2, tp=1, schedule="1f1b", m=None, stage_ac=[True, False]),
-                  dict(dp=1, pp=2, tp=1, schedule="reverse_gpipe", m=4)]  # tests/schedule_example.py, registered below
+                  dict(dp=1, pp=2, tp=1, schedule="reverse_gpipe", m=4),  # tests/schedule_example.py, registered below
+                  # zero bubble with plain (split, unfused) linear layers and checkpointed blocks on both stages
+                  dict(dp=1, pp=2, tp=1, schedule="zb_h1", m=4, fusion=False, stage_ac=[True, True])]
     if world == 8:
         return []
     if world == 4:
@@ -63,7 +65,9 @@ def variants(world: int) -> list[dict]:
                   dict(dp=2, pp=2, tp=1, schedule="1f1b", m=2, accumulate=2),
                   dict(dp=2, pp=2, tp=1, schedule="1f1b", m=4, fe=False),  # the two-collective tied-embedding sync
                   dict(dp=2, pp=2, tp=1, schedule="interleaved_1f1b", m=4, variable=True),
-                  dict(dp=1, pp=2, tp=2, schedule="gpipe", m=4, sp=True, variable=True)]
+                  dict(dp=1, pp=2, tp=2, schedule="gpipe", m=4, sp=True, variable=True),
+                  # zero bubble: split plain layers whose W feeds the data-parallel buckets, with accumulation
+                  dict(dp=2, pp=2, tp=1, schedule="zb_h1", m=4, fusion=False, accumulate=2)]
     return extra
 
 
@@ -101,7 +105,7 @@ def run(cfg: dict) -> dict:
         stage_activation_checkpointing=cfg.get("stage_ac"),
         # True: every layer (the tiny model's weights are below the "auto" threshold); "auto_mixed": "auto" with the
         # threshold at the MLP weights' size (hidden x ffn), so they are fused and the smaller attention weights not
-        gradient_accumulation_fusion="auto" if cfg.get("fusion") == "auto_mixed" else True,
+        gradient_accumulation_fusion="auto" if cfg.get("fusion") == "auto_mixed" else cfg.get("fusion", True),
     )
     m = strategy.num_microbatches  # cfg["m"], or the default the strategy derived
     global_batch = cfg["dp"] * m * 2
@@ -135,6 +139,11 @@ def run(cfg: dict) -> dict:
         expected = {s: STEPS * m * (2 if cfg["stage_ac"][s] else 1) for s in calls.calls}
         cfg = {**cfg, "m": m, "microbatches_run": all_max(float(ran)),
                "recomputed_as_asked": all_max(0.0 if calls.calls == expected else 1.0) == 0.0}
+    if cfg["schedule"] == "zb_h1":  # the backwards of ranks > 0 were split: W ran, on the layers the fusion left
+        layers = strategy.engine.split_layers
+        split = sum(a.kind == "W" for a in strategy.pipeline_runtime.last_orders[strategy.pp_rank])
+        cfg = {**cfg, "w_ran": all_max(float(split > 0 or strategy.pp_rank == 0)),
+               "split_layers": all_max(float(len(layers))), "fused_layers": all_max(float(len(strategy.engine.fused_weights)))}
     return {**cfg, "loss_err": all_max(result["loss_err"]), "param_err": all_max(result["param_err"]),
             "seconds": round(time.perf_counter() - start, 2)}
 
@@ -152,6 +161,12 @@ def main() -> None:
     for cfg in plan:
         results.append(run(cfg))
         write_report(args.report, {"results": results})  # partial results survive a later failure
+    if args.world == 4 and args.extra != "gpu_subset":  # zero bubble with CB (B's sends compressed) and ZeRO-1
+        from tests.scenarios.compression import exact_at_full_rank
+        from tests.scenarios.sharded_optimizer import layout as sharded_layout
+
+        write_report(args.report, {"results": results, "zb_cb": exact_at_full_rank(1, 4, 1, schedule="zb_h1"),
+                                   "zb_sharded": sharded_layout(2, 2, 1, 4, schedule="zb_h1")})
     if args.world == 8 and args.extra != "gpu_subset":  # (2,2,2) with compression, in the same process group
         from tests.scenarios.compression import exact_at_full_rank, full_stack_222
         from tests.scenarios.sharded_optimizer import layout as sharded_layout

@@ -310,6 +310,43 @@ def link_resume(w: int, workdir: Path, saved_gbps: float, resumed_gbps: float) -
             "sc_iter": resumed.selective_compression.state.iter if resumed.selective_compression else None}
 
 
+# ----- CB's decision by the pipeline link (strategies/cb_link.py) ---------------------------------------------------
+def cb_link_resume(w: int, workdir: Path, saved_gbps: float, resumed_gbps: float) -> dict:
+    """pp = w with compressed_backprop="auto" (cb_rank 2, every send): saved after 2 steps on one link, resumed on the
+    other; the resumed run keeps the recorded decision and trains as the straight run."""
+    def strategy(gbps: float) -> Compressed3DStrategy:
+        s = Compressed3DStrategy(pipeline_parallel_size=w, num_microbatches=w, cb_rank=2, cb_epilogue_only=False,
+                                 cb_min_compression_ratio=0.0)
+        s.compression_state.pipeline_link_probe = lambda group, device: gbps
+        return s
+
+    full, first, second = LossRecorder(), LossRecorder(), LossRecorder()
+    straight = strategy(saved_gbps)
+    trainer(straight, 4, [full]).fit(model(), datamodule=resumable_data(8))
+    straight_cb = straight.compressed_backprop is not None  # read now: the next fit releases this run's runtime
+    ckpt_dir = workdir / f"cb_link_{saved_gbps:g}"
+    saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)
+    trainer(strategy(saved_gbps), 2, [first, saver], enable_checkpointing=True).fit(model(), datamodule=resumable_data(8))
+    path = str(next(ckpt_dir.glob("*.ckpt")))
+    resumed = strategy(resumed_gbps)
+    trainer(resumed, 4, [second]).fit(model(), datamodule=resumable_data(8), ckpt_path=path)
+    return {"straight": full.losses, "resumed": first.losses + second.losses, "straight_cb": straight_cb,
+            "link": resumed.compression_state.pipeline_link_gbps, "cb": resumed.compressed_backprop is not None}
+
+
+def cb_link_forced(w: int) -> dict:
+    """compressed_backprop=True / False decide whatever the link (the probe is never asked)."""
+    out = {}
+    for forced, gbps in ((True, 1e6), (False, 1.0)):
+        s = Compressed3DStrategy(pipeline_parallel_size=w, num_microbatches=w, compressed_backprop=forced)
+        asked = []
+        s.compression_state.pipeline_link_probe = lambda group, device, gbps=gbps: asked.append(gbps) or gbps
+        trainer(s, 1).fit(model(), datamodule=TestData(8))
+        out[str(forced)] = {"cb": s.compressed_backprop is not None, "probed": len(asked),
+                            "link": s.compression_state.pipeline_link_gbps}
+    return out
+
+
 # ----- strict_loading ------------------------------------------------------------------------------------------
 def strict_loading(w: int, workdir: Path) -> dict:
     path = workdir / "plain.ckpt"
@@ -373,6 +410,9 @@ def main() -> None:
         "link_slow_then_fast": link_resume(w, workdir, 1.0, 1e6),
         "link_fast_then_slow": link_resume(w, workdir, 1e6, 1.0),
         "strict_loading": strict_loading(w, workdir),
+        "cb_link_slow_then_fast": cb_link_resume(w, workdir, 1.0, 1e6),
+        "cb_link_fast_then_slow": cb_link_resume(w, workdir, 1e6, 1.0),
+        "cb_link_forced": cb_link_forced(w),
     }
     recorder = LossRecorder()  # the group still works after all of the above
     fit(Compressed3DStrategy(tensor_parallel_size=w), model(), 2, [recorder])
