@@ -16,7 +16,7 @@ with a ``FutureWarning`` (``group_flat_options``). docs/architecture.md, "Config
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal

@@ -24,9 +24,8 @@ import contextlib
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 
@@ -41,11 +40,13 @@ from lightning_3d.strategies.compression_state import CompressionState
 from lightning_3d.strategies.context_parallel import (
     check_context_module, enable_context_parallel, sequence_keys, shard_microbatches,
 )
-from lightning_3d.distributed.grad_sync import GradientSynchronizer, clip_grad_norm_, local, sync_tied_gradients
+from lightning_3d.distributed.grad_sync import GradientSynchronizer, clip_grad_norm_, sync_tied_gradients
 from lightning_3d.strategies.options import PipelineOptions
 from lightning_3d.distributed.process_groups import ProcessGroups
+from lightning_3d.strategies.nonfinite import NonFiniteGuard
+from lightning_3d.strategies.optimizer_sharding import shard_optimizers
 from lightning_3d.strategies.protocol import missing_protocol_methods, one_host_read
-from lightning_3d.distributed.sharded_optimizer import ShardedOptimizer, local_optimizer, sharding_of, units_of
+from lightning_3d.distributed.sharded_optimizer import ShardedOptimizer, sharding_of
 from lightning_3d.strategies.stage_builder import (
     broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
     tied_copies,
@@ -55,7 +56,6 @@ from lightning_3d.strategies.cb_link import measure_pipeline_link
 from lightning_3d.distributed.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
                                                   unfuse_gradient_accumulation)
 from lightning_3d.utils.comm_stats import CommunicationStats
-from lightning_3d.utils.compat import clear_found_inf, set_found_inf, skips_on_found_inf
 
 
 class PipelineEngine:
@@ -79,14 +79,8 @@ class PipelineEngine:
         self.fused_tied = False
         self.sync_blocked = False
         self._stashed_grads: list[tuple[nn.Parameter, Tensor | None]] | None = None
-        self._nonfinite_streak = 0
-        # The lazy non-finite verdict (``guarded_closure``): the last step's verdict, not read on the host yet, and
-        # the optimizer that holds it as ``found_inf`` until its step is done. ``lazy_verdict=False`` forces the
-        # synchronous verdict everywhere (the tests compare the two paths).
-        self.lazy_verdict = True
-        self._pending: PendingVerdict | None = None
-        self._found_inf_on: Optimizer | None = None
-        self._to_judge: tuple | None = None  # this step's loss etc., judged once Lightning's gradient hooks ran
+        # The non-finite verdict of every step (strategies/nonfinite.py); its device is set with the engine's.
+        self.guard = NonFiniteGuard(options.on_nonfinite, options.max_consecutive_nonfinite, compression)
         self.sharded: ShardedOptimizer | None = None  # shard_optimizer_state, once the optimizer is sharded
         self.local_pieces: list[ShardedOptimizer] = []  # tensor parallelism's optimizers on local shards
 
@@ -123,6 +117,7 @@ class PipelineEngine:
         convert_module(module)
         broadcast_parameters(module, groups.dp_group, src=dist.get_global_rank(groups.dp_group, 0))
         self.groups, self.device = groups, device
+        self.guard.device = device
         self.stage_params = {None: list(module.parameters())}
         self.build_grad_sync()
         self.compression.warn_unused(groups.dims, tied=False)
@@ -146,6 +141,7 @@ class PipelineEngine:
             broadcast_parameters(module, groups.dp_group, src=dist.get_global_rank(groups.dp_group, 0))
         groups.channels.warmup()
         self.groups, self.device = groups, device
+        self.guard.device = device
         self.tied = tied_copies(module, pp_rank, dims.pp) if dims.pp > 1 else []
         self.fused_tied = bool(self.tied) and self.compression.config.fused_embedding_sync
         self.stage_params = {index: list(stage.parameters()) for index, stage in stages.items()}
@@ -342,57 +338,23 @@ class PipelineEngine:
 
     # ----- the optimizer step -----------------------------------------------------------------------------------
     def shard_optimizer_state(self, optimizers: Sequence[Optimizer], module: pl.LightningModule) -> None:
-        """With ``shard_optimizer_state``: rewrite the optimizer to step on this replica's range of every gradient
-        bucket and have the synchronizer reduce-scatter those buckets (docs/sharded_optimizer.md). With dp = 1 there
-        is nothing to shard over: the option does nothing. The replicas are dp x cp (context-parallel ranks hold the
-        same parameters and reduce gradients with the data-parallel ones), ranked as in ``dp_group``."""
-        g = self.groups
-        self.sharded, self.local_pieces = None, []
-        fqns = {id(p): n for n, p in module.named_parameters()}
-        tied_skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
-        if not self.options.shard_optimizer_state or g.dims.replicas == 1:
-            if self.options.shard_optimizer_state:
-                rank_zero_info("Compressed3DStrategy: shard_optimizer_state=True does nothing with one replica"
-                               " (data_parallel_size x context_parallel_size = 1: nothing to shard over).")
-            # Tensor-parallel (DTensor) parameters: the optimizer steps their local shards (local_optimizer says why).
-            for opt in optimizers:
-                opt = getattr(opt, "_optimizer", opt)
-                pieces = local_optimizer(opt, fqns, g.tp_rank, tied_skip)
-                if pieces is not None:
-                    self.local_pieces.append(pieces)
-                elif any(
-                        isinstance(p, DTensor) for group in opt.param_groups for p in group["params"]):
-                    rank_zero_info(f"Compressed3DStrategy: {type(opt).__name__} is not a known element-wise optimizer,"
-                                   " so it steps the DTensor parameters themselves (correct, but slow on the host).")
-            return
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"shard_optimizer_state=True shards one optimizer, but configure_optimizers returned {len(optimizers)};"
-                " put all parameters into one optimizer (param groups may differ), or pass shard_optimizer_state=False."
-            )
-        optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-        self.sharded = ShardedOptimizer(optimizer, units_of(optimizer, [b.params for b in self.grad_sync.buckets]),
-                                        fqns, g.dp_group, g.dims.replicas, dist.get_rank(g.dp_group), g.tp_rank,
-                                        tied_skip)
-        self.grad_sync.scatter = self.sharded.scatter_keys(full={id(p) for p in self.tied})
+        """ZeRO-1 where asked, tensor parallelism's local shards otherwise (strategies/optimizer_sharding.py)."""
+        self.sharded, self.local_pieces = shard_optimizers(
+            optimizers, module, self.groups, self.tied, self.grad_sync, self.options.shard_optimizer_state)
 
     def step_closure(self, optimizer: Optimizer, closure: Any, trainer: pl.Trainer, scaled: bool = False) -> Any:
         """Lightning's closure (forward, backward, gradient sync) and the sharded optimizer's gradients; the
         non-finite check (unless ``on_nonfinite="ignore"``) follows in ``after_gradient_hooks``, once the
         ``on_before_optimizer_step`` hooks and clipping have had the gradients. ``scaled``: a GradScaler steps it."""
-        guard = self.options.on_nonfinite != "ignore"
-        if guard:
-            self.compression.save_sc_state()  # only where a hook may edit gradients after SC ran (compression_state)
+        self.guard.before_closure()
         loss = closure()
         self._collect_grads(optimizer)
-        self._to_judge = (loss, trainer, scaled) if guard else None
+        self.guard.after_closure(loss, trainer, scaled)
         return loss
 
     def after_gradient_hooks(self, optimizer: Optimizer) -> None:
-        """Lightning's hooks and clipping are done: judge the gradients the update will read (``guarded_closure``)."""
-        pending, self._to_judge = self._to_judge, None
-        if pending is not None:
-            self.guarded_closure(optimizer, *pending)
+        """Lightning's hooks and clipping are done: the guard judges the gradients the update will read."""
+        self.guard.judge_pending(optimizer)
 
     def _collect_grads(self, optimizer: Optimizer) -> None:
         """Hand the gradients to the pieces the optimizer steps (sharded, or tensor-parallel local shards)."""
@@ -403,113 +365,29 @@ class PipelineEngine:
     def after_optimizer_step(self) -> None:
         """The lazy verdict's ``found_inf`` goes (it was this step's); sharded: every replica's updated range goes to
         every replica (the parameters are whole again)."""
-        if self._found_inf_on is not None:  # this step's verdict only
-            clear_found_inf(self._found_inf_on)
-            self._found_inf_on = None
+        self.guard.after_step()
         if self.sharded is not None:
             self.sharded.gather_params()
         for pieces in self.local_pieces:  # also after a skipped step: no gradient may carry over into the next
             pieces.release_grads()
 
-    def verdict_can_wait(self, optimizer: Optimizer, scaled: bool) -> bool:
-        """Whether this step's non-finite verdict can skip the step on the device and reach the host a step later
-        (``guarded_closure``): where the optimizer's own step skips exactly on ``found_inf`` (torch's fused Adam,
-        AdamW, momentum-free SGD: ``compat.skips_on_found_inf``) and no GradScaler owns that attribute (``scaled``,
-        precision "16-mixed"). The sharded optimizer and tensor parallelism's local pieces qualify too: the same
-        torch optimizer object steps their pieces (its param groups rewritten), so its kernel skips them alike, and
-        what follows the step (the masters copied back and all-gathered, the gradients released) carries the
-        unchanged values (the robustness scenario compares both paths there)."""
-        opt = getattr(optimizer, "_optimizer", optimizer)  # SC saved for a hook: restored now, or it would be too late
-        return self.lazy_verdict and not scaled and skips_on_found_inf(opt) and not (
-            self.compression is not None and self.compression.sc_state_saved)
-
-    def guarded_closure(self, optimizer: Optimizer, loss: Any, trainer: pl.Trainer, scaled: bool = False) -> Any:
-        """After Lightning's closure (forward, backward, gradient sync) and its ``on_before_optimizer_step`` hooks and
-        clipping (where users edit gradients, and a NaN can appear), decide on every rank alike whether the step is
-        finite (one all-reduced flag for the world).
-
-        Synchronous verdict (the general case): the host reads the flag now (it waits for the whole backward); a
-        skipped step clears the gradients, so the optimizer leaves every parameter and its state untouched (torch
-        optimizers pass over parameters without a gradient) and clipping sees nothing to clip.
-
-        Lazy verdict (``verdict_can_wait``): the flag becomes the optimizer's ``found_inf`` for this step, so a bad
-        step is skipped on the device by the optimizer's own kernel (parameters and state as if it had not stepped;
-        clipping's NaN coefficient touches only gradients that are dropped). The host does not wait: the flag is
-        copied to host memory behind the step's work and read in the next step's ``guarded_closure`` (after its
-        forward and backward are queued, before its update), at the end of fit (``flush_verdict``), or before a
-        checkpoint is written. The warning, the streak limit and ``on_nonfinite="raise"`` act then, naming the bad
-        step; "raise" thus raises one step later, from the next step's closure, with the parameters and optimizer
-        state still those from before the bad step (it was skipped, and the next update has not run).
-
-        The optimizer's update runs inside ``optimizer.step(closure)``, after this returns: this is the last point
-        before it. Lightning still counts the step (``global_step``, LR schedulers stepping by step), as for any
-        optimizer step. A skipped step also restores SC's state where a hook may have edited gradients after SC
-        compressed them (``CompressionState.save_sc_state``)."""
-        grads = [local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        # The max-abs norm is finite exactly when every element is (and cannot overflow the way a sum of squares can).
-        bad = torch.zeros((), device=self.device)
-        if grads:
-            bad += (~torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=float("inf")))).float()
-        if isinstance(loss, Tensor):
-            bad += (~torch.isfinite(loss.detach().float())).float().to(bad.device)
-        dist.all_reduce(bad)  # one verdict for the whole world: every stage, shard and replica skips together
-        step = trainer.global_step
-        self.flush_verdict()  # the last step's verdict, before this step's update (its work is queued by now)
-        if self.verdict_can_wait(optimizer, scaled):
-            # Exactly 1.0 where bad: torch's fused kernels skip where found_inf == 1 and subtract it from step counts.
-            flag = (bad > 0).float()
-            opt = getattr(optimizer, "_optimizer", optimizer)
-            set_found_inf(opt, flag)
-            self._found_inf_on = opt
-            self._pending = PendingVerdict(flag, step)
-            return loss
-        if self.judge(bool(bad.item()), step):
-            self.compression.restore_sc_state()
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-        return loss
-
+    # The guard's verdict, as the strategy and the tests reach it (strategies/nonfinite.py).
     def flush_verdict(self) -> None:
-        """Act on the pending lazy verdict, if any (warn, count the streak, raise). Every rank holds the same
-        verdict, so every rank raises alike."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self.judge(pending.read(), pending.step)
+        self.guard.flush_verdict()
 
     def drop_verdict(self) -> None:
-        """Forget a pending verdict and ``found_inf`` without acting (teardown: after an error, or once fit's end
-        has flushed it)."""
-        self._pending = self._to_judge = None
-        if self._found_inf_on is not None:
-            clear_found_inf(self._found_inf_on)
-            self._found_inf_on = None
+        self.guard.drop_verdict()
 
-    def judge(self, bad: bool, step: int) -> bool:
-        """The policy on optimizer step ``step``'s verdict: the streak, the warning, ``raise``. True: it was bad
-        (and skipped)."""
-        if not bad:
-            self._nonfinite_streak = 0
-            return False
-        self._nonfinite_streak += 1
-        what = "the loss or the gradients of optimizer step"
-        if self.options.on_nonfinite == "raise":
-            raise FloatingPointError(
-                f"Compressed3DStrategy: {what} {step} hold NaN or inf (on_nonfinite='raise'). Lower the learning rate,"
-                " check the data of this step, or pass on_nonfinite='skip' to skip such steps."
-            )
-        if self._nonfinite_streak > self.options.max_consecutive_nonfinite:
-            raise FloatingPointError(
-                f"Compressed3DStrategy: {what} {step} hold NaN or inf, {self._nonfinite_streak} such steps in a row"
-                f" (max_consecutive_nonfinite={self.options.max_consecutive_nonfinite}): training diverged. Lower the"
-                " learning rate or resume from an earlier checkpoint."
-            )
-        rank_zero_warn(
-            f"Compressed3DStrategy: {what} {step} hold NaN or inf; the step is skipped on every rank (parameters,"
-            f" optimizer and compression state unchanged; {self._nonfinite_streak} in a row, at most"
-            f" {self.options.max_consecutive_nonfinite})."
-        )
-        return True
+    def verdict_can_wait(self, optimizer: Optimizer, scaled: bool) -> bool:
+        return self.guard.verdict_can_wait(optimizer, scaled)
+
+    @property
+    def lazy_verdict(self) -> bool:
+        return self.guard.lazy_verdict
+
+    @lazy_verdict.setter
+    def lazy_verdict(self, value: bool) -> None:
+        self.guard.lazy_verdict = value
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Lightning's norm clipping, by the global norm (tied copies counted once)."""
@@ -521,29 +399,6 @@ class PipelineEngine:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         skip = {id(p) for p in self.tied} if g.pp_rank == g.dims.pp - 1 else set()
         clip_grad_norm_(params, clip_val, g.model_parallel_group, g.tp_rank, self.device, skip)
-
-
-class PendingVerdict:
-    """A step's all-reduced non-finite flag on its way to the host. On CUDA it is copied into pinned host memory
-    behind the step's work, with an event recorded after the copy: reading it a step later waits for nothing the
-    host still needs (the event is done unless the device is a whole step behind). Elsewhere the flag is kept as it
-    is (on the CPU it is computed already)."""
-
-    def __init__(self, flag: Tensor, step: int) -> None:
-        self.step = step
-        self.event = None
-        if flag.device.type == "cuda":
-            self.flag = torch.empty((), dtype=flag.dtype, pin_memory=True)
-            self.flag.copy_(flag, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.flag = flag
-
-    def read(self) -> bool:
-        if self.event is not None:
-            self.event.synchronize()
-        return bool(self.flag.item())
 
 
 def check_batch(module: pl.LightningModule, microbatches: list[Any]) -> None:
@@ -561,20 +416,3 @@ def check_batch(module: pl.LightningModule, microbatches: list[Any]) -> None:
 
 
 # Optimizers that shard or synchronise their work across processes themselves (beside torch.distributed.optim).
-_DISTRIBUTED_OPTIMIZER_MODULES = ("torch.distributed.optim", "apex.contrib.optimizers", "deepspeed", "megatron")
-
-
-def check_optimizers(optimizers: Sequence[Optimizer]) -> None:
-    """No distributed optimizer wrapper (``ZeroRedundancyOptimizer``, apex's ``DistributedFusedAdam``, ...): the
-    strategy already averages every gradient over its replicas and steps each pipeline/tensor rank's own parameters;
-    those wrappers shard or synchronise optimizer work over the default group, which spans pipeline and tensor ranks
-    holding different parameters. The strategy's own ``shard_optimizer_state`` does what they are for."""
-    wrapped = [f"{type(o).__name__} ({type(o).__module__})" for o in (getattr(o, "_optimizer", o) for o in optimizers)
-               if type(o).__module__.startswith(_DISTRIBUTED_OPTIMIZER_MODULES)]
-    if wrapped:
-        raise TypeError(
-            f"Compressed3DStrategy does not take {', '.join(wrapped)}: it would shard or synchronise optimizer state"
-            " across ranks that hold different parameters (pipeline stages, tensor shards). Return a plain torch.optim"
-            " optimizer (e.g. AdamW) from configure_optimizers and pass Compressed3DStrategy(shard_optimizer_state=True)"
-            " to shard its state over the data-parallel replicas."
-        )

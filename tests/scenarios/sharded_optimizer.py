@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.strategies.pipeline_engine import check_optimizers
+from lightning_3d.strategies.optimizer_sharding import check_optimizers
 from lightning_3d.distributed.sharded_optimizer import owned_elements
 from lightning_3d.utils.tensors import local
 from tests.scenarios.common import (
