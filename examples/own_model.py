@@ -2,7 +2,8 @@
 not one of the recipes (RMSNorm, SwiGLU feed-forward, no biases, an output head tied to the embedding).
 
 The same ``TinyLM`` trains with a plain ``pl.Trainer()`` (one device, DDP, ...) and with
-``Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=..., tensor_parallel_size=...))``, and every layout equals one process
+``Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=..., tensor_parallel_size=...))``, and every
+layout equals one process
 (tests/test_examples.py checks (1, 2, 2) and (2, 2, 1) against the single-process run). What each piece is for:
 
 - ``configure_model`` builds on the meta device (no memory until the strategy knows what this rank keeps). Under
@@ -30,9 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_3d import (
-    CompressionConfig, Compressed3DStrategy, ParallelismConfig, PipelineConfig, read_on_host,
-)
+from lightning_3d import Compressed3DStrategy, CompressionConfig, ParallelismConfig, PipelineConfig, read_on_host
 from lightning_3d.recipes.training import init_full_
 from lightning_3d.utils.tensors import materialize_
 
@@ -63,7 +62,8 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.gate, self.up, self.down = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
+        self.gate, self.up, self.down = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden,
+                                                                                      bias=False), nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))

@@ -3,10 +3,10 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_3d.compression.config import CompressionConfig
+from lightning_3d.distributed.parallel_dims import ParallelDims
 from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.config import ParallelismConfig, PipelineConfig, RuntimeConfig
-from lightning_3d.distributed.parallel_dims import ParallelDims
 from lightning_3d.strategies.protocol import Parallel3DModule, StageLayout, read_on_host
 
 if Compressed3DStrategy.strategy_name not in StrategyRegistry:

@@ -23,9 +23,8 @@ from importlib import resources
 from typing import NoReturn
 
 import yaml
-
-from lightning.pytorch import Trainer
 from jsonargparse import set_parsing_settings
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_3d  # noqa: F401  (registers the "compressed_3d" strategy name)
@@ -329,7 +328,8 @@ def build_cli(args: ArgsType = None, run: bool = True) -> Lightning3DCLI:
         subclass_mode_data=True,
         # Every rank builds the CLI; only rank 0 writes config.yaml, and reruns into the same log dir must not fail.
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"epilog": top_help(), **{c: {"description": command_help(c), "usage": f"lightning-3d {c} [--config CONFIG] [--KEY VALUE ...]"}
+        parser_kwargs={"epilog": top_help(), **{c: {"description": command_help(c),
+                                                    "usage": f"lightning-3d {c} [--config CONFIG] [--KEY VALUE ...]"}
                                                 for c in TRAINER_COMMANDS}},
         args=args,
         run=run,

@@ -15,7 +15,11 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_3d import MicroBatches
 from lightning_3d.callbacks import (
-    CommunicationMonitor, CompressionDiagnostics, CompressionStateMonitor, PipelineTimeline, ThroughputMFUMonitor,
+    CommunicationMonitor,
+    CompressionDiagnostics,
+    CompressionStateMonitor,
+    PipelineTimeline,
+    ThroughputMFUMonitor,
 )
 from lightning_3d.callbacks.diagnostics import DiagnosticsRecorder, cosine
 from lightning_3d.callbacks.plumbing import ObserverFanout, SpanRecorder, attach, detach

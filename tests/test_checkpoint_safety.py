@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_3d.recipes.export import export_checkpoint
 from lightning_3d.checkpoint import files as ckpt
+from lightning_3d.recipes.export import export_checkpoint
 from tests.launch import run_scenario
 from tests.scenarios.ckpt_safety import STAGES, Payload
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
 from lightning_3d.cli import Lightning3DCLI, build_cli, main, packaged_configs, resolve_config, short_error

@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.compression.backprop import CompressedBackprop, CompressedBackpropConfig, compression_ratio
-from lightning_3d.compression.lowrank import orthonormalize
 from lightning_3d.compression.config import CompressionConfig
+from lightning_3d.compression.lowrank import orthonormalize
 from lightning_3d.compression.selective import DataParallelPowerSGD
-from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.codec import BoundaryKey
+from lightning_3d.utils.comm_stats import CommunicationStats
 
 
 def codec(**kw) -> CompressedBackprop:
@@ -291,7 +291,8 @@ def test_options_for_traffic_the_topology_lacks_warn_once(recwarn) -> None:
 
     from lightning_3d.recipes import GPT
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=Compressed3DStrategy(compression=CompressionConfig(cb_rank=8, compressed_stages=[0])),
+    trainer = pl.Trainer(accelerator="cpu", devices=1,
+                         strategy=Compressed3DStrategy(compression=CompressionConfig(cb_rank=8, compressed_stages=[0])),
                          max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     data = [{"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}]
@@ -373,9 +374,9 @@ def test_cb_link_decision_is_measured_once_recorded_and_restored(monkeypatch) ->
     recorded, and a recorded measurement replaces this run's own on resume, saying whether CB flips."""
     import torch.distributed as dist
 
+    from lightning_3d.distributed.parallel_dims import ParallelDims
     from lightning_3d.strategies import cb_link
     from lightning_3d.strategies.compression_state import CompressionState
-    from lightning_3d.distributed.parallel_dims import ParallelDims
     from lightning_3d.utils.comm_stats import CommunicationStats
 
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: None)  # one process: the minimum is itself

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from lightning_3d import Compressed3DStrategy
+from lightning_3d.distributed.parallel_dims import ParallelDims, resolve_sizes
 from lightning_3d.pipeline.microbatch import MicroBatches, split_batch
 from lightning_3d.recipes import GPT
-from lightning_3d.distributed.parallel_dims import ParallelDims, resolve_sizes
 from lightning_3d.strategies.protocol import split_layers
 
 
@@ -33,7 +33,8 @@ def test_mesh_coordinates_put_tensor_parallel_innermost() -> None:
     "kwargs,message",
     [
         (dict(schedule="zero_bubble"), "Unknown schedule 'zero_bubble'"),
-        (dict(pipeline_parallel_size=4, num_microbatches=2), r"1F1B schedule with num_microbatches=2 < 4 at pipeline_parallel_size=4: fewer leave stages idle"),
+        (dict(pipeline_parallel_size=4, num_microbatches=2),
+         r"1F1B schedule with num_microbatches=2 < 4 at pipeline_parallel_size=4: fewer leave stages idle"),
         (dict(pipeline_parallel_size=2, num_microbatches=3, schedule="interleaved_1f1b"), r"num_microbatches \(3\) to be a multiple"),
         (dict(pipeline_parallel_size=1, schedule="interleaved_1f1b"), "needs pipeline_parallel_size >= 2"),
         (dict(pipeline_parallel_size=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=1), "virtual_stages >= 2"),

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from lightning_3d.context import (
     causal_pairs,
-    check_ulysses_heads,
     check_layout,
     check_ring_inputs,
+    check_ulysses_heads,
     num_chunks,
     position_ids,
     rank_chunks,

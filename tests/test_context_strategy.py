@@ -9,9 +9,9 @@ import torch
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.context import ContextParallelConfig
+from lightning_3d.distributed.parallel_dims import ParallelDims, resolve_sizes
 from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.strategies.context_parallel import shard_microbatches
-from lightning_3d.distributed.parallel_dims import ParallelDims, resolve_sizes
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

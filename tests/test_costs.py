@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 
 import lightning_3d.costs.analytic as analytic
-from lightning_3d.costs import (AnalyticCostModel, ClusterSpec, CostModel, DeviceSpec, ModelShape, ProfiledCostModel,
-                                device_spec, model_shape)
+from lightning_3d.costs import (
+    AnalyticCostModel,
+    ClusterSpec,
+    CostModel,
+    DeviceSpec,
+    ModelShape,
+    ProfiledCostModel,
+    device_spec,
+    model_shape,
+)
 
 PROFILE = Path(__file__).parent / "data" / "profiles" / "gpt_synthetic.json"
 GPT = ModelShape("gpt", num_layers=4, hidden_size=256, num_heads=4, ffn_hidden_size=1024, vocab_size=1024)
@@ -40,7 +48,8 @@ def test_analytic_block_time_is_its_flops_at_the_gemm_rate() -> None:
     gemm = 2 * s * h * 4 * h + 2 * s * h * f * 2  # q, k, v, out; two FFN matrices (per sequence)
     attn = 4 * s * s * h * 0.5  # causal
     assert f2 - f1 == pytest.approx(gemm / rate + attn / (rate * analytic.ATTENTION_EFFICIENCY), rel=1e-12)
-    assert b2 - b1 == pytest.approx(2 * gemm / rate + analytic.BACKWARD_ATTENTION * attn / (rate * analytic.ATTENTION_EFFICIENCY), rel=1e-12)
+    assert b2 - b1 == pytest.approx(2 * gemm / rate \
+        + analytic.BACKWARD_ATTENTION * attn / (rate * analytic.ATTENTION_EFFICIENCY), rel=1e-12)
 
 
 def test_analytic_recompute_adds_a_forward_and_keeps_only_the_input() -> None:

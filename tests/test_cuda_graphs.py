@@ -75,7 +75,7 @@ class EagerCapture:
     """Stands in for ``GraphedStage``: runs the stage eagerly on the live micro-batch, records what it was given, and
     keeps ``pending`` as the real one does (set by the forward, cleared when the output's gradient arrives)."""
 
-    made: list["EagerCapture"] = []
+    made: list[EagerCapture] = []
 
     def __init__(self, stage, received, microbatch, pool) -> None:
         self.stage, self.pending, self.calls = stage, False, []

@@ -7,7 +7,6 @@ Tolerances: fp32 losses and final parameters within 1e-5 relative of the single-
 from __future__ import annotations
 
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -217,10 +216,10 @@ def _t5_logits_check(ckpt: Path, tmp_path: Path) -> float:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import T5ForConditionalGeneration
 
+    from lightning_3d.checkpoint.files import META_FILE
     from lightning_3d.cli import main
     from lightning_3d.recipes.hf_t5 import t5_config_from_hparams
     from lightning_3d.recipes.t5.model import T5Model
-    from lightning_3d.checkpoint.files import META_FILE
     from tests.scenarios.t5_layouts import Pairs
 
     out = tmp_path / f"{ckpt.name}_hf"

@@ -51,9 +51,9 @@ def _gpt_gradients(checkpointing: bool, tp_rank: int) -> list:
 
     import torch
 
+    from lightning_3d.distributed import rng
     from lightning_3d.recipes.gpt.config import preset
     from lightning_3d.recipes.gpt.model import GPTModel
-    from lightning_3d.distributed import rng
 
     config = preset("tiny", vocab_size=300, seq_length=16, num_layers=2, hidden_size=48, num_heads=12, dropout=0.1)
     # L3D_TEST_DEVICE=cuda (as for the scenarios) runs it on a GPU: the region then swaps the CUDA generator.

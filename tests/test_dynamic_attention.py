@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lightning_3d.recipes.gpt.config import preset
 from lightning_3d.recipes.gpt.model import GPTModel, document_mask

@@ -12,8 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from lightning_3d.costs import (AnalyticCostModel, ClusterSpec, DeviceSpec, ModelShape, ProfiledCostModel, device_spec,
-                                new_profile)
+from lightning_3d.costs import AnalyticCostModel, ClusterSpec, DeviceSpec, ModelShape, ProfiledCostModel, device_spec, new_profile
 from lightning_3d.dynamic import plan_step
 from lightning_3d.dynamic.partition import best_partition, objective, range_shapes, round_up, sample_order
 from lightning_3d.dynamic.stage_costs import evaluate, stage_layers

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_3d.costs.model import ModelShape
 from lightning_3d.dynamic import RECOMPUTE_KEY, DynamicMicroBatcher, plan_digest
 from lightning_3d.pipeline.schedules import build_schedule
 from lightning_3d.recipes import GPT, T5

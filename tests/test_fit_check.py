@@ -18,11 +18,21 @@ import torch
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, device_spec, layer_parameters
 from lightning_3d.costs.memory import LOSS_CHUNK_ELEMENTS, TrainingState, layout_memory
-from lightning_3d.planner.model import Candidate, Workload as PlannerWorkload, predict
+from lightning_3d.planner.model import Candidate, predict
+from lightning_3d.planner.model import Workload as PlannerWorkload
 from lightning_3d.recipes import GPT, T5
 from lightning_3d.recipes.kernels import CHUNK_ELEMENTS
 from lightning_3d.strategies.fit_check import (
-    CAPACITY_ENV, GIB, MARGIN, RESERVE, DoesNotFitError, FitReport, check_fit, device_capacity, read_workload, size,
+    CAPACITY_ENV,
+    GIB,
+    MARGIN,
+    RESERVE,
+    DoesNotFitError,
+    FitReport,
+    check_fit,
+    device_capacity,
+    read_workload,
+    size,
 )
 from lightning_3d.strategies.options import resolve_options
 from tests.launch import run_scenario
@@ -75,7 +85,7 @@ def test_training_state_bytes_per_parameter() -> None:
 def test_each_option_changes_its_component() -> None:
     w = gpt_workload(seq=8192, batch=2)
     base = w.estimate()[0]
-    h, vocab = w.shape.hidden_size, w.shape.vocab_size
+    h = w.shape.hidden_size
     # Parameters: 24 blocks, the embedding (tied: the head's copy counted once), the position table, final norm.
     params = 24 * layer_parameters(w.shape, "block") + layer_parameters(w.shape, "head") + 8192 * h
     assert base.weights == pytest.approx(4 * params) and base.optimizer == pytest.approx(8 * params)

@@ -4,7 +4,8 @@ torch has no FlexAttention backward on CPU: its public ``flex_attention`` refuse
 fixture ``flex_on_cpu`` (tests/conftest.py, tests/flex_cpu.py) lifts that one check (``_validate_device``) and
 compiles with "aot_eager" (the same dynamo capture and autograd tracing as on the GPU, torch's reference math kernels
 for the forward and the backward), so the CPU suite checks everything but the fused Triton kernel: the mask
-(mask_mod), its plumbing through the blocks, activation checkpointing, compiled blocks, and the gradients. The reference math path evaluates mask_mod on
+(mask_mod), its plumbing through the blocks, activation checkpointing, compiled blocks, and the gradients. The reference
+math path evaluates mask_mod on
 every score and never reads the block tables (which blocks are skipped, which run without mask_mod): those are
 checked by counts and by the fused CPU kernel (inductor, forward only, without grad) over several blocks.
 
@@ -30,16 +31,14 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 import lightning_3d.recipes.gpt.model as gpt_model_module
+import lightning_3d.recipes.training as training
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.gpt.config import preset
-from lightning_3d.recipes.gpt.model import (GPTModel, document_block_mask, document_mask, packing_inputs,
-                                            resolve_packed_attention)
-import lightning_3d.recipes.training as training
+from lightning_3d.recipes.gpt.model import GPTModel, document_block_mask, document_mask, packing_inputs, resolve_packed_attention
 from lightning_3d.recipes.training import IGNORE_INDEX, compile_blocks, summed_token_cross_entropy
 from tests.flex_cpu import allow_flex_backward_on_cpu, count_flex_calls
 from tests.test_multitask import VOCAB, collator, random_samples
 from tests.tolerance import loss_tolerance, scaled_error
-
 
 U = torch.finfo(torch.float32).eps / 2  # fp32 unit roundoff
 

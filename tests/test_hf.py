@@ -17,14 +17,19 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from lightning_3d.checkpoint.files import META_FILE, write_manifest
 from lightning_3d.cli import main
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data.tokenizer import ByteTokenizer, load_tokenizer
 from lightning_3d.recipes.gpt.model import GPTModel
 from lightning_3d.recipes.hf import (
-    config_from_hparams, export_checkpoint, gpt_from_pretrained, gpt_to_hf_state_dict, hf_config_for, hf_to_gpt_state_dict,
+    config_from_hparams,
+    export_checkpoint,
+    gpt_from_pretrained,
+    gpt_to_hf_state_dict,
+    hf_config_for,
+    hf_to_gpt_state_dict,
 )
-from lightning_3d.checkpoint.files import META_FILE, write_manifest
 from tests.launch import run_scenario
 from tests.scenarios.common import Tokens
 from tests.tolerance import gpt_tolerance, loss_tolerance, scaled_error

@@ -3,7 +3,8 @@
 Layers, bottom to top: utils -> pipeline -> compression -> distributed -> checkpoint -> strategies -> {callbacks,
 recipes} -> cli. A module may
 import its own package and the layers below it (``lightning_3d`` itself re-exports the strategy, so it sits just
-above the strategies layer; ``dynamic`` sits beside compression and ``planner`` beside the recipes). On top of that: no import cycle between modules (function-level imports included, since they
+above the strategies layer; ``dynamic`` sits beside compression and ``planner`` beside the recipes). On top of that: no
+import cycle between modules (function-level imports included, since they
 only hide a cycle), no ``from X import _private`` across modules, and upper layers reach the strategies package only
 through its public modules.
 """

@@ -384,5 +384,6 @@ def test_file_options_keys_val_files_bpe_inputs_in_the_loss_and_workers(tmp_path
     same = target_only.train_dataset[0]
     assert np.array_equal(same["tokens"], first["tokens"]) and same["prompt"] > 0 and first["prompt"] == 0
     labels = next(iter(target_only.train_dataloader()))[0]["labels"][0]
-    assert (labels[: same["prompt"] - 1] == IGNORE_INDEX).all() and (labels[same["prompt"] - 1 : len(same["tokens"]) - 1] != IGNORE_INDEX).all()
+    assert (labels[: same["prompt"] - 1] == IGNORE_INDEX).all() \
+        and (labels[same["prompt"] - 1 : len(same["tokens"]) - 1] != IGNORE_INDEX).all()
     assert len(dm.val_dataloader()) == 5  # 20 held-out samples in global batches of 4, in order

@@ -14,13 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
-from lightning_3d.planner.api import strategy_options
 import yaml
 
 import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, DeviceSpec, ModelShape, ProfiledCostModel, device_spec
 from lightning_3d.planner import SearchOptions, Workload, load_config, plan, predict, search
+from lightning_3d.planner.api import strategy_options
 from lightning_3d.planner.model import Candidate
 from lightning_3d.planner.search import skeletons
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy

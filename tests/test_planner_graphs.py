@@ -13,15 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
-from lightning_3d.planner.api import strategy_options
 import yaml
 
 import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import ClusterSpec, ProfiledCostModel, device_spec, layer_parameters
 from lightning_3d.costs.memory import MemoryLayout, layout_memory
 from lightning_3d.planner import SearchOptions, Workload, load_config, plan, predict, search
-from lightning_3d.planner.api import emit
+from lightning_3d.planner.api import emit, strategy_options
 from lightning_3d.planner.model import Candidate
 from lightning_3d.planner.search import skeletons
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
@@ -78,7 +76,7 @@ def test_the_search_offers_cuda_graphs_only_where_the_strategy_accepts_it() -> N
     flat = [s for s in every if s[1] == 1 and s[2] == 1]
     assert sorted(s[:8] for s in flat if s[8]) == sorted(s[:8] for s in flat if not s[8])
     assert len(every) == len(graphed) + len({s[:8] for s in every})
-    for dp, pp, tp, mbs, m, schedule, v, comp, _ in graphed:  # each one the strategy's own check accepts
+    for dp, pp, tp, _mbs, m, schedule, _v, comp, _ in graphed:  # each one the strategy's own check accepts
         Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                              num_microbatches=m, schedule=schedule, compression=comp, cuda_graphs=True)
     assert not any(s[8] for s in skeletons(w, 4, SearchOptions(cuda_graphs=(False,))))

@@ -13,9 +13,18 @@ import pytest
 from lightning_3d.costs import ClusterSpec, ProfiledCostModel, device_spec, layer_parameters
 from lightning_3d.pipeline.schedules import build_schedule
 from lightning_3d.pipeline.timing import simulate
-from lightning_3d.planner.model import (Candidate, Workload, dp_allreduce, in_flight, lower_bound_memory, pipeline_time,
-                                        predict, send_times,
-                                        simulate_candidate, stage_costs)
+from lightning_3d.planner.model import (
+    Candidate,
+    Workload,
+    dp_allreduce,
+    in_flight,
+    lower_bound_memory,
+    pipeline_time,
+    predict,
+    send_times,
+    simulate_candidate,
+    stage_costs,
+)
 
 PROFILE = Path(__file__).parent / "data" / "profiles" / "gpt_synthetic.json"
 

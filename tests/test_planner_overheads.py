@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 from lightning_3d.costs import ClusterSpec, ProfiledCostModel, device_spec
-from lightning_3d.planner.model import (Candidate, Workload, pipeline_time, predict, send_times, simulate_candidate,
-                                        stage_costs)
+from lightning_3d.planner.model import Candidate, Workload, pipeline_time, predict, send_times, simulate_candidate, stage_costs
 
 PROFILE = Path(__file__).parent / "data" / "profiles" / "gpt_synthetic.json"
 LAYERS = 8  # the synthetic model's blocks
@@ -371,7 +370,8 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
 
 
 def _validate_module():
-    spec = importlib.util.spec_from_file_location("planner_validate", Path(__file__).parent.parent / "benchmarks" / "planner" / "planner_validate.py")
+    spec = importlib.util.spec_from_file_location("planner_validate",
+                                                  Path(__file__).parent.parent / "benchmarks" / "planner" / "planner_validate.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("planner_validate", module)  # dataclasses look their module up while being built
     spec.loader.exec_module(module)
@@ -413,7 +413,7 @@ def test_validation_suites_are_the_sizes_the_issue_asks() -> None:
     assert layouts == {(dp, pp, tp) for dp in (1, 2, 4) for pp in (1, 2, 4) for tp in (1, 2, 4) if dp * pp * tp == 4}
     assert {c.layout for c in four[:len(layouts)]} == layouts  # measured first: a budget cut keeps every layout
     assert {c.schedule for c in four} == {"gpipe", "1f1b", "interleaved_1f1b"} and any(c.split for c in four)
-    for name, model in v.FOUR.items():
+    for model in v.FOUR.values():
         for c in model.configs:  # one global batch per model, and splits that cover the layers
             assert c.layout[0] * c.mbs * c.m == model.batch, c.label()
             if c.split:
@@ -658,9 +658,9 @@ def test_the_overheads_train_and_profile_the_tiny_model_with_the_profiles_fusion
     """The per-micro-batch overhead and the in-situ floor must come from steps that run what the profiled step runs:
     with fuse_gradients=True every linear of the tiny model is fused (a custom op per linear per micro-batch in the
     backward), in its Trainer runs (the strategy is built with that setting) and in its layers' profile alike."""
-    import lightning_3d.recipes  # noqa: F401
     import torch
 
+    import lightning_3d.recipes  # noqa: F401
     import lightning_3d.strategies.compressed_3d as c3d
     from lightning_3d.planner import measure_overheads
 
@@ -679,7 +679,8 @@ def test_the_overheads_train_and_profile_the_tiny_model_with_the_profiles_fusion
                                                           "init_args": {"preset_name": "tiny"}}}
     out = measure_overheads(cfg, shape, torch.device("cpu"), "32-true", microbatches=2, warmup=1, steps=2,
                             in_situ=False, fuse_gradients=True, fresh_process=False, log=lambda *a: None)
-    assert built == [True, True]  # in this process (fresh_process=False), where the spy sees the strategies built  # the fits at 1 and at 2 micro-batches
+    # in this process (fresh_process=False), where the spy sees the strategies built the fits at 1 and at 2 micro-batches
+    assert built == [True, True]
     assert out["gradient_accumulation_fusion"] is True
     # Every nn.Linear of the tiny block fused (q, k, v, output projection and the MLP's two), none of the others.
     assert out["tiny_fused_weights"] == {"embedding": 0, "block": 6, "head": 0}

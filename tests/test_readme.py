@@ -10,7 +10,6 @@ import inspect
 import re
 import shlex
 import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -130,7 +129,6 @@ def test_python_path_prints_what_the_cli_prints(tmp_path):
     import subprocess
 
     import torch
-
     from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
     from lightning_3d.recipes import GPT
@@ -160,8 +158,9 @@ def _distribution(requirement: str) -> str:
 
 def test_declared_dependencies_are_what_the_package_imports():
     """Every third-party module the package imports (at any depth) is declared, and nothing else is."""
-    import tomllib
     from importlib import metadata
+
+    import tomllib
 
     declared = {_distribution(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
     modules = set()

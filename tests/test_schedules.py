@@ -3,15 +3,8 @@
 import pytest
 
 from lightning_3d.pipeline import schedules
-from lightning_3d.pipeline.schedules import (
-    Action,
-    ScheduleSpec,
-    build_forward_only,
-    build_schedule,
-    check_schedule,
-    register_schedule,
-)
 from lightning_3d.pipeline.schedule_options import resolve_schedule_options
+from lightning_3d.pipeline.schedules import Action, ScheduleSpec, build_forward_only, build_schedule, check_schedule, register_schedule
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", 1)]
 

@@ -18,13 +18,13 @@ docs/dynamic.md.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
-
-import lightning.pytorch as pl
-from pathlib import Path
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import GPT, T5, attention
@@ -43,7 +43,8 @@ NO_CUDNN = {"flash": True, "efficient": True, "cudnn": False, "math": True}
 
 def flags() -> dict[str, bool]:
     return {"flash": torch.backends.cuda.flash_sdp_enabled(),
-            "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(), "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
+            "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(), "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+            "math": torch.backends.cuda.math_sdp_enabled()}
 
 
 @pytest.fixture
@@ -117,8 +118,8 @@ def test_compiled_graphs_trace_the_selection(monkeypatch):
     graphs hold the kernel the selection allows. The selection narrowed to math alone: torch's choice traces CPU's
     flash kernel, math alone its decomposition (no flash op) in the forward, and in the backward, which recomputes
     the checkpointed attention from the same trace."""
-    from torch._dynamo.backends.common import aot_autograd
     from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
 
     monkeypatch.setitem(attention.SDPA_BACKENDS, "no_cudnn", [SDPBackend.MATH])
     flash_ops = {}

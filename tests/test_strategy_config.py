@@ -13,9 +13,7 @@ from datetime import timedelta
 import pytest
 import yaml
 
-from lightning_3d import (
-    CompressionConfig, Compressed3DStrategy, ParallelismConfig, PipelineConfig, RuntimeConfig,
-)
+from lightning_3d import Compressed3DStrategy, CompressionConfig, ParallelismConfig, PipelineConfig, RuntimeConfig
 from lightning_3d.cli import group_flat_args, group_flat_config
 from lightning_3d.strategies.config import FLAT_OPTIONS, GROUPS, flatten_options, nest_options
 from lightning_3d.strategies.options import PipelineOptions

@@ -1,7 +1,8 @@
 """The T5 recipe on one process: transformers logits, import/export round trips, errors, seq2seq data and the CLI.
 
 Everything is built locally with random weights (no downloads). fp32 logits agree within the summation-order bound
-of tests/tolerance.py (relative to the logits' scale); import-then-export reproduces transformers' tensors bit for bit. The (dp, pp, tp) layouts run in
+of tests/tolerance.py (relative to the logits' scale); import-then-export reproduces transformers' tensors bit for bit.
+The (dp, pp, tp) layouts run in
 tests/test_distributed.py (scenario tests/scenarios/t5_layouts.py).
 """
 
@@ -25,12 +26,12 @@ from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
 
+from lightning_3d.checkpoint.files import META_FILE, write_manifest
 from lightning_3d.cli import build_cli, main
 from lightning_3d.recipes import T5
 from lightning_3d.recipes.data import Seq2SeqDataModule
 from lightning_3d.recipes.data.span_corruption import span_lengths
 from lightning_3d.recipes.hf_t5 import export_t5_checkpoint, hf_to_t5_state_dict, t5_from_pretrained
-from lightning_3d.checkpoint.files import META_FILE, write_manifest
 from tests.tolerance import loss_tolerance, scaled_error, t5_tolerance
 
 TOL = 1e-5  # two evaluations of the same model in the same code (same summation order): only loss logging differs

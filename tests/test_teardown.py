@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_3d import Compressed3DStrategy
+from lightning_3d.distributed import wgrad_fusion
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data import SyntheticLMDataModule
-from lightning_3d.distributed import wgrad_fusion
 
 
 def hooked(module: torch.nn.Module) -> int:

@@ -13,9 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_3d.recipes.gpt.model import LMHead
-from lightning_3d.tensor_parallel import (
-    TensorParallel, VocabParallelHead, tensor_parallel_implementation, vocab_parallel_head,
-)
+from lightning_3d.tensor_parallel import TensorParallel, VocabParallelHead, tensor_parallel_implementation, vocab_parallel_head
 
 
 @pytest.fixture

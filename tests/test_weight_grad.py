@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_3d.pipeline import weight_grad
 from lightning_3d.distributed import wgrad_fusion
+from lightning_3d.pipeline import weight_grad
 
 
 class Block(nn.Module):

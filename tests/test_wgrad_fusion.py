@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_3d.distributed.wgrad_fusion as wgrad_fusion
 import lightning_3d.recipes.training as training
 from lightning_3d import Compressed3DStrategy
+from lightning_3d.distributed.grad_sync import GradientSynchronizer
+from lightning_3d.distributed.wgrad_fusion import FusedGradLinear, fusable_linears, fuse_gradient_accumulation
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data import SyntheticLMDataModule
-from lightning_3d.distributed.grad_sync import GradientSynchronizer
-import lightning_3d.distributed.wgrad_fusion as wgrad_fusion
-from lightning_3d.distributed.wgrad_fusion import FusedGradLinear, fusable_linears, fuse_gradient_accumulation
 
 
 def fit(fusion: bool | str, precision: str = "32-true", steps: int = 3, **gpt) -> tuple[GPT, list[float], list[dict], list]:
@@ -291,7 +291,6 @@ def test_t5_compiled_per_stage_trains_with_fusion_as_without(monkeypatch: pytest
     layer reports once per micro-batch, and the gradients equal the unfused run's (fp32 on the CPU: the same products,
     up to summation order)."""
     from torch._dynamo.utils import counters
-
     from torch.utils.data import DataLoader
 
     from lightning_3d.recipes import T5

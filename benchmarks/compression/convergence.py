@@ -249,7 +249,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="record the training loss every N steps")
     parser.add_argument("--val-batches", type=int, default=20)
     parser.add_argument("--concurrent", action="store_true",
-                        help="train all modes at once; when the GPUs hold several copies of the layout, each mode gets its own (round-robin), else they share them all")
+                        help="train all modes at once; when the GPUs hold several copies of the layout, each mode gets its own"
+                             " (round-robin), else they share them all")
     parser.add_argument("--accelerator", default="gpu", help="cpu runs a gloo smoke test of the script")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--modes", nargs="+", default=["off", "all"], choices=tuple(MODES))

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from benchmarks.compression.compression_kernels import timed  # noqa: E402
 from lightning_3d.compression.selective import DataParallelPowerSGD, compression_sizes  # noqa: E402
+from lightning_3d.distributed.grad_sync import GradientSynchronizer  # noqa: E402
 from lightning_3d.recipes.gpt.config import preset  # noqa: E402
 from lightning_3d.recipes.gpt.model import GPTModel  # noqa: E402
-from lightning_3d.distributed.grad_sync import GradientSynchronizer  # noqa: E402
 
 # All-reduce bus bandwidths measured on a 4 x H200 host in each regime (benchmarks/CONVENTIONS.md), GB/s.
 ALLREDUCE_GBPS = {"nvlink": 346.0, "ib": 25.0, "ethernet": 3.8}

@@ -5,7 +5,8 @@ Prints one JSON document: per layout the median / min / max planning millisecond
 clock and this process's CPU time, which a loaded machine inflates less), the
 plan's micro-batch count and its predicted step time against padding the batch to its longest sample (same cost
 model). Pin it to one core (``taskset -c 0``) and set ``OMP_NUM_THREADS=1``; the goal is <= 200 ms per
-65,536-token batch. The cost model is ``--profile`` (a measured profile, for its model) or the analytic one (``lightning_3d.costs.AnalyticCostModel``) when present,
+65,536-token batch. The cost model is ``--profile`` (a measured profile, for its model) or the analytic one
+(``lightning_3d.costs.AnalyticCostModel``) when present,
 otherwise a FLOP-count stand-in defined here (reported as ``cost_model``).
 """
 
@@ -116,7 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "predicted_speedup_over_padding_to_longest": float(np.nanmean(speedups))
                         if not np.all(np.isnan(speedups)) else None})
     report = {"tokens_per_batch": args.tokens, "median_length": args.median, "sigma": args.sigma,
-              "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "cost_model": cost_model.source, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+              "load_average": os.getloadavg()[0] if hasattr(os,
+                                                            "getloadavg") else None, "cost_model": cost_model.source,
+                                                            "omp_threads": os.environ.get("OMP_NUM_THREADS"),
               "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
               "results": results}
     if args.compact:  # one line per layout

@@ -10,7 +10,8 @@ summation-order bound of tests/tolerance.py (2 · reductions · longest · 2^-24
 tests/test_multitask.py), and ``ok`` says whether the fp32 variants are within it. Under bf16 autocast the
 differences are reported, not judged (both sides round to bf16, 2^-8 relative, in different places).
 ``recompiles``: graphs torch.compile built in a second pass over other documents of the same shapes (expected 0: the
-document ids are an input of flex's graph and of the CUDA block-mask builder's, not a guard). Also the ``"auto"`` resolution for heads narrower than
+document ids are an input of flex's graph and of the CUDA block-mask builder's, not a guard). Also the ``"auto"``
+resolution for heads narrower than
 inductor's CUDA kernel takes, and the refusal of ``"flex"`` there.
 
     python benchmarks/dynamic/flex_packing_check.py                     # CUDA: tiny-ish GPT, rows of 1,024 tokens
@@ -32,9 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
+import lightning_3d.recipes.gpt.model as gpt_model  # noqa: E402
 from lightning_3d.recipes.data.multitask_batching import StepCollator  # noqa: E402
 from lightning_3d.recipes.gpt.config import preset  # noqa: E402
-import lightning_3d.recipes.gpt.model as gpt_model  # noqa: E402
 from lightning_3d.recipes.gpt.parallelize import GPTStage  # noqa: E402
 from lightning_3d.recipes.training import IGNORE_INDEX, compile_blocks, summed_token_cross_entropy  # noqa: E402
 

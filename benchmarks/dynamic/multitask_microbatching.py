@@ -53,8 +53,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_3d.recipes import GPT, T5  # noqa: E402
 from lightning_3d.recipes.attention import SDPA_BACKENDS  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
-from lightning_3d.recipes.data.multitask_batching import (  # noqa: E402
-    StepCollator, sample_input_length, sample_lengths, sample_target_length)
+from lightning_3d.recipes.data.multitask_batching import StepCollator, sample_input_length, sample_lengths, sample_target_length  # noqa: E402
 from lightning_3d.recipes.gpt.model import PACKED_ATTENTION, resolve_packed_attention  # noqa: E402
 
 

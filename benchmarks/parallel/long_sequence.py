@@ -338,7 +338,8 @@ def main() -> None:
         return
     out = args.out or Path(os.environ.get("OUT", ".")) / "long_sequence.json"
     # This process never touches CUDA (its context would take memory from the workers): the workers report the card.
-    report = {"preset": args.preset, "device": None, "device_memory_gb": None, "dtype": args.dtype, "loss": args.loss, "torch": torch.__version__,
+    report = {"preset": args.preset, "device": None, "device_memory_gb": None, "dtype": args.dtype, "loss": args.loss,
+              "torch": torch.__version__,
               "runs": [], "longest": {}, "skipped": [],
               "flops": "6*N + 12*L*h*s per token, N without the position table; recomputation not counted"}
     deadline = time.monotonic() + args.time_budget

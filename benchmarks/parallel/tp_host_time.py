@@ -96,8 +96,8 @@ def run_one(preset: str, implementation: str, sequence_parallel: bool, args: arg
             compiled: str = "off") -> dict:
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lightning_3d.recipes.training import summed_token_cross_entropy
     from lightning_3d.distributed.grad_sync import align_grad_placement
+    from lightning_3d.recipes.training import summed_token_cross_entropy
 
     config, stage = build(preset, implementation, sequence_parallel, args, mesh)
     if compiled != "off":
@@ -154,7 +154,6 @@ def breakdown(stage, step, batches, args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from lightning_3d.tensor_parallel import layers as tp_layers
-    from lightning_3d.utils import compat
 
     counts: dict[str, float] = {}
 

@@ -157,9 +157,9 @@ def worker(args: argparse.Namespace) -> None:
 
     from benchmarks.tools.graph_memory import GraphedPeak
     from lightning_3d import Compressed3DStrategy
-    from lightning_3d.utils.comm_stats import KINDS as TRAFFIC_KINDS
     from lightning_3d.recipes import GPT, T5
     from lightning_3d.recipes.data import SyntheticLMDataModule, SyntheticSeq2SeqDataModule
+    from lightning_3d.utils.comm_stats import KINDS as TRAFFIC_KINDS
 
     dp, pp, tp = parse_layout(args.layout)
     cuda = args.accelerator == "gpu"
@@ -309,8 +309,13 @@ def variant_result_path(result: Path, variant: str) -> Path:
 
 def benchmark_callbacks(name: str, args: argparse.Namespace, log_dir: Path) -> list:
     """The callbacks of one overhead variant, each at its most expensive useful setting (every step)."""
-    from lightning_3d.callbacks import (CommunicationMonitor, CompressionDiagnostics, CompressionStateMonitor,
-                                        PipelineTimeline, ThroughputMFUMonitor)
+    from lightning_3d.callbacks import (
+        CommunicationMonitor,
+        CompressionDiagnostics,
+        CompressionStateMonitor,
+        PipelineTimeline,
+        ThroughputMFUMonitor,
+    )
 
     every = max(1, args.steps // 3)  # diagnostics sample every few steps: a few sampled steps fall in the window
     make = {"state": lambda: [CompressionStateMonitor(log_every_n_steps=1)],

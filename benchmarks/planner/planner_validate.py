@@ -16,7 +16,8 @@ predicts fastest) against the best measured one (goal: >= 97 % of its throughput
 time; a configuration that would start past it is skipped (reported), and each one's timeout is what is left.
 ``--remeasure-above E``: after every configuration had its turn, those whose time error exceeds E are measured once
 more in fresh processes while the budget lasts (both measurements are reported; the MAPE uses the first,
-``time_mape_both`` their mean), to tell a model's miss from a disturbed measurement. JSON to ``$OUT/planner_validate_<suite>.json`` (or --out) and a compact summary on stdout.
+``time_mape_both`` their mean), to tell a model's miss from a disturbed measurement. JSON to
+``$OUT/planner_validate_<suite>.json`` (or --out) and a compact summary on stdout.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import lightning_3d.recipes  # noqa: E402,F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import ClusterSpec, ModelShape, ProfiledCostModel, recipe_costs  # noqa: E402
-from lightning_3d.planner import (Candidate, Workload, measure_tp_layers, predict, profile_model,  # noqa: E402
-                                  simulate_candidate)
+from lightning_3d.planner import Candidate, Workload, measure_tp_layers, predict, profile_model, simulate_candidate  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -423,7 +423,7 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
             row["repeat_p10_p90_s"] = [again["step_p10_s"], again["step_p90_s"]]
         print("  again" + _line(name, row)[1:], flush=True)
     every = []
-    for name, entry in report["models"].items():
+    for entry in report["models"].values():
         entry.update(summarize(entry["rows"]))
         every += [r for r in entry["rows"] if "step_s" in r]
     report["all"] = summarize(every) if len(report["models"]) > 1 else None

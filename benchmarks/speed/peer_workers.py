@@ -17,11 +17,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from benchmarks.speed.hf_peers import compile_counters, plain_peer, recipe_module, sdpa_backends_of, synthetic_data, synthetic_datamodule
+from benchmarks.speed.user_gpt import user_peer
 from benchmarks.tools.gpu_clocks import ClockSampler
 from benchmarks.tools.graph_memory import GraphedPeak
-from benchmarks.speed.hf_peers import (compile_counters, plain_peer, recipe_module, sdpa_backends_of, synthetic_data,
-                                 synthetic_datamodule)
-from benchmarks.speed.user_gpt import user_peer
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data.loader import worker_options
 from lightning_3d.recipes.gpt.model import GPTModel
@@ -178,7 +177,7 @@ class StepTimer(pl.Callback):
     batch start to batch end, those would fall between the timed windows and a Lightning system would look faster
     than its throughput."""
 
-    def __init__(self, batches_per_step: int, args: argparse.Namespace, profiler: "StepProfiler") -> None:
+    def __init__(self, batches_per_step: int, args: argparse.Namespace, profiler: StepProfiler) -> None:
         self.batches_per_step, self.args, self.profiler = batches_per_step, args, profiler
         self.step_s: list[float] = []
         self.losses: list[float] = []
@@ -222,7 +221,7 @@ def ours_strategy(args: argparse.Namespace, system: dict) -> Any:
     return Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=args.num_microbatches,
                                 schedule=args.schedule if system["pp"] > 1 else "1f1b",
                                 compression=system["cc"], fused_embedding_sync=system["cc"],
-                                gradient_accumulation_fusion=fusion_option(system), 
+                                gradient_accumulation_fusion=fusion_option(system),
                                 # CPU runs of the script (its tests) ignore CUDA-graph modes, as for the plain model
                                 cuda_graphs=bool(system["cudagraphs"]) and torch.cuda.is_available(),
                                 **({"gc_interval": None} if system["pygc"]
@@ -317,7 +316,8 @@ def _result(step_s: list[float], losses: list[float], device: torch.device, redu
     # Allocator retries (cudaMalloc failed, cache flushed, retried): a step near the memory limit that varies in time.
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0
     timing(False)
-    return {"clocks": CLOCKS[0].result() if CLOCKS else None, "step_s": step_s, "first_loss": losses[0], "final_loss": losses[-1], "peak_mem_gb": peak.item() / 1e9,
+    return {"clocks": CLOCKS[0].result() if CLOCKS else None, "step_s": step_s, "first_loss": losses[0],
+            "final_loss": losses[-1], "peak_mem_gb": peak.item() / 1e9,
             "alloc_retries": int(retries), "compile": compile_counters(), "gc": GC_TIME.result(len(step_s)),
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"}
 

@@ -11,7 +11,8 @@ Systems (each in fresh processes started by torchrun, same model, same initial w
   ours@DP,PP,TP  ``Compressed3DStrategy`` (compression off unless ``+cc``)
 Suffixes: ``+compile`` (per-block torch.compile, and the loss; hf: the whole model and loss), ``+autotune`` (compile
 with "max-autotune-no-cudagraphs"; with +whole, the whole model's compile in that mode), ``+whole`` (plain only:
-``torch.compile`` of the whole model with its loss, as a user compiles a plain model), ``+ckpt`` (activation checkpointing), ``+cc`` (ours only: the default compression
+``torch.compile`` of the whole model with its loss, as a user compiles a plain model), ``+ckpt`` (activation
+checkpointing), ``+cc`` (ours only: the default compression
 stack), ``+nofuse`` (ours only: ``gradient_accumulation_fusion=False``, no layer fused), ``+fuse`` (ours only:
 ``gradient_accumulation_fusion=True``, every fusable layer fused; without either, ours runs the strategy's default
 ``"auto"``: only weights of at least 2**23 elements, docs/speed.md), ``+fusedce`` (GPT, plain and ours: the
@@ -19,7 +20,8 @@ chunked fused head + cross-entropy, ``GPT(fused_head_loss=True)``), ``+stage`` (
 per pipeline stage, ``compile_scope="stage"``), ``+explicit`` (T5, plain and ours: attention as scores, fp32 softmax and
 value mix, ``T5(attention="explicit")``; without it our T5 rows run ``attention="sdpa"``, one SDPA call per
 attention), ``+cudagraphs`` (plain with +whole: the compiled model and loss replayed as CUDA graphs,
-``mode="reduce-overhead"``, its peak GB the allocator's counted peak, below what the graphs' pool holds; ours: the strategy's ``cuda_graphs=True``, each stage's forward and backward replayed),
+``mode="reduce-overhead"``, its peak GB the allocator's counted peak, below what the graphs' pool holds; ours: the
+strategy's ``cuda_graphs=True``, each stage's forward and backward replayed),
 ``+torchsdpa`` (our recipes' systems: ``sdpa_backends="torch"``, SDPA under torch's own backend choice, cuDNN included),
 ``+nocudnn`` (our recipes' systems: ``sdpa_backends="no_cudnn"``, never cuDNN's attention); without either the recipes'
 default ``"auto"``, which on these fixed shapes is ``"torch"`` (recipes/attention.py), ``+pygc`` (ours only:
@@ -52,9 +54,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.parallel.train_throughput import ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, T5_FLOPS_FORMULA, environment  # noqa: E402
 from benchmarks.tools.processes import kill_launch  # noqa: E402
-from benchmarks.parallel.train_throughput import (ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, T5_FLOPS_FORMULA,  # noqa: E402
-                                         environment)
 
 SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours", "user")
 SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "fuse", "whole", "fusedce", "stage", "explicit",

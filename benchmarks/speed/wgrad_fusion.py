@@ -23,8 +23,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.parallel.train_throughput import environment  # noqa: E402
-from lightning_3d.recipes.gpt.config import preset  # noqa: E402
 from lightning_3d.distributed.wgrad_fusion import fuse_gradient_accumulation, register_slot, unregister_slot  # noqa: E402
+from lightning_3d.recipes.gpt.config import preset  # noqa: E402
 
 
 def block_linears(hidden: int, ffn: int, device: torch.device) -> list[nn.Linear]:

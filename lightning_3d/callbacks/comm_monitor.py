@@ -9,9 +9,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_3d.callbacks.plumbing import (
-    SpanRecorder, attach, detach, log_rank_zero, pipeline_runtime, require_compressed_3d,
-)
+from lightning_3d.callbacks.plumbing import SpanRecorder, attach, detach, log_rank_zero, pipeline_runtime, require_compressed_3d
 from lightning_3d.utils.comm_stats import KINDS
 
 

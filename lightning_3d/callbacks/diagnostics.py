@@ -12,7 +12,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_3d.callbacks.plumbing import (
-    RuntimeListener, attach, detach, gather, log_rank_zero, output_dir, pipeline_runtime, require_compressed_3d,
+    RuntimeListener,
+    attach,
+    detach,
+    gather,
+    log_rank_zero,
+    output_dir,
+    pipeline_runtime,
+    require_compressed_3d,
 )
 from lightning_3d.pipeline.codec import BoundaryKey
 

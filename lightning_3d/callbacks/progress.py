@@ -3,11 +3,6 @@ N" without "v_num"). They live beside the strategy, which installs them in place
 (lightning_3d/strategies/run_output.py); here they are importable with the other callbacks, e.g. to pass your own
 ``ParallelModelSummary(max_depth=2)``."""
 
-from lightning_3d.strategies.run_output import (
-    ParallelModelSummary,
-    StepProgressBar,
-    stage_parameter_counts,
-    whole_model_counts,
-)
+from lightning_3d.strategies.run_output import ParallelModelSummary, StepProgressBar, stage_parameter_counts, whole_model_counts
 
 __all__ = ["ParallelModelSummary", "StepProgressBar", "stage_parameter_counts", "whole_model_counts"]

@@ -10,9 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_3d.callbacks.plumbing import (
-    SpanRecorder, attach, detach, gather, output_dir, pipeline_runtime, require_compressed_3d,
-)
+from lightning_3d.callbacks.plumbing import SpanRecorder, attach, detach, gather, output_dir, pipeline_runtime, require_compressed_3d
 
 COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "weight": "#55A868", "wait": "#C44E52", "idle": "#D9D9D9"}
 

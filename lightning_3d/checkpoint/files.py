@@ -295,7 +295,7 @@ def resolve(path: Path) -> Path:
     found.sort(key=lambda p: (p.name.startswith(f"{path.name}.tmp-"), (p / MANIFEST_FILE).stat().st_mtime_ns))
     if found:
         warnings.warn(f"{path} is missing: a save into it was interrupted; loading the complete checkpoint it left in"
-                      f" {found[-1]} (the next save to {path} cleans up).")
+                      f" {found[-1]} (the next save to {path} cleans up).", stacklevel=2)
         return found[-1]
     return path
 

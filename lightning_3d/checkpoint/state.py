@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,16 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_3d.checkpoint.files import (
-    META_FILE,
-    RANK_STATE_DIR,
-    DamagedCheckpointError,
-    gather_objects,
-    safe_load,
-    verify,
-)
+from lightning_3d.checkpoint.files import META_FILE, RANK_STATE_DIR, DamagedCheckpointError, gather_objects, safe_load, verify
 from lightning_3d.distributed.sharded_optimizer import sharding_of
 from lightning_3d.utils.compat import create_read_items
 

@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_3d.compression.lowrank import orthonormalize
-from lightning_3d.utils.comm_stats import nbytes
 from lightning_3d.pipeline.codec import BoundaryKey
 from lightning_3d.pipeline.p2p import TensorMeta
+from lightning_3d.utils.comm_stats import nbytes
 
 
 def compression_ratio(rows: int, cols: int, rank: int) -> float:

@@ -23,6 +23,7 @@ from lightning_3d.context.sharding import (
 )
 from lightning_3d.context.ulysses import check_ulysses_heads, ulysses_attention
 
-__all__ = ["ATTENTIONS", "ContextParallelConfig", "LAYOUTS", "context_parallel_config", "causal_pairs", "check_attention_shapes", "check_layout", "check_ring_inputs",
+__all__ = ["ATTENTIONS", "ContextParallelConfig", "LAYOUTS", "context_parallel_config", "causal_pairs",
+           "check_attention_shapes", "check_layout", "check_ring_inputs",
            "check_ulysses_heads", "gather_sequence", "num_chunks", "position_ids", "rank_chunks", "ring_attention",
            "shard_batch", "shard_sequence", "ulysses_attention", "unshard_sequence"]

@@ -1,7 +1,8 @@
 """The context-parallel options of a run (size, layout, attention kind), validated before any process group exists.
 
 The strategy's ``ParallelismConfig`` (``context_parallel_size``, ``context_parallel_layout``,
-``context_parallel_attention``) builds one ``ContextParallelConfig`` with ``context_parallel_config``; the checks are pure, so every rank raises the
+``context_parallel_attention``) builds one ``ContextParallelConfig`` with ``context_parallel_config``; the checks are
+pure, so every rank raises the
 same error before the first collective. See docs/context_parallel.md.
 """
 

@@ -11,8 +11,7 @@ from lightning_3d.costs.analytic import AnalyticCostModel, layer_parameters, wei
 from lightning_3d.costs.devices import KNOWN_DEVICES, ClusterSpec, device_spec
 from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_pass_seconds
 from lightning_3d.costs.model import CostModel, DeviceSpec, LayerKind, ModelShape
-from lightning_3d.costs.profiled import (PROFILE_FORMAT, PROFILE_VERSION, READABLE_VERSIONS, ProfiledCostModel, check_profile,
-                                        new_profile)
+from lightning_3d.costs.profiled import PROFILE_FORMAT, PROFILE_VERSION, READABLE_VERSIONS, ProfiledCostModel, check_profile, new_profile
 from lightning_3d.costs.registry import CONFIGS, RECIPES, RecipeCosts, TinyModel, model_shape, recipe_costs, register_recipe
 
 __all__ = [

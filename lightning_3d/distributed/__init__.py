@@ -18,7 +18,10 @@ from lightning_3d.distributed.process_groups import ProcessGroups
 from lightning_3d.distributed.rng import ParallelDropout, seed_parallel_rng
 from lightning_3d.distributed.sharded_optimizer import ShardedOptimizer
 from lightning_3d.distributed.wgrad_fusion import (
-    check_fusion_mode, fusable_linears, fuse_gradient_accumulation, unfuse_gradient_accumulation,
+    check_fusion_mode,
+    fusable_linears,
+    fuse_gradient_accumulation,
+    unfuse_gradient_accumulation,
 )
 
 __all__ = [

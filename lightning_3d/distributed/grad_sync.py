@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d.compression.selective import DataParallelPowerSGD
-from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.distributed.wgrad_fusion import register_slot, unregister_slot
+from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.utils.tensors import local
 
 #: the data-parallel all-reduce buckets' size (``RuntimeConfig.bucket_size_mb``'s default)

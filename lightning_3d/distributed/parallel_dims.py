@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 
-
 def resolve_sizes(
     world_size: int,
     data_parallel_size: int | Literal["auto"],

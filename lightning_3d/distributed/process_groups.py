@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.distributed.parallel_dims import ParallelDims, new_subgroups
+from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.utils.compat import clear_dtensor_caches
 
 

@@ -12,7 +12,8 @@ not sharded correctly.
 
 Checkpoints keep the unsharded format (``state.<fqn>.<key>`` and ``param_groups.<fqn>.<key>``, DTensor-sharded over
 tensor ranks, as ``get_optimizer_state_dict`` writes): a save gathers each bucket's state over the replicas and each
-replica writes the parameters that start in its range; a load reads the parameters it has pieces of and slices them. Any layout, sharded or not, loads any other. See docs/sharded_optimizer.md.
+replica writes the parameters that start in its range; a load reads the parameters it has pieces of and slices them. Any
+layout, sharded or not, loads any other. See docs/sharded_optimizer.md.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def unregister_slot(weight: nn.Parameter) -> None:
         _SLOTS.pop(slot.data_ptr(), None)
 
 
-def _owner_of(weight: nn.Parameter) -> "FusedGradLinear":
+def _owner_of(weight: nn.Parameter) -> FusedGradLinear:
     owner = getattr(weight, "_fused_grad_owner", None)
     if owner is None:
         raise ValueError("This parameter is not the weight of a FusedGradLinear (see fuse_gradient_accumulation).")

@@ -5,7 +5,8 @@ the step (``plan_step``) and returns this replica's micro-batches, collated to t
 It is a plain, picklable object, so it runs in DataLoader worker processes (as ``collate_fn`` with
 ``batch_size=global batch``, or mapped over batches): planning happens there, ``prefetch_factor`` steps ahead of
 training, off the critical path. The step it returns (``PlannedMicroBatches``) crosses to the training process as one
-buffer per dtype and carries ``planned_at`` for ``PlanWaits`` (``handoff.py``). Every replica loads the same global batch and plans it identically (the plan is a
+buffer per dtype and carries ``planned_at`` for ``PlanWaits`` (``handoff.py``). Every replica loads the same global
+batch and plans it identically (the plan is a
 deterministic function of the lengths, the cost model and the seed), then keeps its own share: no communication, no
 planning server (docs/dynamic.md).
 """

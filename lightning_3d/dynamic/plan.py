@@ -21,9 +21,7 @@ import numpy as np
 from lightning_3d.costs.analytic import AnalyticCostModel
 from lightning_3d.costs.model import CostModel, ModelShape
 from lightning_3d.dynamic.ordering import in_flight, order_microbatches
-from lightning_3d.dynamic.partition import (
-    NoPartition, best_partition, karmarkar_karp, range_shapes, round_up, sample_order,
-)
+from lightning_3d.dynamic.partition import NoPartition, best_partition, karmarkar_karp, range_shapes, round_up, sample_order
 from lightning_3d.dynamic.stage_costs import StageCosts, evaluate, stage_layers
 from lightning_3d.pipeline.schedules import Action, schedule_spec
 

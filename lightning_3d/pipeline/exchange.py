@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor

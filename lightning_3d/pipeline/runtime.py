@@ -17,17 +17,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_3d.utils.comm_stats import CommunicationStats
 from lightning_3d.pipeline.codec import GradientCodec, IdentityCodec
 from lightning_3d.pipeline.exchange import StepExchange
 from lightning_3d.pipeline.graphs import StageGraphs
 from lightning_3d.pipeline.microbatch import signature
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.rounds import lockstep_rounds
-from lightning_3d.pipeline.schedules import (
-    Action, build_forward_only, build_schedule, check_schedule, deferred_weights, mark_epilogue,
-)
+from lightning_3d.pipeline.schedules import Action, build_forward_only, build_schedule, check_schedule, deferred_weights, mark_epilogue
 from lightning_3d.pipeline.weight_grad import deferring, run_deferred
+from lightning_3d.utils.comm_stats import CommunicationStats
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
 

@@ -3,7 +3,8 @@
 A schedule is, for each pipeline rank, the order in which it runs forwards ``F`` and backwards ``B`` of
 (stage, micro-batch) pairs, and optionally weight-gradient actions ``W``: a ``B`` with a later ``W`` of the same
 (stage, micro-batch) computes and sends only the input gradient, and its ``W`` computes the weight gradients
-(zero-bubble schedules, ``zero_bubble.py``); a ``B`` without one is the whole backward. Stages are placed round-robin ("looped"): stage ``s`` lives on pipeline rank
+(zero-bubble schedules, ``zero_bubble.py``); a ``B`` without one is the whole backward. Stages are placed round-robin
+("looped"): stage ``s`` lives on pipeline rank
 ``s % pp``, so with ``v`` virtual stages per rank, rank ``r`` owns stages ``r, r + pp, ..., r + (v-1)·pp``.
 
 Communication is not part of the list: every F of a non-first stage receives the previous stage's output,
@@ -226,7 +227,8 @@ def check_schedule(orders: list[tuple[Action, ...]], num_stages: int, num_microb
 
     Content: every stage runs on its own rank (``stage % pp``), every F of every (stage, micro-batch) in
     ``range(num_stages) x range(num_microbatches)`` runs exactly once, and in training (``train``) every B
-    exactly once too, and W at most once, after its B; a forward-only schedule has no B. Simulation: each rank executes its list in order; an F
+    exactly once too, and W at most once, after its B; a forward-only schedule has no B. Simulation: each rank executes
+    its list in order; an F
     of stage s > 0 needs the activation of (s - 1, m), a B of a non-last stage needs the gradient of (s + 1, m),
     and each message must be the next one in its channel.
     """

@@ -18,7 +18,8 @@ pass). An action starts on the device no earlier than its issue starts, and ends
 alone (the host never the bound).
 
 Memory per rank is counted in the order the rank runs its actions: a forward's ``stored`` bytes are held from its
-start until its backward ends (its W, where the backward is split: W needs the saved inputs of the stage's layers); while an action runs, its ``transient`` bytes come on top. Forward-only schedules
+start until its backward ends (its W, where the backward is split: W needs the saved inputs of the stage's layers);
+while an action runs, its ``transient`` bytes come on top. Forward-only schedules
 (evaluation) keep nothing.
 """
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, ProfiledCostModel, recipe_costs
-from lightning_3d.planner.model import GIB, Prediction, Workload
+from lightning_3d.planner.model import Prediction, Workload
 from lightning_3d.planner.search import SearchOptions, SearchResult, search
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.config import PipelineConfig, flatten_options, nest_options

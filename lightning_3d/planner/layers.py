@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
-from lightning_3d.planner.api import BYTES, workload_from_config
-from lightning_3d.planner.timing import (QUANTITIES, grid_get, grid_indices, grid_set, measure_optimizer, model_tensors,
-                                         nested, time_point)
 from lightning_3d.distributed.wgrad_fusion import check_fusion_mode, fuse_standalone, unfuse_gradient_accumulation
+from lightning_3d.planner.api import BYTES, workload_from_config
+from lightning_3d.planner.timing import QUANTITIES, grid_get, grid_indices, grid_set, measure_optimizer, model_tensors, nested, time_point
 
 
 class NoCost:

@@ -21,6 +21,7 @@ import numpy as np
 
 from lightning_3d.costs import ClusterSpec, CostModel, ModelShape, layer_parameters, weight_matrices
 from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_pass_seconds
+
 # The memory terms per rank are shared with the strategy's fit check (costs/memory.py: the strategies may not import
 # the planner); re-exported here for the planner's users.
 from lightning_3d.costs.memory import graph_gradient_bytes, in_flight, rank_memory
@@ -172,7 +173,8 @@ class Prediction:
             "step_time_s": round(self.step_time, 6), "tokens_per_s": round(self.tokens_per_second, 1),
             "peak_memory_gib": round(self.peak_memory / GIB, 3), "memory_budget_gib": round(self.memory_budget / GIB, 3),
             "pipeline_s": round(self.pipeline_time, 6), "exposed_dp_allreduce_s": round(self.exposed_dp_time, 6),
-            "optimizer_s": round(self.optimizer_time, 6), "step_overhead_s": round(self.overhead_time, 6), "dp": c.dp, "pp": c.pp, "tp": c.tp,
+            "optimizer_s": round(self.optimizer_time, 6), "step_overhead_s": round(self.overhead_time,
+                                                                                   6), "dp": c.dp, "pp": c.pp, "tp": c.tp,
             "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches, "schedule": c.schedule,
             "virtual_stages": c.virtual_stages, "layer_split": list(c.layer_split),
             "stage_checkpointing": list(c.stage_checkpointing), "compression": c.compression,

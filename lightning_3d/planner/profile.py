@@ -5,7 +5,8 @@ with and without activation checkpointing; plus all-reduce, all-gather, reduce-s
 between the visible GPUs when there are several. Writes the versioned JSON profile ``ProfiledCostModel`` reads.
 
 The layers are the recipe's own modules (``Block``; ``EncoderBlock``/``DecoderBlock``; the embedding; final norm,
-output projection and loss, as the recipe registers them: ``lightning_3d.costs.RecipeCosts``), built one at a time at full size on one GPU (tensor-parallel shards are derived from
+output projection and loss, as the recipe registers them: ``lightning_3d.costs.RecipeCosts``), built one at a time at
+full size on one GPU (tensor-parallel shards are derived from
 the tp = 1 grid: ``ProfiledCostModel(derive_tp=True)``). On a machine without a GPU the command refuses;
 ``--device cpu`` profiles the CPU for tests (times of the CPU, memory not measured: 0).
 
@@ -24,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from lightning_3d.distributed.wgrad_fusion import check_fusion_mode
 from lightning_3d.planner.api import load_config
 from lightning_3d.planner.layers import grid_lengths, precision_of, profile_layers, resolve_device
 from lightning_3d.planner.multi_gpu import measure_collectives
 from lightning_3d.planner.overheads import measure_overheads
-from lightning_3d.distributed.wgrad_fusion import check_fusion_mode
 
 
 def profile_model(config: str | Path | dict, *, device: str | torch.device | None = None, microbatch_sizes=(1, 2, 4, 8),

@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections import Counter
 import time
+from collections import Counter
 
 import torch
 from torch import nn
@@ -111,7 +111,7 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
         if cuda:
             # The gradient's random numbers are not the layer's work: done before the backward's span starts.
             torch.cuda.synchronize(device)
-        _, b_mark, b_host = timer.span(lambda: out.backward(grad), lead_b)
+        _, b_mark, b_host = timer.span(lambda out=out, grad=grad: out.backward(grad), lead_b)
         stored = peak = 0
         if cuda:
             torch.cuda.synchronize(device)

@@ -17,13 +17,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
+from lightning_3d.checkpoint.files import META_FILE, check_dcp_metadata, safe_load, verify
 from lightning_3d.recipes.data.tokenizer import (
-    EOS_TOKEN, TOKENIZER_STATE_KEY, ByteTokenizer, FastTokenizer, PretrainedTokenizer, load_tokenizer,
+    EOS_TOKEN,
+    TOKENIZER_STATE_KEY,
+    ByteTokenizer,
+    FastTokenizer,
+    PretrainedTokenizer,
+    load_tokenizer,
 )
 from lightning_3d.recipes.gpt.config import GPTConfig
 from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.gpt.module import GPT
-from lightning_3d.checkpoint.files import META_FILE, check_dcp_metadata, safe_load, verify
 
 # Our block sub-modules -> GPT-2's; all but the LayerNorms are Conv1D (weight stored as [in, out]).
 _BLOCK = {"ln1": "ln_1", "ln2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}

@@ -20,7 +20,13 @@ from torch import Tensor
 
 from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.hf import (
-    RECIPE_CLASS_PATHS, checkpoint_entries, checkpoint_hparams, hf_tokenizer, hf_weights, load_model_tensors, pad_rows,
+    RECIPE_CLASS_PATHS,
+    checkpoint_entries,
+    checkpoint_hparams,
+    hf_tokenizer,
+    hf_weights,
+    load_model_tensors,
+    pad_rows,
 )
 from lightning_3d.recipes.t5.config import FEED_FORWARD, T5Config
 from lightning_3d.recipes.t5.model import T5Model

@@ -147,7 +147,8 @@ def check_token_batch(microbatch: dict[str, Tensor], vocab_size: int, ids: Itera
                       max_length: int | None = None, length_name: str = "seq_length") -> None:
     """Raise a ValueError naming the bad value when a micro-batch does not fit the model: a token id outside
     ``[0, vocab_size)`` in one of ``ids`` or in ``labels`` (which may also hold IGNORE_INDEX), ``labels`` of another
-    shape than the ids they score (``scored``, when the micro-batch has it), or (``max_length``) sequences longer than the model's positions.
+    shape than the ids they score (``scored``, when the micro-batch has it), or (``max_length``) sequences longer than
+    the model's positions.
 
     Under pipeline parallelism these inputs are read on one stage only (embeddings on the first, labels on the last),
     and a failure there reaches the other stages as a lost peer; the strategy runs this check on every rank before

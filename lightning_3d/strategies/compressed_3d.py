@@ -42,24 +42,17 @@ from lightning_3d.strategies.accessors import StrategyAccessors
 from lightning_3d.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_3d.strategies.comm_metrics import log_job_communication
 from lightning_3d.strategies.compression_state import CompressionState
-from lightning_3d.strategies.config import (
-    ParallelismConfig,
-    PipelineConfig,
-    RuntimeConfig,
-    build_config,
-    group_flat_options,
-)
+from lightning_3d.strategies.config import ParallelismConfig, PipelineConfig, RuntimeConfig, build_config, group_flat_options
 from lightning_3d.strategies.fit_check import check_fit, read_workload
 from lightning_3d.strategies.gc_control import GarbageCollection
 from lightning_3d.strategies.notebook import interactive_launcher, is_interactive
-from lightning_3d.strategies.options import options_from_configs
 from lightning_3d.strategies.optimizer_sharding import check_optimizers
+from lightning_3d.strategies.options import options_from_configs
 from lightning_3d.strategies.pipeline_engine import PipelineEngine
 from lightning_3d.strategies.run_checks import check_run
 from lightning_3d.strategies.run_output import quiet_lightning_notices, use_parallel_defaults
 from lightning_3d.strategies.sharded_io import ShardedCheckpointIO
 from lightning_3d.utils.comm_stats import CommunicationStats
-from lightning_3d.utils.orphans import exit_with_launcher, mark_launcher
 from lightning_3d.utils.compat import (
     SubprocessScriptLauncher,
     after_gradient_hooks,
@@ -69,7 +62,7 @@ from lightning_3d.utils.compat import (
     set_device_mesh,
     sync_ddp_if_available,
 )
-
+from lightning_3d.utils.orphans import exit_with_launcher, mark_launcher
 
 
 class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy):

@@ -25,10 +25,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_3d.compression.config import CompressionConfig
 from lightning_3d.context import context_parallel_config
-from lightning_3d.strategies.gc_control import check_gc_options
-from lightning_3d.strategies.run_checks import check_bucket_size
 from lightning_3d.distributed.grad_sync import DEFAULT_BUCKET_SIZE_MB
 from lightning_3d.distributed.wgrad_fusion import check_fusion_mode
+from lightning_3d.strategies.gc_control import check_gc_options
+from lightning_3d.strategies.run_checks import check_bucket_size
 
 
 def _positive_int(name: str, value: Any, hint: str = "") -> None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_3d.context import ContextParallelConfig
-from lightning_3d.strategies.config import ParallelismConfig, PipelineConfig, RuntimeConfig
-from lightning_3d.pipeline.schedule_options import resolve_schedule_options
 from lightning_3d.distributed.wgrad_fusion import check_fusion_mode
+from lightning_3d.pipeline.schedule_options import resolve_schedule_options
+from lightning_3d.strategies.config import ParallelismConfig, PipelineConfig, RuntimeConfig
 from lightning_3d.strategies.run_checks import check_bucket_size
 
 

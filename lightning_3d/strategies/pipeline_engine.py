@@ -16,10 +16,9 @@ streak spans its runs) and ``release`` forgets the module. See docs/architecture
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
-
-import contextlib
 
 import lightning.pytorch as pl
 import torch
@@ -29,32 +28,35 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 
+from lightning_3d.distributed import wgrad_fusion
+from lightning_3d.distributed.grad_sync import GradientSynchronizer, clip_grad_norm_, sync_tied_gradients
+from lightning_3d.distributed.process_groups import ProcessGroups
+from lightning_3d.distributed.sharded_optimizer import ShardedOptimizer, sharding_of
+from lightning_3d.distributed.wgrad_fusion import choose_fused, fusable_linears, fuse_gradient_accumulation, unfuse_gradient_accumulation
 from lightning_3d.dynamic.consistency import check_same_plan
-from lightning_3d.pipeline.microbatch import split_batch
-from lightning_3d.pipeline.graphs import StageGraphs
 from lightning_3d.pipeline.codec import IdentityCodec
+from lightning_3d.pipeline.graphs import StageGraphs
+from lightning_3d.pipeline.microbatch import split_batch
 from lightning_3d.pipeline.runtime import PipelineRuntime
 from lightning_3d.pipeline.schedules import schedule_spec
 from lightning_3d.pipeline.weight_grad import split_linears, splittable_linears, unsplit_linears
+from lightning_3d.strategies.cb_link import measure_pipeline_link
 from lightning_3d.strategies.compression_state import CompressionState
-from lightning_3d.strategies.context_parallel import (
-    check_context_module, enable_context_parallel, sequence_keys, shard_microbatches,
-)
-from lightning_3d.distributed.grad_sync import GradientSynchronizer, clip_grad_norm_, sync_tied_gradients
-from lightning_3d.strategies.options import PipelineOptions
-from lightning_3d.distributed.process_groups import ProcessGroups
+from lightning_3d.strategies.context_parallel import check_context_module, enable_context_parallel, sequence_keys, shard_microbatches
 from lightning_3d.strategies.nonfinite import NonFiniteGuard
 from lightning_3d.strategies.optimizer_sharding import shard_optimizers
+from lightning_3d.strategies.options import PipelineOptions
 from lightning_3d.strategies.protocol import missing_protocol_methods, one_host_read
-from lightning_3d.distributed.sharded_optimizer import ShardedOptimizer, sharding_of
 from lightning_3d.strategies.stage_builder import (
-    broadcast_parameters, build_stages, check_protocol, check_still_tied, check_tensor_parallel_shapes, check_tied_names, plan_pipeline,
+    broadcast_parameters,
+    build_stages,
+    check_protocol,
+    check_still_tied,
+    check_tensor_parallel_shapes,
+    check_tied_names,
+    plan_pipeline,
     tied_copies,
 )
-from lightning_3d.distributed import wgrad_fusion
-from lightning_3d.strategies.cb_link import measure_pipeline_link
-from lightning_3d.distributed.wgrad_fusion import (choose_fused, fusable_linears, fuse_gradient_accumulation,
-                                                  unfuse_gradient_accumulation)
 from lightning_3d.utils.comm_stats import CommunicationStats
 
 

@@ -20,11 +20,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_3d.compression.backprop import CompressedBackprop
-from lightning_3d.checkpoint import state as ckpt
 from lightning_3d.checkpoint import files
-from lightning_3d.strategies.compression_state import CompressionState
+from lightning_3d.checkpoint import state as ckpt
+from lightning_3d.compression.backprop import CompressedBackprop
 from lightning_3d.distributed.parallel_dims import ParallelDims
+from lightning_3d.strategies.compression_state import CompressionState
 
 
 class ShardedCheckpointIO:

@@ -9,7 +9,11 @@ from lightning.pytorch.loggers import Logger
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.callbacks import (
-    CommunicationMonitor, CompressionDiagnostics, CompressionStateMonitor, PipelineTimeline, ThroughputMFUMonitor,
+    CommunicationMonitor,
+    CompressionDiagnostics,
+    CompressionStateMonitor,
+    PipelineTimeline,
+    ThroughputMFUMonitor,
 )
 from tests.scenarios.common import SEQ, TestData, make_model, parse_args, trainer, write_report
 

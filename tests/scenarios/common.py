@@ -275,7 +275,8 @@ def all_max(value: float) -> float:
 def trainer(strategy, steps: int, callbacks=(), accumulate: int = 1, **overrides) -> pl.Trainer:
     os.environ["WORLD_SIZE"] = str(WORLD)
     settings = dict(
-        accelerator="gpu" if DEVICE == "cuda" else "cpu", devices=LOCAL_WORLD, num_nodes=WORLD // LOCAL_WORLD, strategy=strategy, max_steps=steps,
+        accelerator="gpu" if DEVICE == "cuda" else "cpu", devices=LOCAL_WORLD, num_nodes=WORLD // LOCAL_WORLD,
+        strategy=strategy, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=CLIP, accumulate_grad_batches=accumulate, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=list(callbacks), use_distributed_sampler=False,

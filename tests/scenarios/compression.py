@@ -7,7 +7,16 @@ import torch
 
 from lightning_3d import Compressed3DStrategy
 from tests.scenarios.common import (
-    LossRecorder, Progressions, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report,
+    LossRecorder,
+    Progressions,
+    TestData,
+    all_max,
+    compare,
+    make_model,
+    parse_args,
+    reference,
+    trainer,
+    write_report,
 )
 
 H, SEQ_LEN = 48, 16
@@ -95,7 +104,8 @@ def learns() -> dict:
 
 
 def full_stack_222() -> dict:
-    """The full 3D compression layouts on CPU, in the 8-process group: the whole stack (CB + LEP on every send, FE, SC on both stages) at (2,2,2)
+    """The full 3D compression layouts on CPU, in the 8-process group: the whole stack (CB + LEP on every send, FE, SC
+    on both stages) at (2,2,2)
     learns, and every kind of traffic that can shrink did (bytes summed over the 8 ranks)."""
     recorder, model = LossRecorder(), make_model(decay_steps=24)
     s = strategy(2, 2, 2, 4, cb_rank=4, cb_epilogue_only=False, cb_min_compression_ratio=0.0, sc_rank=4, sc_warmup=2,

@@ -26,9 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.context import context_parallel_config
 from lightning_3d.strategies.context_parallel import check_context_module, shard_microbatches
-from tests.scenarios.common import (
-    LossRecorder, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report,
-)
+from tests.scenarios.common import LossRecorder, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report
 from tests.scenarios.features import resumable_data
 
 STEPS = 3

@@ -27,10 +27,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.recipes import T5
 from lightning_3d.distributed.grad_sync import local
+from lightning_3d.recipes import T5
 from tests.scenarios.common import LossRecorder, TestData, make_model, parse_args, trainer, write_report
-from tests.scenarios.t5_layouts import MODEL as T5_MODEL, V11, PairData
+from tests.scenarios.t5_layouts import MODEL as T5_MODEL
+from tests.scenarios.t5_layouts import V11, PairData
 
 P = 0.1
 SDPA = F.scaled_dot_product_attention

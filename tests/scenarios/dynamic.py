@@ -29,9 +29,7 @@ from lightning_3d.pipeline.schedules import Action
 from lightning_3d.recipes import T5
 from lightning_3d.recipes.data.loader import worker_options
 from tests.scenarios import t5_layouts
-from tests.scenarios.common import (
-    MODEL, SEQ, VOCAB, LossRecorder, all_max, compare, make_model, parse_args, trainer, write_report,
-)
+from tests.scenarios.common import MODEL, SEQ, VOCAB, LossRecorder, all_max, compare, make_model, parse_args, trainer, write_report
 from tests.scenarios.dynamic_costs import ToyCostModel
 
 STEPS, GLOBAL = 3, 16

@@ -12,9 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_3d import Compressed3DStrategy, MicroBatches
-from tests.scenarios.common import (
-    SEQ, VOCAB, LossRecorder, TestData, Tokens, all_max, make_model, parse_args, trainer, write_report,
-)
+from tests.scenarios.common import SEQ, VOCAB, LossRecorder, TestData, Tokens, all_max, make_model, parse_args, trainer, write_report
 
 
 class PlainModule(pl.LightningModule):

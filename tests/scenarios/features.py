@@ -24,9 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes.data import ResumableDataLoader, ResumableDistributedSampler
-from tests.scenarios.common import (
-    LossRecorder, TestData, Tokens, WORLD, all_max, make_model, parse_args, reference, trainer, write_report,
-)
+from tests.scenarios.common import WORLD, LossRecorder, TestData, Tokens, all_max, make_model, parse_args, reference, trainer, write_report
 
 
 class Regression(pl.LightningModule):

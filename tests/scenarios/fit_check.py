@@ -16,9 +16,8 @@ import warnings
 import torch.distributed as dist
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.strategies.fit_check import CAPACITY_ENV, RESERVE, GIB
-from tests.scenarios.common import (FullCollections, LossRecorder, TestData, make_model, parse_args, trainer,
-                                    write_report)
+from lightning_3d.strategies.fit_check import CAPACITY_ENV, GIB, RESERVE
+from tests.scenarios.common import FullCollections, LossRecorder, TestData, make_model, parse_args, trainer, write_report
 from tests.scenarios.errors import PlainModule
 
 TINY_GIB = (RESERVE + 2**20) / GIB  # 1 MiB above the reserve: the tiny GPT's weights alone are more

@@ -16,11 +16,20 @@ from torch import nn
 
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.distributed import wgrad_fusion
-from tests.scenarios.common import (
-    LossRecorder, TestData, all_max, compare, gpipe_reversed, make_model, parse_args, reference, trainer,
-    variable_step, write_report,
-)
 from lightning_3d.pipeline.schedules import mark_epilogue, register_schedule
+from tests.scenarios.common import (
+    LossRecorder,
+    TestData,
+    all_max,
+    compare,
+    gpipe_reversed,
+    make_model,
+    parse_args,
+    reference,
+    trainer,
+    variable_step,
+    write_report,
+)
 from tests.schedule_example import REVERSE_GPIPE
 
 STEPS = 6

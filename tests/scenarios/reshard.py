@@ -17,7 +17,8 @@ from lightning_3d.recipes import T5
 from lightning_3d.recipes.data import ResumableDataLoader, ResumableDistributedSampler
 from tests.scenarios.common import LossRecorder, make_model, parse_args, trainer, write_report
 from tests.scenarios.features import resumable_data
-from tests.scenarios.t5_layouts import MODEL as T5_MODEL, Pairs
+from tests.scenarios.t5_layouts import MODEL as T5_MODEL
+from tests.scenarios.t5_layouts import Pairs
 
 GLOBAL_BATCH = 8
 

@@ -22,12 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 from lightning_3d import Compressed3DStrategy
-from lightning_3d.strategies.optimizer_sharding import check_optimizers
 from lightning_3d.distributed.sharded_optimizer import owned_elements
+from lightning_3d.strategies.optimizer_sharding import check_optimizers
 from lightning_3d.utils.tensors import local
-from tests.scenarios.common import (
-    LossRecorder, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report,
-)
+from tests.scenarios.common import LossRecorder, TestData, all_max, compare, make_model, parse_args, reference, trainer, write_report
 from tests.scenarios.features import Regression, resumable_data
 
 STEPS = 6

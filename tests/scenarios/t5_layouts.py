@@ -16,12 +16,12 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
-import lightning.pytorch as pl
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.recipes import T5
 from lightning_3d.recipes.hf_t5 import hf_to_t5_state_dict, t5_from_pretrained

@@ -1,6 +1,7 @@
 """T5 tensor parallelism on local tensors (world 2, gloo), run inside tests/scenarios/tensor_parallel.py's process
 group: the T5 stage under the local layers equals it under torch's DTensor plan (loss and every gradient, with and
-without sequence parallelism, v1.0 tied + ReLU and v1.1 untied + gated-GELU, padded inputs and targets) and the model in one process, also split
+without sequence parallelism, v1.0 tied + ReLU and v1.1 untied + gated-GELU, padded inputs and targets) and the model in
+one process, also split
 into an encoder stage and a decoder stage (recomputing their blocks) whose boundary carries the encoder output and the decoder's bias-table
 slice; the parameters keep their names and placements; ``L3D_TP_IMPLEMENTATION`` selects the plan and a bad value is
 refused by name; compiled blocks (aot_eager) equal eager ones, one unbroken graph per block kind, with their
@@ -34,7 +35,8 @@ def t5_stages(implementation: str | None, mesh, sequence_parallel: bool, v11: bo
               compile: bool = False, **overrides):
     """The tiny T5 as one stage (or an encoder stage and a decoder stage), parallelized, materialised and initialised
     as the strategy does (stage_builder); the same weights on every rank and under every plan (seeded by name).
-    ``split`` also checkpoints the blocks' activations. ``compile``: its blocks compiled as the recipe compiles them, before the plan is applied (build_pipeline_stages
+    ``split`` also checkpoints the blocks' activations. ``compile``: its blocks compiled as the recipe compiles them,
+    before the plan is applied (build_pipeline_stages
     runs before the strategy's parallelize_stage)."""
     from lightning_3d.recipes.gpt.model import copy_full_into
     from lightning_3d.recipes.t5.model import T5Model

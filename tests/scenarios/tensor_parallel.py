@@ -22,8 +22,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_3d.tensor_parallel import (
-    TensorParallel, column_parallel, copy_to_region, fused_column_parallel, gather_sequence, reduce_from_region,
-    reduce_scatter_sequence, replicated, row_parallel, split_sequence,
+    TensorParallel,
+    column_parallel,
+    copy_to_region,
+    fused_column_parallel,
+    gather_sequence,
+    reduce_from_region,
+    reduce_scatter_sequence,
+    replicated,
+    row_parallel,
+    split_sequence,
 )
 from lightning_3d.utils.compat import clear_dtensor_caches
 from tests.scenarios import t5_tensor_parallel

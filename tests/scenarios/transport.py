@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_3d.distributed.parallel_dims import ParallelDims
+from lightning_3d.distributed.process_groups import ProcessGroups
 from lightning_3d.pipeline.codec import BoundaryKey
 from lightning_3d.pipeline.p2p import PipelineChannels
 from lightning_3d.pipeline.runtime import PipelineRuntime
-from lightning_3d.distributed.parallel_dims import ParallelDims
-from lightning_3d.distributed.process_groups import ProcessGroups
 from tests.scenarios.common import parse_args, write_report
 
 H = 6

@@ -23,17 +23,19 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_3d.dynamic.handoff import PlanWaits, background
 from lightning_3d.recipes.data.causal_lm import cache_key, default_cache_dir
+from lightning_3d.recipes.data.loader import ResumableDataLoader, ResumableDistributedSampler, data_parallel_rank, worker_options
 from lightning_3d.recipes.data.memory_budget import default_memory_budget_gb
-from lightning_3d.recipes.data.loader import (ResumableDataLoader, ResumableDistributedSampler, data_parallel_rank,
-                                             worker_options)
-from lightning_3d.recipes.data.multitask_batching import (
-    MICROBATCHINGS, Sample, StepCollator, sample_input_length, sample_target_length,
-)
+from lightning_3d.recipes.data.multitask_batching import MICROBATCHINGS, Sample, StepCollator, sample_input_length, sample_target_length
 from lightning_3d.recipes.data.multitask_mix import TASKS, iter_offline_mix, read_flan_jsonl
 from lightning_3d.recipes.data.packing import resolve_data_files
 from lightning_3d.recipes.data.span_corruption import Seq2SeqVocab
 from lightning_3d.recipes.data.tokenizer import (
-    BPE_EOS_TOKEN_ID, BYTE_VOCAB_SIZE, TextTokenizer, files_fingerprint, load_tokenizer, tokenizer_kind,
+    BPE_EOS_TOKEN_ID,
+    BYTE_VOCAB_SIZE,
+    TextTokenizer,
+    files_fingerprint,
+    load_tokenizer,
+    tokenizer_kind,
 )
 
 MIX_FORMAT_VERSION = 1
@@ -79,9 +81,6 @@ class MultiTaskSamples(Dataset):
         inputs = inputs[: self.seq_length - len(targets)]  # input + target + EOS = at most seq_length + 1 tokens
         prompt = 0 if self.train_on_inputs else len(inputs)
         return {"tokens": np.concatenate([inputs, targets, eos]), "prompt": prompt}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_arrays": None}
 
 
 class _StepLoader(ResumableDataLoader):

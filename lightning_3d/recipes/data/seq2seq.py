@@ -25,12 +25,18 @@ from lightning_3d.recipes.data.causal_lm import CausalLMDataModule, cache_key, d
 from lightning_3d.recipes.data.loader import ResumableDataLoader, build_eval_loader, train_loader_of
 from lightning_3d.recipes.data.offline import local_files_only
 from lightning_3d.recipes.data.packing import FILE_BUILDERS, resolve_data_files
-from lightning_3d.recipes.data.span_corruption import (
-    Seq2SeqVocab, SpanCorruptedBlocks, TokenizedPairs, save_pairs, span_lengths,
-)
+from lightning_3d.recipes.data.span_corruption import Seq2SeqVocab, SpanCorruptedBlocks, TokenizedPairs, save_pairs, span_lengths
 from lightning_3d.recipes.data.tokenizer import (
-    BPE_EOS_TOKEN_ID, BYTE_VOCAB_SIZE, TOKENIZER_STATE_KEY, PretrainedTokenizer, TextTokenizer, files_fingerprint,
-    load_tokenizer, read_error, tokenizer_files, tokenizer_kind,
+    BPE_EOS_TOKEN_ID,
+    BYTE_VOCAB_SIZE,
+    TOKENIZER_STATE_KEY,
+    PretrainedTokenizer,
+    TextTokenizer,
+    files_fingerprint,
+    load_tokenizer,
+    read_error,
+    tokenizer_files,
+    tokenizer_kind,
 )
 
 PAIRS_FORMAT_VERSION = 1

@@ -27,16 +27,17 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.context import ring_attention, ulysses_attention
+from lightning_3d.distributed.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
 from lightning_3d.recipes import training
 from lightning_3d.recipes.attention import resolve_sdpa_backends, scaled_dot_product_attention
 from lightning_3d.recipes.gpt.config import GPTConfig
+
 # Re-exported for the modules that import them from here (T5, the Hugging Face interop); defined in training.py, which
 # must not import this module (this one reads training.COMPILE_BACKEND).
 from lightning_3d.recipes.training import copy_full_into, seed_for  # noqa: F401
-from lightning_3d.distributed.rng import ParallelDropout, in_tensor_parallel_region, is_seeded
+from lightning_3d.strategies.protocol import read_on_host
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel
 from lightning_3d.utils.compat import flex_attention_trains_on
-from lightning_3d.strategies.protocol import read_on_host
 
 
 class Attention(nn.Module):

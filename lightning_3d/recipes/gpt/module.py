@@ -11,19 +11,30 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_3d.recipes.gpt.config import GPTConfig, preset
 from lightning_3d.context import check_ulysses_heads
-from lightning_3d.recipes.gpt.model import (Attention, GPTModel, check_flex_trains, check_packed_attention,
-                                           check_packed_batch, copy_full_into)
+from lightning_3d.recipes.gpt.config import GPTConfig, preset
+from lightning_3d.recipes.gpt.model import (
+    Attention,
+    GPTModel,
+    check_flex_trains,
+    check_packed_attention,
+    check_packed_batch,
+    copy_full_into,
+)
 from lightning_3d.recipes.gpt.parallelize import GPTStage, parallelize_gpt
 from lightning_3d.recipes.kernels import linear_cross_entropy
-from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
-                                           count_target_tokens, sdpa_backends_for_run,
-                                           summed_token_cross_entropy)
+from lightning_3d.recipes.training import (
+    adamw_warmup_cosine,
+    check_speed_options,
+    check_token_batch,
+    compile_blocks,
+    count_target_tokens,
+    sdpa_backends_for_run,
+    summed_token_cross_entropy,
+)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
 from lightning_3d.utils.tensors import materialize_
-
 
 
 class GPT(pl.LightningModule):

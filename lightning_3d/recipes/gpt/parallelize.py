@@ -23,8 +23,14 @@ from torch.distributed.tensor.parallel import (
 from lightning_3d.dynamic import with_microbatch_checkpointing
 from lightning_3d.recipes.gpt.model import Embedding, GPTModel, LMHead, packing_inputs, run_layers
 from lightning_3d.tensor_parallel import (
-    TensorParallel, column_parallel, replicated, row_parallel, split_sequence, tensor_parallel_implementation,
-    vocab_parallel_embedding, vocab_parallel_head,
+    TensorParallel,
+    column_parallel,
+    replicated,
+    row_parallel,
+    split_sequence,
+    tensor_parallel_implementation,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
 )
 
 

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_3d.distributed.rng import ParallelDropout
 from lightning_3d.recipes.attention import resolve_sdpa_backends, scaled_dot_product_attention
 from lightning_3d.recipes.gpt.model import LMHead, copy_full_into, seed_for
 from lightning_3d.recipes.t5.config import T5Config
 from lightning_3d.recipes.training import IGNORE_INDEX
-from lightning_3d.distributed.rng import ParallelDropout
 from lightning_3d.tensor_parallel import TensorParallel, fused_column_parallel, local_view
 
 # Added to masked attention scores: finite in fp32 and bf16 alike (finfo(float32).min becomes -inf in bf16).

@@ -16,9 +16,15 @@ from lightning_3d.recipes.gpt.model import copy_full_into
 from lightning_3d.recipes.t5.config import T5Config, preset
 from lightning_3d.recipes.t5.model import T5Model, check_attention
 from lightning_3d.recipes.t5.parallelize import T5Stage, parallelize_t5
-from lightning_3d.recipes.training import (adamw_warmup_cosine, check_speed_options, check_token_batch, compile_blocks,
-                                           count_target_tokens, sdpa_backends_for_run,
-                                           summed_token_cross_entropy)
+from lightning_3d.recipes.training import (
+    adamw_warmup_cosine,
+    check_speed_options,
+    check_token_batch,
+    compile_blocks,
+    count_target_tokens,
+    sdpa_backends_for_run,
+    summed_token_cross_entropy,
+)
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
 from lightning_3d.strategies.protocol import StageLayout
 from lightning_3d.utils.tensors import materialize_

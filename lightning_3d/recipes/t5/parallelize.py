@@ -15,20 +15,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
 
 from lightning_3d.dynamic import with_microbatch_checkpointing
 from lightning_3d.recipes.gpt.model import LMHead
 from lightning_3d.recipes.t5.model import RMSNorm, T5Model, rms_norm, run_stage
 from lightning_3d.tensor_parallel import (
-    ReplicatedNorm, TensorParallel, VocabParallelEmbedding, column_parallel, distribute_parameters, local_view,
-    row_parallel, tensor_parallel_implementation, vocab_parallel_embedding, vocab_parallel_head,
+    ReplicatedNorm,
+    TensorParallel,
+    VocabParallelEmbedding,
+    column_parallel,
+    distribute_parameters,
+    local_view,
+    row_parallel,
+    tensor_parallel_implementation,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
 )
 
 
