@@ -289,8 +289,8 @@ def test_user_gpt_peer_is_its_own_model_and_takes_the_recipes_weights() -> None:
 
     import torch
 
-    from benchmarks.hf_peers import build_recipe_model
-    from benchmarks.peers import parse_system
+    from benchmarks.speed.hf_peers import build_recipe_model
+    from benchmarks.speed.peers import parse_system
     from benchmarks.speed.user_gpt import UserGPT, user_peer, user_vocab
     from lightning_3d.recipes.training import summed_token_cross_entropy
 

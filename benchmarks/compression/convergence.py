@@ -77,6 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_3d.recipes import GPT
     from lightning_3d.recipes.data.loader import build_eval_loader, build_train_loader
     from lightning_3d.recipes.data.packing import PackedBlocks
+    from lightning_3d.strategies.config import nest_options
 
     meta = json.loads((args.data / "meta.json").read_text())
     dp, pp, tp = (int(x) for x in args.layout.split(","))
@@ -124,8 +125,9 @@ def worker(args: argparse.Namespace) -> None:
                 args.result.with_suffix(".tmp").replace(args.result)
 
     curves = Curves()
-    strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, sc_warmup=args.sc_warmup,
-                                    compression_seed=args.seed, **MODES[args.mode])
+    strategy = Compressed3DStrategy(**nest_options(dict(
+        data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=args.num_microbatches,
+        sc_warmup=args.sc_warmup, compression_seed=args.seed, **MODES[args.mode])))
     trainer = pl.Trainer(accelerator=args.accelerator, devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
                          precision=args.precision, max_steps=args.steps, val_check_interval=args.val_every,
                          check_val_every_n_epoch=None, limit_val_batches=args.val_batches, gradient_clip_val=1.0,

@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
+from lightning_3d.strategies.config import nest_options  # noqa: E402
 from lightning_3d.utils.peak_flops import dense_peak_flops  # noqa: E402
 
 # MFU is against the dense bf16 peak of one H100/H200 SXM, from the library's one table (benchmarks/CONVENTIONS.md).
@@ -249,12 +250,14 @@ def worker(args: argparse.Namespace) -> None:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        strategy = Compressed3DStrategy(dp, pp, tp, num_microbatches=args.num_microbatches, schedule=schedule,
+        strategy = Compressed3DStrategy(**nest_options(dict(
+            data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                                        num_microbatches=args.num_microbatches, schedule=schedule,
                                         virtual_stages=virtual_stages, sequence_parallel=args.sequence_parallel,
                                         pipeline_layer_split=[int(x) for x in args.pipeline_layer_split.split(",")]
                                         if args.pipeline_layer_split else None,
                                         cb_rank=args.cb_rank, sc_rank=args.sc_rank, sc_warmup=args.sc_warmup,
-                                        cuda_graphs=args.cuda_graphs, **mode_options(mode, pp), **diagnosis_timeout())
+                                        cuda_graphs=args.cuda_graphs, **mode_options(mode, pp), **diagnosis_timeout())))
         timer = StepTimer(variant_result_path(args.result, variant))
         log_dir = args.result.with_name(f"{args.result.stem}.{variant}.logs")
         trainer = pl.Trainer(

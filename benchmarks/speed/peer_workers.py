@@ -217,16 +217,16 @@ def fusion_option(system: dict) -> bool | str:
 def ours_strategy(args: argparse.Namespace, system: dict) -> Any:
     """The ``Compressed3DStrategy`` of an ``ours`` system, as its suffixes set it."""
     from lightning_3d import Compressed3DStrategy
+    from lightning_3d.strategies.config import nest_options
 
-    return Compressed3DStrategy(system["dp"], system["pp"], system["tp"], num_microbatches=args.num_microbatches,
-                                schedule=args.schedule if system["pp"] > 1 else "1f1b",
-                                compression=system["cc"], fused_embedding_sync=system["cc"],
-                                gradient_accumulation_fusion=fusion_option(system),
-                                # CPU runs of the script (its tests) ignore CUDA-graph modes, as for the plain model
-                                cuda_graphs=bool(system["cudagraphs"]) and torch.cuda.is_available(),
-                                **({"gc_interval": None} if system["pygc"]
-                                   else {"gc_interval": 1} if system["gc1"] else {}),
-                                **({"on_nonfinite": "ignore"} if system["nocheck"] else {}))
+    return Compressed3DStrategy(**nest_options(dict(
+        data_parallel_size=system["dp"], pipeline_parallel_size=system["pp"], tensor_parallel_size=system["tp"],
+        num_microbatches=args.num_microbatches, schedule=args.schedule if system["pp"] > 1 else "1f1b",
+        compression=system["cc"], fused_embedding_sync=system["cc"], gradient_accumulation_fusion=fusion_option(system),
+        # CPU runs of the script (its tests) ignore CUDA-graph modes, as for the plain model
+        cuda_graphs=bool(system["cudagraphs"]) and torch.cuda.is_available(),
+        **({"gc_interval": None} if system["pygc"] else {"gc_interval": 1} if system["gc1"] else {}),
+        **({"on_nonfinite": "ignore"} if system["nocheck"] else {}))))
 
 
 def lightning_fit(args: argparse.Namespace, system: dict) -> dict:

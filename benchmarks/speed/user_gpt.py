@@ -1,4 +1,4 @@
-"""The ``user`` peer of benchmarks/peers.py: a GPT-2-layout decoder written plainly, as a user would write one.
+"""The ``user`` peer of benchmarks/speed/peers.py: a GPT-2-layout decoder written plainly, as a user would write one.
 
 Not our recipe's model and nothing imported from it: pre-LayerNorm blocks, separate biased q/k/v/o projections, SDPA
 causal attention, a tanh-GELU MLP of 4h, learned positions, a head tied to the token embedding over a vocabulary
@@ -110,7 +110,7 @@ def user_peer(args: argparse.Namespace, system: dict, device: torch.device) -> t
         model = UserGPT(vocab, config.seq_length, config.num_layers, config.hidden_size, config.num_heads,
                         nanogpt_init=not system.get("torchinit"))
     if system.get("ourinit"):
-        from benchmarks.hf_peers import build_recipe_model
+        from benchmarks.speed.hf_peers import build_recipe_model
 
         recipe = build_recipe_model(args, {**system, "ckpt": False, "fusedce": False}, device, compile=False)
         state = {k: v for k, v in recipe.model.state_dict().items() if not k.endswith("padding_mask")}
