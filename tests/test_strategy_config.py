@@ -38,6 +38,16 @@ def test_grouped_configs_build_the_strategy_and_resolve_derived_values() -> None
     assert s.engine.num_microbatches == 4  # what the engine splits every batch into: the same resolved value
 
 
+def test_num_microbatches_changes_in_one_place_and_is_checked() -> None:
+    s = Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=2), pipeline=PipelineConfig(num_microbatches=2))
+    s.num_microbatches = 3
+    assert (s.num_microbatches, s.pipeline.num_microbatches, s.options.num_microbatches, s.engine.num_microbatches) == (3, 3, 3, 3)
+    assert s.engine.options is s.options
+    with pytest.raises(ValueError, match=r"`num_microbatches=0` must be a positive integer"):
+        s.num_microbatches = 0
+    assert s.num_microbatches == 3  # a refused value changes nothing
+
+
 def test_dicts_are_accepted_for_each_group_and_equal_the_records() -> None:
     a = grouped_strategy()
     b = Compressed3DStrategy(

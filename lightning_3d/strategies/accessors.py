@@ -6,6 +6,7 @@ derived values, the engine's ``PipelineOptions``; the accessors read the compone
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from lightning_3d.compression.backprop import CompressedBackprop
@@ -22,6 +23,15 @@ class StrategyAccessors:
     def num_microbatches(self) -> int:
         """Micro-batches per per-replica batch, resolved (``PipelineConfig.num_microbatches`` or its derived value)."""
         return self.options.num_microbatches
+
+    @num_microbatches.setter
+    def num_microbatches(self, value: int) -> None:
+        """A new count for the next steps, e.g. an evaluation split differently: the pipeline config, the resolved
+        options and the engine change together. Evaluation runs forward-only and takes any count; a training step
+        checks it against the schedule when it builds its order (the runtime's error names the fix)."""
+        self.pipeline = replace(self.pipeline, num_microbatches=value)  # PipelineConfig checks it is a positive int
+        self.options = replace(self.options, num_microbatches=value)
+        self.engine.options, self.engine.num_microbatches = self.options, value
 
     @property
     def schedule(self) -> str:
