@@ -668,7 +668,8 @@ def test_the_overheads_train_and_profile_the_tiny_model_with_the_profiles_fusion
 
     class Spy(c3d.Compressed3DStrategy):
         def __init__(self, *args, **kwargs) -> None:
-            built.append(kwargs.get("gradient_accumulation_fusion", "unset"))
+            runtime = kwargs.get("runtime")
+            built.append(runtime.gradient_accumulation_fusion if runtime is not None else "unset")
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(c3d, "Compressed3DStrategy", Spy)

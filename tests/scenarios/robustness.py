@@ -189,7 +189,7 @@ def nonfinite_run(kind: str, w: int, poison_step: int = 2, steps: int = 5) -> di
 # ----- the lazy verdict (fused AdamW) against the synchronous one --------------------------------------------------
 class VerdictReads(pl.Callback):
     """How many times the strategy's step code read a tensor on the host (``Tensor.item`` / ``bool`` called from
-    pipeline_engine.py) by the end of each step (its verdict is taken after Lightning's on_before_optimizer_step
+    nonfinite.py) by the end of each step (its verdict is taken after Lightning's on_before_optimizer_step
     hooks, inside the optimizer's step: the lazy path reads only earlier steps' verdicts there), and in all."""
 
     def __init__(self) -> None:
@@ -202,7 +202,7 @@ class VerdictReads(pl.Callback):
 
         def counted(original):
             def read(tensor, *args):
-                if sys._getframe(1).f_code.co_filename.endswith("pipeline_engine.py"):
+                if sys._getframe(1).f_code.co_filename.endswith("nonfinite.py"):
                     self.count += 1
                 return original(tensor, *args)
             return read
