@@ -23,9 +23,10 @@ H, SEQ_LEN = 48, 16
 
 
 def strategy(dp, pp, tp, m, **kw) -> Compressed3DStrategy:
-    """LEP on wherever compression is (it is off by default): these scenarios check it too."""
+    """LEP on wherever compression is (it is off by default), and CB whatever the link: these scenarios check both."""
     if kw.get("compression", True):
         kw.setdefault("cb_lazy_error_propagation", True)
+        kw.setdefault("compressed_backprop", True)  # CB is what these check; the link decision has tests of its own
     kw.setdefault("gradient_accumulation_fusion", True)  # the tiny models' weights are below the "auto" threshold
     return Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                 num_microbatches=m, **kw)
