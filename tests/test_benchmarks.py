@@ -54,7 +54,7 @@ def test_train_throughput_of_t5_on_synthetic_pairs(tmp_path: Path) -> None:
            "--profile", "--out", str(out)]
     env = {**os.environ, "L3D_COMPILE_BACKEND": "aot_eager"}  # compiled blocks in both stages, no C++ build on CI
     run = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    # --profile: rank 0's two profiler tables reach the driver's stdout, once per variant (a device call returns
+    # --profile: rank 0's two profiler tables reach the driver's stdout, once per variant (a remote job returns
     # stdout, not the worker logs).
     assert run.stdout.count("PROFILE (2 steps, rank 0) by device time") == 2, run.stdout[-2000:]
     assert run.stdout.count("PROFILE by CPU time") == 2
@@ -117,7 +117,7 @@ def _processes_naming(text: str) -> list[int]:
 
 def test_train_throughput_stopped_by_sigterm_leaves_no_worker_behind(tmp_path: Path) -> None:
     """`timeout` stops the driver with SIGTERM; its workers lead sessions of their own, so without the driver's
-    cleanup they would go on holding the GPUs through the next measurements (and outlive a device call)."""
+    cleanup they would go on holding the GPUs through the next measurements (and outlive the job)."""
     import signal
     import time
 
@@ -408,7 +408,7 @@ def test_single_gpu_speed_script_on_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "SPEED_CPU": "1", "SPEED_BUDGET_S": "1500", "T5V_SYSTEMS": " ".join(expected["t5v"])}
     run = subprocess.run(["bash", str(ROOT / "benchmarks/speed/single_gpu_speed.sh"), str(tmp_path), "t5v"], check=True,
                          cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env)
-    for label in expected["t5v"]:  # the profile digest reaches stdout (a device call returns its output first)
+    for label in expected["t5v"]:  # the profile digest reaches stdout (a remote job returns its output first)
         assert f"  {label}:\n    Self CPU time total: " in run.stdout, label
     for part, labels in expected.items():
         report = json.loads((tmp_path / f"speed_{part}.json").read_text())

@@ -153,7 +153,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"), help="cpu: smoke test only")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per system")
     p.add_argument("--deadline", type=float, default=None, help="Unix time by which the whole list must be done (a"
-                   " device call's limit): each system gets min(--timeout, the time left); one with less than"
+                   " job's time limit): each system gets min(--timeout, the time left); one with less than"
                    " --min-system-s left is skipped and reported so")
     p.add_argument("--min-system-s", type=float, default=45.0, help="with --deadline: the least time worth a launch")
     p.add_argument("--out", type=Path, default=Path("peers.json"))
@@ -265,7 +265,7 @@ def table(rows: list[dict], header: str) -> str:
 def profile_digest(log: Path, rows: int = 6) -> list[str]:
     """A few lines from a worker log's ``--profile`` tables (peer_workers.StepProfiler): the two steps' self CPU and
     device totals (host-bound when CPU exceeds device), the top ``rows`` ops by device time and by CPU time. Printed
-    to stdout because a device call brings back its output before (and sometimes instead of) its files."""
+    to stdout because a remote job often brings back its output before (and sometimes instead of) its files."""
     if not log.exists():
         return []
     lines = log.read_text(errors="replace").splitlines()
