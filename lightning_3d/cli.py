@@ -372,7 +372,9 @@ def main(args: ArgsType = None) -> None:
         import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
         from lightning_3d.planner import plan_main, profile_main
 
-        (profile_main if argv[0] == "profile" else plan_main)(argv[1:])
+        code = (profile_main if argv[0] == "profile" else plan_main)(argv[1:])
+        if code:  # `plan --verify` where no candidate ran
+            raise SystemExit(code)
         return
     if argv and argv[0] == "export":  # `lightning-3d export --checkpoint DIR --output DIR [--tokenizer PATH]`
         return export_main(argv[1:])

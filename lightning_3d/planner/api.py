@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-from dataclasses import dataclass, fields
+import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, ProfiledCostModel, recipe_costs
+from lightning_3d.planner.confidence import RunnerUp, label, runner_ups
 from lightning_3d.planner.model import Prediction, Workload
 from lightning_3d.planner.search import SearchOptions, SearchResult, search
 from lightning_3d.strategies.compressed_3d import Compressed3DStrategy
@@ -42,17 +44,28 @@ def strategy_supports_stage_checkpointing() -> bool:
 @dataclass
 class Plan:
     """The search's outcome: ``configs[i]`` (dicts, the YAML's content) matches ``predictions[i]``; ``yaml(i)`` is
-    the text ``lightning-3d plan`` writes."""
+    the text ``lightning-3d plan`` writes. ``runner_ups``: the predictions the model cannot tell from the best
+    (within ``model_error``; planner/confidence.py). ``measured``: after ``verify``, per index the measured step
+    seconds (``median_s``, ``steps_s``) or why the run failed (``error``), and the order is by measured time."""
 
     configs: list[dict]
     predictions: list[Prediction]
     result: SearchResult
     num_gpus: int
     cluster: ClusterSpec
+    measured: dict[int, dict] = field(default_factory=dict)
 
     @property
     def best(self) -> dict:
         return self.configs[0]
+
+    @property
+    def model_error(self) -> float:
+        return self.result.model_error
+
+    @property
+    def runner_ups(self) -> list[RunnerUp]:
+        return runner_ups(self.predictions, self.model_error)
 
     def yaml(self, index: int = 0) -> str:
         p = self.predictions[index]
@@ -67,9 +80,51 @@ class Plan:
             f"#   rank {index + 1} of {len(self.predictions)}; search: {self.result.skeletons} layouts,"
             f" {self.result.evaluated} candidates in {self.result.seconds:.2f} s"
             + (" (time budget reached)" if self.result.truncated else ""),
-            "# prediction: " + json.dumps(s),
         ]
+        header += self.measured_lines(index) + (self.confidence_lines() if index == 0 else [])
+        header.append("# prediction: " + json.dumps(s))
+        if index in self.measured:
+            header.append("# measured: " + json.dumps(self.measured[index]))
         return "\n".join(header) + "\n" + yaml.safe_dump(self.configs[index], sort_keys=False)
+
+    def reordered(self, order: list[int], measured: dict[int, dict]) -> Plan:
+        """The same plan with its candidates in ``order`` and ``measured`` (by new index) attached."""
+        return Plan([self.configs[k] for k in order], [self.predictions[k] for k in order], self.result, self.num_gpus,
+                    self.cluster, measured)
+
+    def confidence_lines(self) -> list[str]:
+        """The runner-ups within the model's error, each with the measurement that would tell it from the best."""
+        ups = self.runner_ups
+        best = min(range(len(self.predictions)), key=lambda k: self.predictions[k].step_time)
+        lines = [f"# Runner-ups within the model's error (+-{self.model_error * 100:.1f} % per prediction)"
+                 + (f" of the fastest predicted, PLAN.{best}" if best else "") + f": {len(ups) or 'none'}"
+                 + ("" if ups else " - the choice stands on the model alone.")]
+        for r in ups:
+            lines.append(f"#   PLAN.{r.rank}: {r.sentence(self.predictions[best])}")
+        if ups:
+            lines.append("# runner_ups: " + json.dumps([r.to_dict(self.predictions[best]) for r in ups]))
+        return lines
+
+    def measured_lines(self, index: int) -> list[str]:
+        if not self.measured:
+            return []
+        out = []
+        if index == 0:
+            out.append(f"# Verified: {len(self.measured)} candidates run for a few steps each; this is the fastest"
+                       " measured (median step):")
+            for k in sorted(self.measured):
+                out.append(f"#   {'*' if k == 0 else ' '} PLAN.{k}: {verify_note(self.predictions[k], self.measured[k])}")
+        elif index in self.measured:
+            out.append(f"# Verified: {verify_note(self.predictions[index], self.measured[index])}")
+        return out
+
+
+def verify_note(p: Prediction, m: dict) -> str:
+    """One candidate's measured against predicted step, as the plan's header and the printed summary show it."""
+    if m.get("error"):
+        return f"{label(p.candidate)}: predicted {p.step_time * 1e3:.1f} ms, run failed ({m['error']})"
+    return (f"{label(p.candidate)}: measured {m['median_s'] * 1e3:.1f} ms (median of {len(m['steps_s'])} steps),"
+            f" predicted {p.step_time * 1e3:.1f} ms ({(p.step_time / m['median_s'] - 1) * 100:+.1f} %)")
 
 
 def load_config(config: str | Path | dict) -> dict:
@@ -219,7 +274,7 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
 
 
 def plan_main(argv: list[str]) -> int:
-    """``lightning-3d plan --config MODEL.yaml --gpus N [--cluster FILE] [--profile FILE] --out PLAN.yaml``."""
+    """``lightning-3d plan --config MODEL.yaml --gpus N [--cluster FILE] [--profile FILE] --out PLAN.yaml [--verify]``."""
     parser = argparse.ArgumentParser(prog="lightning-3d plan", description="search (dp, pp, tp), micro-batching,"
                                      " schedule, stage split, checkpointing and compression; write a runnable config")
     parser.add_argument("--config", required=True, help="training YAML (or packaged config name) to plan for")
@@ -229,22 +284,56 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--global-batch-size", type=int, default=None, help="sequences per step (default: the config's)")
     parser.add_argument("--time-budget", type=float, default=60.0, help="search seconds at most")
     parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--model-error", type=float, default=None, help="the model's time error as a fraction; runner-ups"
+                        " within it of the best are listed (default: the validated error, docs/planner.md)")
+    parser.add_argument("--verify", action="store_true", help="run the top candidates a few steps each on this machine"
+                        " and write the fastest measured")
+    parser.add_argument("--verify-top", type=int, default=3, help="candidates to run with --verify")
+    parser.add_argument("--verify-steps", type=int, default=5, help="timed steps per candidate with --verify")
+    parser.add_argument("--verify-warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--verify-repeats", type=int, default=1, help="fresh runs per candidate, round-robin")
     parser.add_argument("--out", required=True, help="where to write the plan YAML (the best; others as PLAN.<k>.yaml)")
     ns = parser.parse_args(argv)
     try:
+        if ns.verify:
+            from lightning_3d.planner.verify import check_verify_options
+
+            check_verify_options(ns.verify_top, ns.verify_steps, ns.verify_warmup, ns.verify_repeats)
         result = plan(ns.config, ns.gpus, cluster=ns.cluster, profile=ns.profile, global_batch_size=ns.global_batch_size,
-                      options=SearchOptions(time_budget_s=ns.time_budget, top_k=ns.top_k))
+                      options=SearchOptions(time_budget_s=ns.time_budget, top_k=max(ns.top_k, ns.verify_top if ns.verify
+                                                                                    else 0), model_error=ns.model_error))
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
+    if ns.verify:
+        from lightning_3d.planner.verify import verify
+
+        try:
+            result = verify(result, top=ns.verify_top, steps=ns.verify_steps, warmup=ns.verify_warmup,
+                            repeats=ns.verify_repeats)
+        except RuntimeError as err:
+            print(err, file=sys.stderr)
+            return 1
     out = Path(ns.out)
     out.write_text(result.yaml(0))
     for k in range(1, len(result.configs)):
         out.with_name(f"{out.stem}.{k}{out.suffix or '.yaml'}").write_text(result.yaml(k))
-    for k, p in enumerate(result.predictions):
-        s = p.summary()
-        print(f"#{k}: dp={s['dp']} pp={s['pp']} tp={s['tp']} mbs={s['microbatch_size']} m={s['num_microbatches']}"
-              f" {s['schedule']} v={s['virtual_stages']} split={s['layer_split']} ckpt={s['stage_checkpointing']}"
-              f" compression={s['compression']} cuda_graphs={s['cuda_graphs']}: {s['step_time_s'] * 1e3:.1f} ms,"
-              f" {s['peak_memory_gib']:.2f} GiB")
+    print_plan(result)
     print(f"wrote {out}")
     return 0
+
+
+def print_plan(result: Plan) -> None:
+    """The printed summary: every candidate (measured beside predicted after --verify), then the runner-ups."""
+    for k, p in enumerate(result.predictions):
+        s = p.summary()
+        line = (f"#{k}: dp={s['dp']} pp={s['pp']} tp={s['tp']} mbs={s['microbatch_size']} m={s['num_microbatches']}"
+                f" {s['schedule']} v={s['virtual_stages']} split={s['layer_split']} ckpt={s['stage_checkpointing']}"
+                f" compression={s['compression']} cuda_graphs={s['cuda_graphs']}: {s['step_time_s'] * 1e3:.1f} ms,"
+                f" {s['peak_memory_gib']:.2f} GiB")
+        if k in result.measured:
+            m = result.measured[k]
+            line += f"; run failed ({m['error']})" if "error" in m else f"; measured {m['median_s'] * 1e3:.1f} ms"
+        print(line)
+    for line in result.confidence_lines():
+        if not line.startswith("# runner_ups:"):
+            print(line[2:])

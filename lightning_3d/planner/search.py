@@ -6,7 +6,8 @@ Within a skeleton: exhaustively over every split × checkpointing vector where t
 memory caps included, embedding and head costs on the end stages), checkpointing switched on where a stage's memory
 does not fit, and then Aceso's bottleneck relief on the few best skeletons: move a layer off the slowest stage to
 another stage, or flip the slowest stage's checkpointing, while the predicted step time falls. The best candidates are
-re-timed with the schedule simulator (``pipeline/timing.py``) and the top-k returned. A wall-clock budget bounds
+re-timed with the schedule simulator (``pipeline/timing.py``) and the top-k returned, with every further re-timed
+candidate within the model's error of the best (``planner/confidence.py``). A wall-clock budget bounds
 the whole search (the best found so far is returned, marked ``truncated``).
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lightning_3d.planner.confidence import check_model_error, validated_error, within_error
 from lightning_3d.planner.model import GIB, Candidate, Prediction, Workload, lower_bound_memory, predict, simulate_candidate
 
 
@@ -42,6 +44,9 @@ class SearchOptions:
     time_budget_s: float = 60.0
     top_k: int = 5
     simulate_max_actions: int = 8_000  # larger pipelines keep their closed-form time (the simulator is Python)
+    # The model's time error (a fraction): candidates beyond the top-k within it of the best are returned too
+    # (planner/confidence.py); None: the validated error documented in docs/planner.md.
+    model_error: float | None = None
 
 
 @dataclass
@@ -52,6 +57,7 @@ class SearchResult:
     seconds: float
     truncated: bool
     shortfall: list[str] = field(default_factory=list)
+    model_error: float = 0.0  # the error the runner-ups were chosen by (planner/confidence.py)
 
 
 def _divisors(n: int) -> list[int]:
@@ -252,6 +258,7 @@ def relieve_bottleneck(w: Workload, p: Prediction, opts: SearchOptions, max_roun
 def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> SearchResult:
     """The top-k candidates for ``num_gpus`` GPUs (see the module docstring)."""
     opts = opts or SearchOptions()
+    error = validated_error(num_gpus) if opts.model_error is None else check_model_error(opts.model_error)
     start = time.perf_counter()
     L = len(w.block_kinds())
     found: list[Prediction] = []
@@ -296,7 +303,7 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
         if p.fits:
             timed.append(p)
     timed.sort(key=lambda p: p.step_time)
-    top = timed[: opts.top_k]
+    top = timed[: opts.top_k] + [p for p in timed[opts.top_k:] if within_error(timed[0].step_time, p.step_time, error)]
     if top:
         shortfall = []
     elif truncated and not found:
@@ -304,7 +311,7 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
                      f" configuration that fits was found; raise time_budget_s (--time-budget)."]
     else:
         shortfall = explain_shortfall(w, num_gpus, opts, count)
-    return SearchResult(top, count, evaluated, time.perf_counter() - start, truncated, shortfall)
+    return SearchResult(top, count, evaluated, time.perf_counter() - start, truncated, shortfall, error)
 
 
 def explain_shortfall(w: Workload, num_gpus: int, opts: SearchOptions, skeleton_count: int) -> list[str]:
