@@ -38,12 +38,12 @@ def _quiet():
 def _brute_force(w: Workload, gpus: int, opts: SearchOptions):
     best = None
     L = len(w.block_kinds())
-    for dp, pp, tp, mbs, m, schedule, v, comp, graphs in skeletons(w, gpus, opts):
+    for dp, pp, tp, mbs, m, schedule, v, *options in skeletons(w, gpus, opts):
         S = pp * v
         for cut in itertools.combinations(range(1, L), S - 1):
             split = tuple(b - a for a, b in zip((0, *cut), (*cut, L)))
             for ckpt in itertools.product((False, True), repeat=S):
-                p = predict(Candidate(dp, pp, tp, mbs, m, schedule, v, split, ckpt, comp, graphs), w)
+                p = predict(Candidate(dp, pp, tp, mbs, m, schedule, v, split, ckpt, *options), w)
                 if p.fits and (best is None or p.step_time < best.step_time):
                     best = p
     return best
@@ -107,7 +107,8 @@ def test_no_invalid_config_is_ever_emitted() -> None:
             Compressed3DStrategy(data_parallel_size=c.dp, pipeline_parallel_size=c.pp, tensor_parallel_size=c.tp,
                                  num_microbatches=c.num_microbatches, schedule=c.schedule,
                                  virtual_stages=c.virtual_stages if c.schedule == "interleaved_1f1b" else None,
-                                 pipeline_layer_split=list(c.layer_split), compression=c.compression)
+                                 pipeline_layer_split=list(c.layer_split), compression=c.compression,
+                                 sequence_parallel=c.sequence_parallel, shard_optimizer_state=c.shard_optimizer_state)
     assert emitted > 15
 
 

@@ -164,8 +164,11 @@ def workload_from_config(cfg: dict, cluster: ClusterSpec, cost_model: CostModel 
             dp = max(1, world // (int(init.get("pipeline_parallel_size", 1)) * int(init.get("tensor_parallel_size", 1))))
         global_batch_size = int(data.get("batch_size", 8)) * dp
     cost = cost_model if cost_model is not None else AnalyticCostModel(shape, cluster.device)
+    # The compression settings the model decides CB and SC by (communication.py): the config's, else the defaults.
+    compression = {k: v for k, v in strategy_options(cfg).items()
+                   if k in ("cb_rank", "sc_rank", "cb_max_link_gbps", "sc_max_link_gbps") and v is not None}
     return Workload(shape, seq, global_batch_size, cost, cluster, target_len=target,
-                    state_bytes_per_param=16.0 if precision != "bf16-true" else 8.0)
+                    state_bytes_per_param=16.0 if precision != "bf16-true" else 8.0, **compression)
 
 
 def eager_only(cfg: dict, cost_model: CostModel | None = None) -> str | None:
@@ -197,8 +200,9 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
     }
     if c.schedule == "interleaved_1f1b":
         init["virtual_stages"] = c.virtual_stages
-    if c.cuda_graphs:
-        init["cuda_graphs"] = True
+    for name in ("cuda_graphs", "sequence_parallel", "shard_optimizer_state"):
+        if getattr(c, name):
+            init[name] = True
     from lightning_3d.planner.search import even_split
 
     if c.num_stages > 1 and tuple(c.layer_split) != even_split(sum(c.layer_split), c.num_stages):
@@ -217,7 +221,8 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
         init["stage_activation_checkpointing"] = ckpt
     old_init = strategy_options(cfg)
     keep = {k: v for k, v in old_init.items() if k not in init and k not in (
-        "virtual_stages", "pipeline_layer_split", "stage_activation_checkpointing", "cuda_graphs")}
+        "virtual_stages", "pipeline_layer_split", "stage_activation_checkpointing", "cuda_graphs", "sequence_parallel",
+        "shard_optimizer_state")}
     # Written in the grouped form (strategies/config.py), whichever form the input config used.
     trainer["strategy"] = {"class_path": "lightning_3d.Compressed3DStrategy", "init_args": nest_options({**init, **keep})}
     data = out.setdefault("data", {}).setdefault("init_args", {})
@@ -328,7 +333,9 @@ def print_plan(result: Plan) -> None:
         s = p.summary()
         line = (f"#{k}: dp={s['dp']} pp={s['pp']} tp={s['tp']} mbs={s['microbatch_size']} m={s['num_microbatches']}"
                 f" {s['schedule']} v={s['virtual_stages']} split={s['layer_split']} ckpt={s['stage_checkpointing']}"
-                f" compression={s['compression']} cuda_graphs={s['cuda_graphs']}: {s['step_time_s'] * 1e3:.1f} ms,"
+                f" compression={s['compression']} cuda_graphs={s['cuda_graphs']}"
+                + "".join(f" {k}=True" for k in ("sequence_parallel", "shard_optimizer_state") if s[k])
+                + f": {s['step_time_s'] * 1e3:.1f} ms,"
                 f" {s['peak_memory_gib']:.2f} GiB")
         if k in result.measured:
             m = result.measured[k]

@@ -75,11 +75,8 @@ def describe(c: Candidate) -> dict[str, object]:
 
 def option_flags(c: Candidate) -> dict[str, object]:
     """The on/off options beyond the layout (compression, graphs, ...), as ``describe`` shows them."""
-    out: dict[str, object] = {"compression": c.compression, "cuda_graphs": c.cuda_graphs}
-    for name in ("sequence_parallel", "shard_optimizer_state"):
-        if hasattr(c, name):
-            out[name] = getattr(c, name)
-    return out
+    return {"compression": c.compression, "cuda_graphs": c.cuda_graphs, "sequence_parallel": c.sequence_parallel,
+            "shard_optimizer_state": c.shard_optimizer_state}
 
 
 def label(c: Candidate) -> str:

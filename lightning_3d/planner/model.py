@@ -20,11 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_3d.costs import ClusterSpec, CostModel, ModelShape, layer_parameters, weight_matrices
+from lightning_3d.costs.analytic import ATTENTION_EFFICIENCY, BACKWARD_ATTENTION
 from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_pass_seconds
 
 # The memory terms per rank are shared with the strategy's fit check (costs/memory.py: the strategies may not import
 # the planner); re-exported here for the planner's users.
 from lightning_3d.costs.memory import graph_gradient_bytes, in_flight, rank_memory
+from lightning_3d.pipeline.schedules import schedule_spec
+from lightning_3d.planner.communication import dp_allreduce, param_allgather, sc_ranks, sc_runs, send_times
 
 GIB = 2**30
 
@@ -32,7 +35,8 @@ GIB = 2**30
 @dataclass(frozen=True)
 class Candidate:
     """One configuration: what the emitted YAML sets. ``layer_split``/``stage_checkpointing`` have pp × v entries.
-    ``cuda_graphs``: the strategy's ``cuda_graphs=True`` (pp = tp = 1 only; docs/planner.md, "CUDA graphs")."""
+    ``cuda_graphs``: the strategy's ``cuda_graphs=True`` (pp = tp = 1 only; docs/planner.md, "CUDA graphs");
+    ``sequence_parallel`` and ``shard_optimizer_state`` are the strategy's options of those names."""
 
     dp: int
     pp: int
@@ -45,6 +49,8 @@ class Candidate:
     stage_checkpointing: tuple[bool, ...]
     compression: bool
     cuda_graphs: bool = False
+    sequence_parallel: bool = False  # tp > 1 only: the residual stream sharded over the sequence between tp regions
+    shard_optimizer_state: bool = False  # dp > 1 only: ZeRO-1 (docs/sharded_optimizer.md)
 
     @property
     def num_stages(self) -> int:
@@ -70,6 +76,7 @@ class Workload:
     cb_rank: int = 16
     sc_rank: int = 128
     sc_max_link_gbps: float = 50.0
+    cb_max_link_gbps: float = 100.0  # the strategy's default (CompressionConfig): CB runs only on slower pipeline links
     host_runahead: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -80,10 +87,11 @@ class Workload:
     def block_kinds(self) -> list[str]:
         return [k for k in self.shape.layer_kinds() if k not in ("embedding", "head")]
 
-    def layer_costs(self, mbs: int, tp: int, recompute: bool) -> tuple[np.ndarray, ...]:
+    def layer_costs(self, mbs: int, tp: int, recompute: bool, sp: bool = False) -> tuple[np.ndarray, ...]:
         """Per block (pipeline order) and for embedding/head: fwd, bwd, stored, peak seconds/bytes, parameters, and
-        the device's fwd, bwd and the host's fwd, bwd seconds apart (fwd = max(device, host) per layer); cached."""
-        key = (mbs, tp, recompute)
+        the device's fwd, bwd and the host's fwd, bwd seconds apart (fwd = max(device, host) per layer); cached.
+        ``sp``: sequence parallelism at tp > 1, which changes a block's memory only (below)."""
+        key = (mbs, tp, recompute, sp)
         if key not in self._cache:
             out = {}
             for kind in {*self.block_kinds(), "embedding", "head"}:
@@ -95,6 +103,14 @@ class Workload:
                 # the training loop, which the isolated span does not hold). Zeros for models without host times.
                 hf, hb = layer_host_time(self.cost_model, kind, mbs, self.seq_len, **kw)
                 st, pk = self.cost_model.layer_memory(kind, mbs, self.seq_len, **kw)
+                if sp and tp > 1 and kind not in ("embedding", "head"):
+                    # Every tensor a block stores is split over tp, its norms and residuals included: a tp = 1 block's
+                    # memory on seq_len / tp tokens (the strategy's fit check counts it alike, costs/memory.py). Its
+                    # time is the tp block's: the reduce-scatter and all-gather that replace each all-reduce carry
+                    # the same bytes in a ring, and the norms' share of the work on 1/tp of the tokens is not modelled.
+                    t = None if self.target_len is None else self.target_len / tp
+                    st, pk = self.cost_model.layer_memory(kind, mbs, self.seq_len / tp, target_len=t,
+                                                          recompute=kw["recompute"], tp=1)
                 measured = getattr(self.cost_model, "includes_tp_collectives", None)
                 kind_rc = recompute and kind not in ("embedding", "head")
                 # A grid measured across tp GPUs holds its collectives in its span (and their launches in its host
@@ -115,9 +131,9 @@ class Workload:
                  np.concatenate([[0], np.cumsum(np.isinf(blocks[i]))]).tolist()) for i in (0, 1, 2, 4, 5, 6, 7, 8))
         return self._cache[key]
 
-    def prefix_sums(self, mbs: int, tp: int, recompute: bool) -> tuple[list[float], ...]:
-        self.layer_costs(mbs, tp, recompute)
-        return self._cache[("prefix", mbs, tp, recompute)]
+    def prefix_sums(self, mbs: int, tp: int, recompute: bool, sp: bool = False) -> tuple[list[float], ...]:
+        self.layer_costs(mbs, tp, recompute, sp)
+        return self._cache[("prefix", mbs, tp, recompute, sp)]
 
     def tokens(self, mbs: int, kind: str = "block") -> float:
         t = self.target_len if self.target_len is not None else self.seq_len
@@ -178,7 +194,8 @@ class Prediction:
             "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches, "schedule": c.schedule,
             "virtual_stages": c.virtual_stages, "layer_split": list(c.layer_split),
             "stage_checkpointing": list(c.stage_checkpointing), "compression": c.compression,
-            "cuda_graphs": c.cuda_graphs, "costs": self.source,
+            "cuda_graphs": c.cuda_graphs, "sequence_parallel": c.sequence_parallel,
+            "shard_optimizer_state": c.shard_optimizer_state, "costs": self.source,
         }
 
 
@@ -205,8 +222,9 @@ def stage_terms(c: Candidate, w: Workload) -> tuple[list[float], ...]:
     start = 0
     mb_overhead = microbatch_overhead(w.cost_model)
     for s, (n, ckpt) in enumerate(zip(c.layer_split, c.stage_checkpointing)):
-        blocks, emb, head = w.layer_costs(c.microbatch_size, c.tp, ckpt)
-        _, _, pst, pp_, pdf, pdb, phf, phb = w.prefix_sums(c.microbatch_size, c.tp, ckpt)
+        sp = c.sequence_parallel
+        blocks, emb, head = w.layer_costs(c.microbatch_size, c.tp, ckpt, sp)
+        _, _, pst, pp_, pdf, pdb, phf, phb = w.prefix_sums(c.microbatch_size, c.tp, ckpt, sp)
         lo, hi = start, start + n
         start = hi
         st, p, df, db, hf, hb = (math.inf if count[hi] > count[lo] else total[hi] - total[lo]
@@ -246,9 +264,16 @@ def layer_terms(mbs: int, tp: int, recompute: bool, w: Workload) -> dict[str, fl
 
 
 def pipeline_time(schedule: str, pp: int, v: int, m: int, fwd: list[float], bwd: list[float],
-                  fsend: list[float], bsend: list[float]) -> float:
-    """Closed-form makespan of one step's pipeline (sends per boundary: ``fsend`` activations, ``bsend`` gradients)."""
+                  fsend: list[float], bsend: list[float], wgrad: list[float] | None = None) -> float:
+    """Closed-form makespan of one step's pipeline (sends per boundary: ``fsend`` activations, ``bsend`` gradients;
+    ``wgrad``: per stage, the weight-gradient seconds a zero-bubble schedule defers, 0 where it does not split)."""
     hops = sum(fsend) + sum(bsend)
+    if schedule == "zb_h1":
+        # 1F1B's order with each split backward's W moved into the warm-up and drain: the idle time per rank falls from
+        # (pp - 1)(F + B + W) to (pp - 1)(F + B - W) (pipeline/zero_bubble.py); the smallest split W bounds the gain.
+        split = [x for x in (wgrad or []) if x > 0]
+        gain = 2 * (pp - 1) * min(split) if split and pp > 1 else 0.0
+        return pipeline_time("1f1b", pp, v, m, fwd, bwd, fsend, bsend) - gain
     if v == 1 and schedule == "gpipe":
         return sum(fwd) + (m - 1) * max(fwd) + sum(bwd) + (m - 1) * max(bwd) + hops
     if v == 1:
@@ -263,66 +288,6 @@ def pipeline_time(schedule: str, pp: int, v: int, m: int, fwd: list[float], bwd:
     per_rank = [sum(fwd[s] + bwd[s] for s in range(r, pp * v, pp)) for r in range(pp)]
     chunk = max(f + b for f, b in zip(fwd, bwd))
     return m * max(per_rank) + (pp - 1) * chunk + hops / v
-
-
-def send_times(c: Candidate, w: Workload) -> tuple[list[float], list[float]]:
-    """Per stage boundary: activation send and gradient send seconds (CB shrinks the gradients when on)."""
-    cl = w.cluster
-    size = w.boundary_bytes(c.microbatch_size)
-    h = w.shape.hidden_size
-    fsend, bsend = [], []
-    for s in range(c.num_stages - 1):
-        r0, r1 = s % c.pp, (s + 1) % c.pp
-        crosses = any(((d * c.pp + r0) * c.tp) // cl.gpus_per_node != ((d * c.pp + r1) * c.tp) // cl.gpus_per_node
-                      for d in range(c.dp))
-        bw = cl.inter_node_bandwidth if crosses else cl.intra_node_bandwidth
-        t = size / bw + cl.latency
-        fsend.append(t)
-        if c.compression:
-            rows = size / (h * w.shape.bytes_per_element)
-            small = (rows + h) * w.cb_rank * w.shape.bytes_per_element
-            if size / small >= 2.0:
-                flops = 4 * rows * h * w.cb_rank  # project and reconstruct
-                t = small / bw + cl.latency + flops / (cl.device.peak_flops * cl.device.gemm_efficiency * 0.5)
-        bsend.append(t)
-    return fsend, bsend
-
-
-def dp_allreduce(c: Candidate, w: Workload, params_per_rank: list[float], rank_stages: list[list[int]]) -> list[float]:
-    """Seconds of each pipeline rank's gradient all-reduce over the dp group (SC-compressed where it applies)."""
-    if c.dp == 1:
-        return [0.0] * c.pp
-    cl = w.cluster
-    bw = cl.bandwidth(c.dp, c.pp * c.tp)
-    sc = c.compression and bw < w.sc_max_link_gbps * 1e9
-    out = []
-    for r in range(c.pp):
-        size = params_per_rank[r] * w.grad_bytes_per_param
-        extra = 0.0
-        if sc:
-            kinds = _stage_kinds(c, w, rank_stages[r])
-            full = compressed = flops = 0.0
-            for kind, count in kinds.items():
-                for n, k in weight_matrices(w.shape, kind, c.tp):
-                    if n * k / ((n + k) * w.sc_rank) >= 2.0:
-                        full += count * n * k
-                        compressed += count * (n + k) * w.sc_rank
-                        flops += count * 4 * n * k * w.sc_rank
-            size -= (full - compressed) * w.grad_bytes_per_param
-            extra = flops / (cl.device.peak_flops * cl.device.gemm_efficiency)
-        buckets = max(1.0, size / (25 * 2**20))
-        out.append(2 * (c.dp - 1) / c.dp * size / bw + buckets * cl.latency + extra)
-    return out
-
-
-def _stage_kinds(c: Candidate, w: Workload, stages: list[int]) -> dict[str, int]:
-    kinds = w.block_kinds()
-    starts = np.concatenate([[0], np.cumsum(c.layer_split)])
-    counts: dict[str, int] = {}
-    for s in stages:
-        for kind in kinds[starts[s]:starts[s + 1]]:
-            counts[kind] = counts.get(kind, 0) + 1
-    return counts
 
 
 def step_overhead(c: Candidate, w: Workload, rank_stages: list[list[int]]) -> float:
@@ -347,7 +312,7 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
     rank_stages = [list(range(r, c.num_stages, pp)) for r in range(pp)]
     params_rank = [sum(params[s] for s in st) for st in rank_stages]
     if timeline is None:
-        total = pipeline_time(c.schedule, pp, v, m, fwd, bwd, fsend, bsend)
+        total = pipeline_time(c.schedule, pp, v, m, fwd, bwd, fsend, bsend, weight_grad_seconds(c, w, bwd))
         # Rank r's last backward ends before the step's end by the backwards (and gradient hops) of the ranks
         # before it in the drain.
         ends = [total - sum(bwd[k] + bsend[k] for k in range(r)) for r in range(pp)]
@@ -355,18 +320,24 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
         total, ends = timeline[0], list(timeline[1])
     ar = dp_allreduce(c, w, params_rank, rank_stages)
     finish = max(e + a for e, a in zip(ends, ar))
-    exposed = max(0.0, finish - total)
+    # The sharded optimizer's all-gather of the parameters is waited for at the step's end: exposed whole.
+    exposed = max(0.0, finish - total) + param_allgather(c, w, params_rank)
     d = w.cluster.device
+    zero = c.shard_optimizer_state and c.dp > 1
     per_param = getattr(w.cost_model, "optimizer_seconds_per_parameter", None)
     if per_param:
         optimizer = max(params_rank) * per_param  # measured by the profiler
     else:
         optimizer = 2 * max(params_rank) * w.state_bytes_per_param / d.memory_bandwidth  # Adam reads and writes its state
+    if zero:
+        optimizer /= c.dp  # each replica updates its 1/dp of the parameters (an element-wise optimizer)
+    state_bytes = sharded_state_bytes(w.state_bytes_per_param, c.dp) if zero else w.state_bytes_per_param
+    sc = sc_runs(c, w)
     memory = []
     for r, stages in enumerate(rank_stages):
         held = in_flight(c.schedule, pp, v, m, r)
-        state = params_rank[r] * w.state_bytes_per_param
-        if c.compression and c.dp > 1 and w.cluster.bandwidth(c.dp, pp * c.tp) < w.sc_max_link_gbps * 1e9:
+        state = params_rank[r] * state_bytes
+        if sc and r in sc_ranks(c):
             state += params_rank[r] * w.grad_bytes_per_param  # SC's error feedback
         top = max(stored[s] for s in stages)  # the rank's largest stored activations of one micro-batch
         if c.cuda_graphs:
@@ -378,6 +349,37 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
                       w.memory_budget, tokens, getattr(w.cost_model, "source", ""), fixed)
 
 
+def sharded_state_bytes(state_bytes_per_param: float, dp: int) -> float:
+    """Bytes per parameter under ZeRO-1 at ``dp``: weights and gradients whole, the optimizer's share 1/dp — fp32
+    moments (8 of 16 bytes), or moments and fp32 master weights under bf16-true (12 of the 8 + 12 bytes; 8 is what the
+    planner holds for bf16-true replicated: costs/memory.py ``TrainingState``)."""
+    if state_bytes_per_param == 8.0:  # bf16-true: bf16 weights and gradients, fp32 moments and master weights sharded
+        return 4.0 + 12.0 / dp
+    return state_bytes_per_param / 2 + state_bytes_per_param / 2 / dp
+
+
+def weight_grad_fraction(w: Workload) -> float:
+    """The share of a block's backward that is its weight gradients (W of a zero-bubble schedule), from its FLOPs:
+    the weight GEMMs (as many FLOPs as the forward's GEMMs) over the backward's GEMMs (twice the forward's) and
+    attention (``BACKWARD_ATTENTION`` times its forward, at ``ATTENTION_EFFICIENCY``), tp = 1; memory-bound work is
+    counted in B. Causal attention for GPT (half the scores' work), full for T5."""
+    shape = w.shape
+    kind = w.block_kinds()[0] if w.block_kinds() else "block"
+    gemm = 2 * sum(n * k for n, k in weight_matrices(shape, kind, 1))
+    ad = shape.num_heads * (shape.head_dim or shape.hidden_size // shape.num_heads)
+    attn = 4 * w.seq_len * ad * (0.5 if shape.family == "gpt" else 1.0)
+    return gemm / (2 * gemm + BACKWARD_ATTENTION * attn / ATTENTION_EFFICIENCY)
+
+
+def weight_grad_seconds(c: Candidate, w: Workload, bwd: list[float]) -> list[float]:
+    """Per stage, the seconds of W its schedule defers (``weight_grad_fraction`` of its backward): stages of a
+    splitting schedule (``zb_h1``) on ranks > 0 (rank 0's input gradient goes nowhere: it keeps whole backwards), else 0."""
+    if not schedule_spec(c.schedule).splits_backward:
+        return [0.0] * len(bwd)
+    frac = weight_grad_fraction(w)
+    return [frac * b if s % c.pp else 0.0 for s, b in enumerate(bwd)]
+
+
 def simulate_candidate(c: Candidate, w: Workload) -> Prediction:
     """``predict`` with the pipeline timed by the schedule simulator (exact for unequal stages and sends)."""
     from lightning_3d.pipeline.schedules import build_schedule
@@ -387,13 +389,19 @@ def simulate_candidate(c: Candidate, w: Workload) -> Prediction:
     fsend, bsend = send_times(c, w)
     orders = [build_schedule(c.schedule, c.pp, c.virtual_stages, c.num_microbatches, r) for r in range(c.pp)]
     lat = lambda a: fsend[a.stage] if a.kind == "F" else bsend[a.stage - 1]  # noqa: E731
+    # A split backward: B is the backward less its W, and W runs as an action of its own (zero-bubble schedules).
+    frac = [x / b if b > 0 else 0.0 for x, b in zip(weight_grad_seconds(c, w, bwd), bwd)]
+
+    def part(a, x: float, s: int) -> float:
+        return x * frac[s] if a.kind == "W" else x * (1 - frac[s]) if frac[s] else x
+
     if w.host_runahead:
         # The device's seconds, each rank's host issuing one action ahead (pipeline/timing.py): a stage waiting for a
         # message has its next kernels queued already, and a host-bound pass overlaps the device's previous one.
-        duration = lambda a: dev_f[a.stage] if a.kind == "F" else dev_b[a.stage]  # noqa: E731
-        host = lambda a: host_f[a.stage] if a.kind == "F" else host_b[a.stage]  # noqa: E731
+        duration = lambda a: dev_f[a.stage] if a.kind == "F" else part(a, dev_b[a.stage], a.stage)  # noqa: E731
+        host = lambda a: host_f[a.stage] if a.kind == "F" else part(a, host_b[a.stage], a.stage)  # noqa: E731
     else:  # each action takes max(device, host): the host waits for the device at every action
-        duration, host = (lambda a: fwd[a.stage] if a.kind == "F" else bwd[a.stage]), None
+        duration, host = (lambda a: fwd[a.stage] if a.kind == "F" else part(a, bwd[a.stage], a.stage)), None
     t = simulate(orders, c.num_stages, duration, latency=lat, stored=lambda a: stored[a.stage],
                  transient=lambda a: peak[a.stage], check=False, host=host)
     pred = predict(c, w, timeline=(t.makespan, list(t.rank_end)))
@@ -414,13 +422,15 @@ def _activation_memory(c: Candidate, stored: list[float], peak: list[float]) -> 
     return out
 
 
-def lower_bound_memory(w: Workload, tp: int, pp: int) -> float:
+def lower_bound_memory(w: Workload, tp: int, pp: int, sharded_over: int = 1) -> float:
     """Weights + optimizer state per GPU at the most even split (what no micro-batch setting can reduce); a tied
-    head is the embedding's tensor where one stage holds both (as ``stage_terms`` counts it)."""
+    head is the embedding's tensor where one stage holds both (as ``stage_terms`` counts it). ``sharded_over``: the
+    dp degree the optimizer state is sharded over (ZeRO-1), 1 without."""
     total = sum(layer_parameters(w.shape, k, tp) for k in w.shape.layer_kinds())
     if pp == 1 and w.shape.tied_embeddings:
         total -= layer_parameters(w.shape, "embedding", tp)
-    return total / pp * w.state_bytes_per_param
+    per_param = sharded_state_bytes(w.state_bytes_per_param, sharded_over) if sharded_over > 1 else w.state_bytes_per_param
+    return total / pp * per_param
 
 
 def is_finite(p: Prediction) -> bool:

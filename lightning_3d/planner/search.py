@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lightning_3d.planner.communication import compression_acts
 from lightning_3d.planner.confidence import check_model_error, validated_error, within_error
 from lightning_3d.planner.model import GIB, Candidate, Prediction, Workload, lower_bound_memory, predict, simulate_candidate
 
@@ -30,11 +31,13 @@ class SearchOptions:
     """What the search may choose. ``per_stage_checkpointing=False`` keeps checkpointing uniform (all stages or
     none), for strategies without ``stage_activation_checkpointing``."""
 
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
     max_virtual_stages: int = 4
     microbatch_sizes: tuple[int, ...] | None = None  # default: powers of two up to 64 that divide the replica batch
     compression: tuple[bool, ...] = (False, True)
     cuda_graphs: tuple[bool, ...] = (False, True)  # offered where the strategy accepts it: pp = tp = 1
+    sequence_parallel: tuple[bool, ...] = (False, True)  # offered at tp > 1
+    shard_optimizer_state: tuple[bool, ...] = (False, True)  # offered at dp > 1 (eager: not with CUDA graphs)
     tensor_parallel_sizes: tuple[int, ...] | None = None
     pipeline_parallel_sizes: tuple[int, ...] | None = None
     per_stage_checkpointing: bool = True
@@ -66,8 +69,12 @@ def _divisors(n: int) -> list[int]:
 
 def skeletons(w: Workload, num_gpus: int, opts: SearchOptions):
     """Every uniform configuration that the strategy accepts, as (dp, pp, tp, mbs, m, schedule, v, compression,
-    cuda_graphs). ``cuda_graphs=True`` only at pp = tp = 1 (the strategy's check_cuda_graphs: the planner's layouts
-    have no context parallelism, and at pp = 1 the schedule is 1F1B), eager first."""
+    cuda_graphs, sequence_parallel, shard_optimizer_state). ``compression=True`` only where CB or SC would run on the
+    cluster's links (``communication.compression_acts``: elsewhere it is the exact run); ``cuda_graphs=True`` only at
+    pp = tp = 1 (the strategy's check_cuda_graphs: the planner's layouts have no context parallelism, and at pp = 1
+    the schedule is 1F1B); sequence parallelism at tp > 1; the sharded optimizer at dp > 1, eager. For each
+    (layout, micro-batching, schedule, compression) the plain variant (no graphs, sequence parallelism or sharding)
+    comes first."""
     shape, cl = w.shape, w.cluster
     blocks = len(w.block_kinds())
     tps = opts.tensor_parallel_sizes or [t for t in _divisors(num_gpus) if t <= cl.gpus_per_node]
@@ -89,7 +96,9 @@ def skeletons(w: Workload, num_gpus: int, opts: SearchOptions):
                 for schedule in opts.schedules:
                     if pp == 1 and schedule != "1f1b":
                         continue  # one stage: every schedule runs the same order
-                    if schedule == "1f1b" and m < pp:
+                    if schedule in ("1f1b", "zb_h1") and m < pp:
+                        continue
+                    if schedule == "zb_h1" and pp == 1:
                         continue
                     vs = [1]
                     if schedule == "interleaved_1f1b":
@@ -97,9 +106,18 @@ def skeletons(w: Workload, num_gpus: int, opts: SearchOptions):
                             continue
                         vs = [v for v in range(2, opts.max_virtual_stages + 1) if pp * v <= blocks]
                     for v in vs:
-                        for comp in opts.compression if (pp > 1 or dp > 1) else (False,):
+                        probe = Candidate(dp, pp, tp, mbs, m, schedule, v, (), (), True)
+                        for comp in sorted(set(opts.compression)) if compression_acts(probe, w) else (False,):
                             for graphs in sorted(set(opts.cuda_graphs)) if (pp == 1 and tp == 1) else (False,):
-                                yield dp, pp, tp, mbs, m, schedule, v, comp, graphs
+                                for sp in sorted(set(opts.sequence_parallel)) if sp_fits(w, tp) else (False,):
+                                    zeros = sorted(set(opts.shard_optimizer_state)) if dp > 1 and not graphs else (False,)
+                                    for zero in zeros:
+                                        yield dp, pp, tp, mbs, m, schedule, v, comp, graphs, sp, zero
+
+
+def sp_fits(w: Workload, tp: int) -> bool:
+    """Whether sequence parallelism applies: tp > 1 and every sequence (and target) length divisible by tp."""
+    return tp > 1 and w.seq_len % tp == 0 and (w.target_len is None or w.target_len % tp == 0)
 
 
 def even_split(layers: int, stages: int) -> tuple[int, ...]:
@@ -264,24 +282,26 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
     found: list[Prediction] = []
     count = evaluated = 0
     truncated = False
-    eager: dict[tuple, float] = {}  # each skeleton's best eager step time, for its graphed twin
-    for dp, pp, tp, mbs, m, schedule, v, comp, graphs in skeletons(w, num_gpus, opts):
+    plain: dict[tuple, float] = {}  # each skeleton's best step time without graphs, sp or sharding, for its variants
+    for dp, pp, tp, mbs, m, schedule, v, comp, graphs, sp, zero in skeletons(w, num_gpus, opts):
         if time.perf_counter() - start > opts.time_budget_s:
             truncated = True
             break
         count += 1
-        if lower_bound_memory(w, tp, pp) > w.memory_budget:
+        if lower_bound_memory(w, tp, pp, dp if zero else 1) > w.memory_budget:
             continue
         S = pp * v
-        base = Candidate(dp, pp, tp, mbs, m, schedule, v, even_split(L, S), (False,) * S, comp, graphs)
+        base = Candidate(dp, pp, tp, mbs, m, schedule, v, even_split(L, S), (False,) * S, comp, graphs, sp, zero)
         best, n = optimise_skeleton(w, base, opts)
         evaluated += n
         key = (dp, pp, tp, mbs, m, schedule, v, comp)
-        if best is not None and not graphs:
-            eager[key] = best.step_time
-        # Graphs cost memory (model.predict): a graphed layout is kept only where it is predicted faster than the same
-        # layout eager (a device-bound one, or any under a cost model without host times, would tie).
-        if best is not None and (not graphs or best.step_time < eager.get(key, math.inf)):
+        variant = graphs or sp or zero
+        if best is not None and not variant:
+            plain[key] = best.step_time
+        # A variant is kept only where it is predicted faster than the plain skeleton: graphs cost memory, and
+        # sequence parallelism and the sharded optimizer only buy memory (and, sharded, an optimizer step on 1/dp of
+        # the parameters for an all-gather): where the plain one fits as fast, they would tie or lose.
+        if best is not None and (not variant or best.step_time < plain.get(key, math.inf)):
             found.append(best)
     found.sort(key=lambda p: p.step_time)
     relieved = []
