@@ -20,7 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, ProfiledCostModel, recipe_costs
+from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, ProfiledCostModel, device_spec, recipe_costs
+from lightning_3d.planner.cluster import REGIME_GBPS, check_regime, cluster_for
 from lightning_3d.planner.confidence import RunnerUp, label, runner_ups
 from lightning_3d.planner.model import Prediction, Workload
 from lightning_3d.planner.search import SearchOptions, SearchResult, search
@@ -233,22 +234,28 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
 
 def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | Path | None = None,
          profile: str | Path | None = None, cost_model: CostModel | None = None, global_batch_size: int | None = None,
-         options: SearchOptions | None = None) -> Plan:
-    """Search the configurations of ``config`` (a training YAML, its dict or a packaged name) on ``gpus`` GPUs."""
+         options: SearchOptions | None = None, nodes: int | None = None, regime: str | None = None) -> Plan:
+    """Search the configurations of ``config`` (a training YAML, its dict or a packaged name) on ``gpus`` GPUs.
+    Without ``cluster``: ``nodes`` nodes (default one) of the profiled GPU (else H100s), linked as ``regime`` says
+    (planner/cluster.py: "nvlink", "ib", "ethernet")."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus={gpus!r} must be a positive integer.")
+    if cluster is not None and (nodes is not None or regime is not None):
+        raise ValueError("a cluster file states its nodes and links itself: pass either cluster (--cluster) or"
+                         " nodes/regime (--nodes/--regime), not both.")
+    check_regime(regime)
     cfg = load_config(config)
     if profile is not None and cost_model is None:
         cost_model = ProfiledCostModel(profile, derive_tp=True)
     if cluster is None:
-        # One node of the profiled GPU (its bus bandwidth where the profile measured one), else of H100s.
+        # The profiled GPU (its bus bandwidth where the profile measured one), else H100s: one node of eight at most
+        # unless nodes says otherwise.
         device = getattr(cost_model, "device", None)
-        cluster = ClusterSpec.single_node(gpus, device if device is not None and device.memory_bytes > 0 else "h100")
+        device = device if device is not None and device.memory_bytes > 0 else device_spec("h100")
         measured = (getattr(cost_model, "collectives", None) or {}).get("intra_node_bandwidth")
-        if measured:
-            from dataclasses import replace as _replace
-
-            cluster = _replace(cluster, intra_node_bandwidth=float(measured))
+        if nodes is None and regime is None and gpus > 8:
+            nodes = -(-gpus // 8)
+        cluster = cluster_for(gpus, device, nodes=nodes, regime=regime, nvlink=float(measured) if measured else None)
     elif not isinstance(cluster, ClusterSpec):
         cluster = ClusterSpec.load(cluster)
     if gpus > cluster.num_gpus:
@@ -284,7 +291,11 @@ def plan_main(argv: list[str]) -> int:
                                      " schedule, stage split, checkpointing and compression; write a runnable config")
     parser.add_argument("--config", required=True, help="training YAML (or packaged config name) to plan for")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
-    parser.add_argument("--cluster", default=None, help="cluster file (YAML/JSON; docs/planner.md); default: one node of H100s")
+    parser.add_argument("--cluster", default=None, help="cluster file (YAML/JSON; docs/planner.md); default: one node of"
+                        " the profiled GPU (H100s without a profile)")
+    parser.add_argument("--nodes", type=int, default=None, help="without --cluster: nodes of the profiled GPU (default 1)")
+    parser.add_argument("--regime", default=None, choices=tuple(REGIME_GBPS), help="without --cluster: the link regime"
+                        " (benchmarks/CONVENTIONS.md): between the nodes, or every link on one node")
     parser.add_argument("--profile", default=None, help="profile from `lightning-3d profile` (default: analytic costs)")
     parser.add_argument("--global-batch-size", type=int, default=None, help="sequences per step (default: the config's)")
     parser.add_argument("--time-budget", type=float, default=60.0, help="search seconds at most")
@@ -305,6 +316,7 @@ def plan_main(argv: list[str]) -> int:
 
             check_verify_options(ns.verify_top, ns.verify_steps, ns.verify_warmup, ns.verify_repeats)
         result = plan(ns.config, ns.gpus, cluster=ns.cluster, profile=ns.profile, global_batch_size=ns.global_batch_size,
+                      nodes=ns.nodes, regime=ns.regime,
                       options=SearchOptions(time_budget_s=ns.time_budget, top_k=max(ns.top_k, ns.verify_top if ns.verify
                                                                                     else 0), model_error=ns.model_error))
     except (ValueError, FileNotFoundError) as err:

@@ -283,6 +283,7 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
     count = evaluated = 0
     truncated = False
     plain: dict[tuple, float] = {}  # each skeleton's best step time without graphs, sp or sharding, for its variants
+    plain_best: dict[tuple, Prediction] = {}
     for dp, pp, tp, mbs, m, schedule, v, comp, graphs, sp, zero in skeletons(w, num_gpus, opts):
         if time.perf_counter() - start > opts.time_budget_s:
             truncated = True
@@ -292,12 +293,20 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
             continue
         S = pp * v
         base = Candidate(dp, pp, tp, mbs, m, schedule, v, even_split(L, S), (False,) * S, comp, graphs, sp, zero)
-        best, n = optimise_skeleton(w, base, opts)
-        evaluated += n
         key = (dp, pp, tp, mbs, m, schedule, v, comp)
         variant = graphs or sp or zero
+        done = plain_best.get(key)
+        if variant and not graphs and done is not None and not any(done.candidate.stage_checkpointing):
+            # Memory did not bind the plain skeleton (no stage checkpoints), so what sequence parallelism and the
+            # sharded optimizer buy beyond it does not depend on the split: its best split, with the option.
+            best, n = predict(replace(done.candidate, sequence_parallel=sp, shard_optimizer_state=zero), w), 1
+            best = best if best.fits else None
+        else:
+            best, n = optimise_skeleton(w, base, opts)
+        evaluated += n
         if best is not None and not variant:
             plain[key] = best.step_time
+            plain_best[key] = best
         # A variant is kept only where it is predicted faster than the plain skeleton: graphs cost memory, and
         # sequence parallelism and the sharded optimizer only buy memory (and, sharded, an optimizer step on 1/dp of
         # the parameters for an all-gather): where the plain one fits as fast, they would tie or lose.
