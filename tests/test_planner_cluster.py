@@ -71,6 +71,9 @@ def test_a_two_node_ib_plan_from_a_one_node_profile(tmp_path) -> None:
     nv = Workload(cm.shape, 1024, 32, cm, cluster_for(16, cm.device, nodes=2, regime="nvlink"))
     assert predict(c, ib).exposed_dp_time > predict(c, nv).exposed_dp_time
     assert predict(Candidate(16, 1, 1, 2, 1, "1f1b", 1, (8,), (False,), True), ib).exposed_dp_time < predict(c, ib).exposed_dp_time
+    # Above eight GPUs without --nodes: nodes of eight (as a cluster without a file always was).
+    assert plan(cfg, 16, profile=PROFILE, regime="ethernet", global_batch_size=32,
+                options=SearchOptions(top_k=1, microbatch_sizes=(2,), schedules=("1f1b",))).cluster.nodes == 2
     with pytest.raises(ValueError, match="pass either cluster .* or nodes/regime"):
         plan(cfg, 16, profile=PROFILE, cluster=p.cluster, regime="ib")
 

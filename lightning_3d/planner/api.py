@@ -253,7 +253,7 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
         device = getattr(cost_model, "device", None)
         device = device if device is not None and device.memory_bytes > 0 else device_spec("h100")
         measured = (getattr(cost_model, "collectives", None) or {}).get("intra_node_bandwidth")
-        if nodes is None and regime is None and gpus > 8:
+        if nodes is None and gpus > 8:
             nodes = -(-gpus // 8)
         cluster = cluster_for(gpus, device, nodes=nodes, regime=regime, nvlink=float(measured) if measured else None)
     elif not isinstance(cluster, ClusterSpec):
