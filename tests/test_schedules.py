@@ -303,6 +303,15 @@ def test_zb_interleaved_rejects_what_it_cannot_run() -> None:
                                          r" of pipeline_parallel_size \(4\); give a multiple of 4"):
         resolve_schedule_options("zb_interleaved", 4, 2, 6)
     assert resolve_schedule_options("zb_interleaved", 4, None, 8) == 2  # two chunks per rank by default
+    # the strategy checks at construction, before any process group exists
+    from lightning_3d import Compressed3DStrategy, ParallelismConfig, PipelineConfig
+
+    with pytest.raises(ValueError, match=r"\(got 4 and 1\); use schedule='zb_h1' otherwise"):
+        Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=4),
+                             pipeline=PipelineConfig(schedule="zb_interleaved", virtual_stages=1, num_microbatches=8))
+    strategy = Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=4),
+                                    pipeline=PipelineConfig(schedule="zb_interleaved", num_microbatches=8))
+    assert (strategy.schedule, strategy.virtual_stages, strategy.num_microbatches) == ("zb_interleaved", 2, 8)
     # interleaved 1F1B keeps its own fix in the message
     with pytest.raises(ValueError, match=r"\(got 4 and 1\); use schedule='1f1b' otherwise"):
         resolve_schedule_options("interleaved_1f1b", 4, 1, 8)

@@ -24,7 +24,7 @@ ZB-V (the paper's V-shaped placement: rank r holds chunks r and 2pp - 1 - r, so 
 rank and the first rank holds both the first and the last stage) is not offered: stage placement here is looped
 (stage s on rank s % pp) in the schedule checker, the lockstep rounds, the exchange, the timed simulator, the stage
 builder, the memory model and the tied-embedding sync (first and last stage on different ranks), so a V placement is a
-change through all of them rather than one schedule file (docs/extending.md, "Stage placement").
+change through all of them rather than one schedule file (docs/extending.md, "Split backwards").
 
 docs/extending.md has the memory rule. torch's ``ScheduleInterleavedZeroBubble`` / ``ScheduleZBVZeroBubble`` use the
 same split (``stage_backward_input`` / ``stage_backward_weight``); how this runtime splits a backward is in
