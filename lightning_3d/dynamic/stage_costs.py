@@ -68,17 +68,27 @@ class StageCosts:
 
 def evaluate(
     cost_model: CostModel, stages: list[list[LayerKind]], microbatch_size: np.ndarray, seq_len: np.ndarray,
-    target_len: np.ndarray | None, *, recompute: bool, tp: int,
+    target_len: np.ndarray | None, *, recompute: bool, tp: int, attention_ratio: np.ndarray | None = None,
+    mask_bytes: np.ndarray | None = None,
 ) -> StageCosts:
     """Every stage's cost for every queried (size, length[, target length]); one cost-model call per layer kind and
     question (device time, host time, memory). Models without host times (the analytic one, version-1 profiles)
-    give the device's sums exactly."""
+    give the device's sums exactly.
+
+    Packed rows (``dynamic/packed.py``): ``attention_ratio`` scales the causal attention of GPT blocks (the
+    attention blocks the packed rows' mask computes over those of causal attention on the same rows), and
+    ``mask_bytes`` (the dense document mask, built once per micro-batch and stage) adds to every stage's transient
+    memory."""
     shape = np.broadcast_shapes(np.shape(microbatch_size), np.shape(seq_len),
                                 np.shape(target_len) if target_len is not None else ())
     per_kind: dict[str, tuple[np.ndarray, ...]] = {}
     for kind in sorted({k for layers in stages for k in layers}):
         kw = dict(target_len=target_len, recompute=recompute, tp=tp)
         fwd, bwd = cost_model.layer_time(kind, microbatch_size, seq_len, **kw)
+        if attention_ratio is not None and kind == "block":
+            attn_fwd, attn_bwd = causal_attention_seconds(cost_model, kind, seq_len, recompute=recompute, tp=tp)
+            extra = (np.asarray(attention_ratio, dtype=np.float64) - 1.0) * np.asarray(microbatch_size, dtype=np.float64)
+            fwd, bwd = np.asarray(fwd) + extra * attn_fwd, np.asarray(bwd) + extra * attn_bwd
         stored, peak = cost_model.layer_memory(kind, microbatch_size, seq_len, **kw)
         host_fwd, host_bwd = layer_host_time(cost_model, kind, microbatch_size, seq_len, **kw)
         per_kind[kind] = tuple(np.broadcast_to(np.asarray(a, dtype=np.float64), shape)
@@ -95,5 +105,25 @@ def evaluate(
             out[3][s] = np.maximum(out[3][s], peak)
             out[4][s] += n * host_fwd
             out[5][s] += n * host_bwd
+    if mask_bytes is not None:
+        out[3] = out[3] + np.asarray(mask_bytes, dtype=np.float64)
     forward, backward = stage_pass_seconds(out[0], out[1], out[4], out[5], microbatch_overhead(cost_model))
     return StageCosts(forward, backward, out[2], out[3])
+
+
+def causal_attention_seconds(cost_model: CostModel, kind: LayerKind, seq_len: np.ndarray, *, recompute: bool,
+                             tp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) device seconds of one row's causal attention in a layer of ``kind``, read off the cost
+    model itself: a layer costs linear work in its tokens plus attention quadratic in the length, so one row of
+    length s and two rows of s / 2 hold the same tokens and differ only in attention, by half of the row's:
+    attention(1, s) = 2 (f(1, s) - f(2, s / 2)). Exact for the analytic model above its launch floor (where the
+    difference, and the attention that matters, vanish); for a measured profile it reads the attention the profile
+    measured (causal flash on right-padded rows). Clipped at zero, and zero where the profile has no such shapes."""
+    s = np.asarray(seq_len, dtype=np.float64)
+    one = cost_model.layer_time(kind, np.ones_like(s), s, recompute=recompute, tp=tp)
+    two = cost_model.layer_time(kind, np.full_like(s, 2.0), s / 2, recompute=recompute, tp=tp)
+    out = []
+    for a, b in zip(one, two):
+        diff = 2.0 * (np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))
+        out.append(np.where(np.isfinite(diff), np.maximum(diff, 0.0), 0.0))
+    return out[0], out[1]
