@@ -86,8 +86,9 @@ def evaluate(
         kw = dict(target_len=target_len, recompute=recompute, tp=tp)
         fwd, bwd = cost_model.layer_time(kind, microbatch_size, seq_len, **kw)
         if attention_ratio is not None and kind == "block":
-            attn_fwd, attn_bwd = causal_attention_seconds(cost_model, kind, seq_len, recompute=recompute, tp=tp)
-            extra = (np.asarray(attention_ratio, dtype=np.float64) - 1.0) * np.asarray(microbatch_size, dtype=np.float64)
+            attn_fwd, attn_bwd = causal_attention_seconds(cost_model, kind, microbatch_size, seq_len,
+                                                          recompute=recompute, tp=tp)
+            extra = np.asarray(attention_ratio, dtype=np.float64) - 1.0
             fwd, bwd = np.asarray(fwd) + extra * attn_fwd, np.asarray(bwd) + extra * attn_bwd
         stored, peak = cost_model.layer_memory(kind, microbatch_size, seq_len, **kw)
         host_fwd, host_bwd = layer_host_time(cost_model, kind, microbatch_size, seq_len, **kw)
@@ -111,19 +112,29 @@ def evaluate(
     return StageCosts(forward, backward, out[2], out[3])
 
 
-def causal_attention_seconds(cost_model: CostModel, kind: LayerKind, seq_len: np.ndarray, *, recompute: bool,
-                             tp: int) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) device seconds of one row's causal attention in a layer of ``kind``, read off the cost
-    model itself: a layer costs linear work in its tokens plus attention quadratic in the length, so one row of
-    length s and two rows of s / 2 hold the same tokens and differ only in attention, by half of the row's:
-    attention(1, s) = 2 (f(1, s) - f(2, s / 2)). Exact for the analytic model above its launch floor (where the
-    difference, and the attention that matters, vanish); for a measured profile it reads the attention the profile
-    measured (causal flash on right-padded rows). Clipped at zero, and zero where the profile has no such shapes."""
+def causal_attention_seconds(cost_model: CostModel, kind: LayerKind, microbatch_size: np.ndarray, seq_len: np.ndarray,
+                             *, recompute: bool, tp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) device seconds of the causal attention of a micro-batch of b rows of length s in a layer
+    of ``kind``, read off the cost model itself: a layer costs work linear in its tokens plus attention quadratic in
+    the length, so b rows of s and 2b rows of s / 2 hold the same tokens and differ only in attention, by half of
+    it: attention(b, s) = 2 (f(b, s) - f(2b, s / 2)). Exact for the analytic model where both shapes run above its
+    launch floor; where the micro-batch is floor-bound the difference vanishes, as the attention's effect on its
+    time does. For a measured profile it reads the attention the profile measured (causal flash on right-padded
+    rows); where 2b is outside the profile's grid, b / 2 rows are asked and the answer doubled; zero where neither
+    shape is in the grid, clipped at zero."""
+    b = np.asarray(microbatch_size, dtype=np.float64)
     s = np.asarray(seq_len, dtype=np.float64)
-    one = cost_model.layer_time(kind, np.ones_like(s), s, recompute=recompute, tp=tp)
-    two = cost_model.layer_time(kind, np.full_like(s, 2.0), s / 2, recompute=recompute, tp=tp)
-    out = []
-    for a, b in zip(one, two):
-        diff = 2.0 * (np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))
-        out.append(np.where(np.isfinite(diff), np.maximum(diff, 0.0), 0.0))
-    return out[0], out[1]
+    b, s = np.broadcast_arrays(b, s)
+    out = _attention_difference(cost_model, kind, b, s, recompute, tp)
+    half = np.maximum(b // 2, 1.0)
+    fallback = _attention_difference(cost_model, kind, half, s, recompute, tp)
+    return tuple(np.where(np.isfinite(x), x, np.where(np.isfinite(y), y * b / half, 0.0)).clip(min=0.0)
+                 for x, y in zip(out, fallback))
+
+
+def _attention_difference(cost_model: CostModel, kind: LayerKind, b: np.ndarray, s: np.ndarray, recompute: bool,
+                          tp: int) -> tuple[np.ndarray, np.ndarray]:
+    one = cost_model.layer_time(kind, b, s, recompute=recompute, tp=tp)
+    two = cost_model.layer_time(kind, 2 * b, s / 2, recompute=recompute, tp=tp)
+    with np.errstate(invalid="ignore"):  # inf - inf outside a profile's grid: nan, treated as missing
+        return tuple(2.0 * (np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64)) for x, y in zip(one, two))
