@@ -246,7 +246,7 @@ def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
                                    "document_ids": torch.zeros(1, 4, dtype=torch.long)})
 
 
-@pytest.mark.parametrize("microbatching", ["padding", "packing", "token_budget", "dynamic"])
+@pytest.mark.parametrize("microbatching", ["padding", "packing", "token_budget", "dynamic", "packed_dynamic", "auto"])
 def test_cli_reaches_every_microbatching_option(tmp_path: Path, microbatching: str, monkeypatch) -> None:
     from lightning_3d.cli import build_cli
 
@@ -254,9 +254,13 @@ def test_cli_reaches_every_microbatching_option(tmp_path: Path, microbatching: s
     args = ["--config", "gpt_multitask_tiny", f"--data.microbatching={microbatching}", "--data.token_budget=2048",
             "--data.micro_batch_size=3", "--data.seq_length=128", f"--data.data_files={FLAN}", "--data.tokenizer=bytes",
             f"--trainer.default_root_dir={tmp_path}", f"--data.cache_dir={tmp_path / 'cache'}"]
+    if microbatching == "auto":
+        args.append("--data.auto_candidates=[dynamic, packing@2, token_budget@256]")
     cli = build_cli(args, run=False)
     hp = cli.datamodule.hparams
     assert (hp.microbatching, hp.token_budget, hp.micro_batch_size) == (microbatching, 2048, 3)
+    if microbatching == "auto":
+        assert hp.auto_candidates == ["dynamic", "packing@2", "token_budget@256"]
     assert (cli.model.config.seq_length, cli.model.config.vocab_size) == (128, 257)  # linked from the data
 
 

@@ -362,13 +362,16 @@ def direct(args) -> list[dict]:
                 row["device_allocs_per_step"] = round(
                     (after.get("num_device_alloc", 0) - stats.get("num_device_alloc", 0)) / len(steps), 1)
                 row["alloc_retries"] = after.get("num_alloc_retries", 0) - stats.get("num_alloc_retries", 0)
-            if predicted:  # the cost model's simulated step time, against the measured one
+            if predicted and np.isfinite(predicted).all():  # the cost model's simulated step time beside the measured
                 row["predicted_step_s_mean"] = round(float(np.mean(predicted[timed])), 4)
                 row["measured_over_predicted"] = round(row["step_s_mean"] / row["predicted_step_s_mean"], 3)
+            elif predicted:  # a profile costs shapes outside its grid as infinite: no prediction for this variant
+                row["predicted_by"] = "none: micro-batch shapes outside the profile's grid"
             if chosen and name == "auto":  # which candidate ran in the timed steps, and what each was predicted to take
                 row["choices"] = {c: chosen[timed].count(c) for c in dict.fromkeys(chosen[timed])}
-                row["candidates_predicted_s"] = {c: round(float(np.mean([p[c] for p in candidates[timed]])), 4)
-                                                 for c in candidates[0]}
+                means = {c: float(np.mean([p[c] for p in candidates[timed]])) for c in candidates[0]}
+                # None: refused in some timed step (over the memory budget, or outside the profile's grid)
+                row["candidates_predicted_s"] = {c: round(m, 4) if np.isfinite(m) else None for c, m in means.items()}
             if args.repeat:
                 # The same steps again: every shape has run once, so what the first pass paid per new shape is gone.
                 again = sum(timed_pass()[timed])
@@ -422,7 +425,8 @@ def plans(args) -> list[dict]:
                 row["cost_source"] = step.plan.cost_source
                 if step.choice is not None:
                     row["chosen"] = step.choice.chosen
-                    row["candidates_predicted_s"] = {c: round(v, 4) for c, v in step.choice.predicted.items()}
+                    row["candidates_predicted_s"] = {c: round(v, 4) if np.isfinite(v) else None
+                                                     for c, v in step.choice.predicted.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -928,7 +932,7 @@ def main() -> None:
         # The dense-mask packing alone: the baseline of the runs before FlexAttention packing existed.
         dense = [r["useful_tokens_per_s"] for r in rows
                  if r["variant"].startswith("packing") and r.get("attention") == "sdpa dense mask"]
-        for r in (r for r in rows if r["variant"].startswith("dynamic")):
+        for r in (r for r in rows if r["variant"].partition("@")[0] in PLANNED):
             key = r["variant"].replace("@", "_") + ("" if len(args.sdpa) == 1 else f"_{order}")
             dyn = r["useful_tokens_per_s"]
             summary[f"{key}_vs_padding"] = round(dyn / base, 2) if dyn and base else None

@@ -33,6 +33,7 @@ from lightning_3d.dynamic.plan import (
     search_plan,
 )
 from lightning_3d.dynamic.stage_costs import StageCosts, evaluate, stage_layers
+from lightning_3d.pipeline.schedules import schedule_spec
 
 
 def pack_global_batch(inputs: np.ndarray, targets: np.ndarray | None, max_seq_len: int, max_target_len: int | None,
@@ -70,7 +71,9 @@ def plan_packed_step(
     check_layout(len(inputs), dp, pp, virtual_stages, schedule, memory_budget, round_to)
     cost_model = cost_model if cost_model is not None else default_cost_model(shape)
     stages = stage_layers(shape, pp * virtual_stages, layer_split)
-    rows = pack_global_batch(inputs, targets, max_seq_len, max_target_len, dp)
+    # Every replica needs a micro-batch, and interleaved schedules a multiple of pp of them: as many rows at least.
+    per_replica = pp if schedule_spec(schedule).microbatch_multiple_of_pp else 1
+    rows = pack_global_batch(inputs, targets, max_seq_len, max_target_len, min(dp * per_replica, len(inputs)))
     gpt = shape.family == "gpt"
     step = FLEX_BLOCK if gpt and packed_attention == "flex" else round_to
     fill_in = round_up(np.array([inputs[r].sum() for r in rows], dtype=np.int64), step, max_seq_len)
