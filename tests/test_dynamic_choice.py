@@ -317,3 +317,34 @@ def test_the_choice_is_deterministic_across_processes() -> None:
     assert runs[0] == runs[1]
     chosen, predicted = json.loads(runs[0])
     assert chosen == min(predicted, key=lambda k: float.fromhex(predicted[k]))
+
+
+@pytest.mark.parametrize(("model_type", "asked", "priced"), [("gpt", "auto", "dense"), ("gpt", "flex", "flex"),
+                                                             ("gpt", "sdpa", "dense"), ("t5", None, "dense")])
+def test_the_data_module_prices_packed_rows_as_the_model_runs_them(tmp_path, model_type: str, asked, priced) -> None:
+    """GPT's packed rows are priced as the model resolves ``packed_attention`` on its device (on CPU "auto" is the
+    dense SDPA mask; "flex" is priced as flex, and refused by the strategy before training on CPU); T5's are dense.
+    The planner gets the data module's candidates, budget and lengths."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_3d.recipes import GPT, T5
+    from lightning_3d.recipes.data.multitask import MultiTaskDataModule
+
+    flan = Path(__file__).parent / "data" / "multitask" / "flan_tiny.jsonl"
+    dm = MultiTaskDataModule(model_type=model_type, data_files=str(flan), tokenizer="bytes", seq_length=256,
+                             target_length=64, global_batch_size=8, microbatching="auto", memory_budget_gb=0.02,
+                             auto_candidates=["packing@2", "dynamic"], val_fraction=0.1, cache_dir=str(tmp_path))
+    dm.setup("fit")
+    model = (GPT("tiny", vocab_size=dm.vocab_size, seq_length=256, packed_attention=asked) if model_type == "gpt"
+             else T5("tiny", vocab_size=dm.vocab_size, pad_token_id=dm.pad_token_id, eos_token_id=dm.eos_token_id))
+    strategy = SimpleNamespace(dims=SimpleNamespace(dp=2, pp=1, tp=1), schedule="1f1b", virtual_stages=1,
+                               pipeline_layer_split=None, root_device=torch.device("cpu"))
+    dm.trainer = SimpleNamespace(lightning_module=model, strategy=strategy, precision="32-true")
+    batcher = dm.collator(2, 1).dynamic
+    assert batcher.packed_attention == priced and batcher.candidates == ("packing@2", "dynamic")
+    assert batcher.options["memory_budget"] == 0.02 * 2**30 and batcher.options["max_seq_len"] == 256
+    assert batcher.options["max_target_len"] == (64 if model_type == "t5" else None)
+    step = dm.collator(2, 1)([dm.train_dataset[i] for i in range(8)])
+    assert step.choice.chosen in ("packing@2", "dynamic") and set(step.choice.predicted) == {"packing@2", "dynamic"}
