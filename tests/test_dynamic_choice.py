@@ -12,6 +12,7 @@ tests/scenarios/multitask.py (2 processes) and tests/scenarios/dynamic.py (4 pro
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -292,7 +293,9 @@ def test_the_batcher_collates_the_choice_and_plan_waits_record_it() -> None:
         packed = steps[0].choice.chosen.partition("@")[0] in ("packing", "packed_dynamic")
         assert all(("document_ids" in mb) == packed for s in steps for mb in s)
         assert sum(int((mb["labels"] != IGNORE_INDEX).sum()) for s in steps for mb in s) == expected
-        list(waits.wrap(iter([steps[0]])))
+        crossed = pickle.loads(pickle.dumps(steps[0]))  # as from a DataLoader worker: the record travels along
+        assert crossed.choice == steps[0].choice and len(crossed) == len(steps[0])
+        list(waits.wrap(iter([crossed])))
         firsts.append(steps[0])
     assert waits.choices == [s.choice.chosen for s in firsts]
     assert waits.choices[:2] == ["packing@2", "token_budget@64"]
