@@ -1,7 +1,8 @@
 """Dynamic micro-batching in a real process group (gloo, CPU): trained parameters and losses equal single-process
 training on the same global batches (tests/scenarios/dynamic.py), with replicas holding different numbers of
 micro-batches and tokens, and every step running its own planned schedule. GPT and T5 (whose inputs and targets
-are padded per micro-batch to their own planned lengths). Ranks that planned differently raise before any send."""
+are padded per micro-batch to their own planned lengths). Ranks that planned differently raise before any send. At
+4 processes also the multi-task data module's ``packed_dynamic`` (GPT) and ``auto`` (T5) micro-batching."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def test_dynamic_microbatching_matches_single_process_training(world: int, tmp_p
             assert any(len(set(t)) > 1 for t in r["tokens"]) and any(len(set(c)) > 1 for c in r["counts"]), r
     if world == 4:
         assert any(r["schedule"] == "interleaved_1f1b" for r in results)
+        # the multi-task data module's packed dynamic (GPT) and auto (T5) micro-batching at (2,2,1)
+        planned = report["multitask"]
+        assert set(planned) == {"gpt_221_packed_dynamic", "t5_221_auto"}
+        for name, r in planned.items():
+            assert r["loss_err"] <= TOLERANCE and r["param_err"] <= TOLERANCE, (name, r)
+            assert len(r["choices"]) == len(r["losses"]), (name, r)  # every step recorded what ran
+        assert set(planned["gpt_221_packed_dynamic"]["choices"]) == {"packed_dynamic"}
     else:  # bad input in the data path: every rank raised the planner's message, none hung in a collective
         assert report["empty_sample_raised_on_every_rank"] is True
         # ranks of one pipeline given different schedules: every rank raised the strategy's message before any send

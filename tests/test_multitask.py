@@ -246,7 +246,7 @@ def test_bad_inputs_raise_clear_errors(tmp_path: Path) -> None:
                                    "document_ids": torch.zeros(1, 4, dtype=torch.long)})
 
 
-@pytest.mark.parametrize("microbatching", ["padding", "packing", "token_budget", "dynamic"])
+@pytest.mark.parametrize("microbatching", ["padding", "packing", "token_budget", "dynamic", "packed_dynamic", "auto"])
 def test_cli_reaches_every_microbatching_option(tmp_path: Path, microbatching: str, monkeypatch) -> None:
     from lightning_3d.cli import build_cli
 
@@ -254,9 +254,13 @@ def test_cli_reaches_every_microbatching_option(tmp_path: Path, microbatching: s
     args = ["--config", "gpt_multitask_tiny", f"--data.microbatching={microbatching}", "--data.token_budget=2048",
             "--data.micro_batch_size=3", "--data.seq_length=128", f"--data.data_files={FLAN}", "--data.tokenizer=bytes",
             f"--trainer.default_root_dir={tmp_path}", f"--data.cache_dir={tmp_path / 'cache'}"]
+    if microbatching == "auto":
+        args.append("--data.auto_candidates=[dynamic, packing@2, token_budget@256]")
     cli = build_cli(args, run=False)
     hp = cli.datamodule.hparams
     assert (hp.microbatching, hp.token_budget, hp.micro_batch_size) == (microbatching, 2048, 3)
+    if microbatching == "auto":
+        assert hp.auto_candidates == ["dynamic", "packing@2", "token_budget@256"]
     assert (cli.model.config.seq_length, cli.model.config.vocab_size) == (128, 257)  # linked from the data
 
 
@@ -296,8 +300,9 @@ def test_packaged_multitask_config_trains_through_the_entry_point(tmp_path: Path
 def test_packed_batches_train_like_unpacked_ones_at_pp2_and_tp2(tmp_path: Path) -> None:
     """GPT at pp=2 and tp=2: packed training equals plain single-process training on the same global batches, padded,
     within the 1e-5 relative fp32 tolerance of tests/test_distributed.py (summation order only; Adam eps 1e-6 as
-    there). T5 at pp=2 (packed against padded) runs with ``L3D_MULTITASK_T5=1`` (it passes; left out by default to
-    keep the suite short)."""
+    there). So do the planned micro-batchings, GPT and T5 against their own single-process references: ``auto`` at
+    (1,2,1) (GPT) and (2,1,1) (T5), ``packed_dynamic`` at (2,1,1) (GPT) and (1,2,1) (T5). T5 at pp=2 (packing
+    against padding) runs with ``L3D_MULTITASK_T5=1`` (it passes; left out by default to keep the suite short)."""
     import os
 
     from tests.launch import run_scenario
@@ -306,9 +311,18 @@ def test_packed_batches_train_like_unpacked_ones_at_pp2_and_tp2(tmp_path: Path) 
     report = run_scenario(2, "multitask", extra, tmp_path / "report.json", timeout=900)
     packing = report.pop("packing")
     assert packing["rows"] < packing["samples"] - 2, packing  # rows really hold several documents
-    assert {"gpt_pp2_packing", "gpt_tp2_packing"} <= set(report)
+    planned = {"gpt_121_auto", "gpt_211_packed_dynamic", "t5_121_packed_dynamic", "t5_211_auto"}
+    assert {"gpt_pp2_packing", "gpt_tp2_packing"} | planned <= set(report)
     for name, result in report.items():
         assert result["loss_err"] <= 1e-5 and result["param_err"] <= 1e-5, (name, result)
+    for name in planned:  # every step recorded what ran; packed_dynamic always runs itself
+        choices = report[name]["choices"]
+        assert len(choices) == len(report[name]["losses"]), (name, choices)
+        assert name.endswith("auto") or set(choices) == {"packed_dynamic"}, (name, choices)
+    # The auto runs' exactness covers both kinds of micro-batch: padded samples and packed rows (the analytic cost
+    # model's choice on this data; if a cost-model change moves it, pick auto_candidates that keep both).
+    ran = {c for name in planned if name.endswith("auto") for c in report[name]["choices"]}
+    assert ran & {"dynamic", "token_budget@832"} and ran & {"packed_dynamic", "packing@2"}, ran
 
 
 def test_microbatch_multiple_halves_the_largest_micro_batches() -> None:

@@ -70,7 +70,8 @@ def test_closed_forms_with_sends_gpipe_exact_1f1b_an_upper_bound() -> None:
 
 
 @pytest.mark.parametrize("name,pp,v", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 3),
-                                       ("zb_h1", 4, 1), ("zb_h1", 3, 1)])
+                                       ("zb_h1", 4, 1), ("zb_h1", 3, 1), ("zb_interleaved", 2, 2),
+                                       ("zb_interleaved", 4, 3)])
 @pytest.mark.parametrize("m_per_pp", [1, 2, 3])
 def test_in_flight_counts_equal_the_simulated_peaks(name, pp, v, m_per_pp) -> None:
     m = pp * m_per_pp

@@ -6,17 +6,19 @@ from lightning_3d.pipeline import schedules
 from lightning_3d.pipeline.schedule_options import resolve_schedule_options
 from lightning_3d.pipeline.schedules import Action, ScheduleSpec, build_forward_only, build_schedule, check_schedule, register_schedule
 
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", 1)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_h1", 1),
+         ("zb_interleaved", 2), ("zb_interleaved", 3)]
+INTERLEAVED = ("interleaved_1f1b", "zb_interleaved")
 
 
 @pytest.mark.parametrize("name,virtual", CASES)
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
 def test_every_schedule_runs_to_completion(name: str, virtual: int, pp: int) -> None:
-    if name == "interleaved_1f1b" and pp == 1:
+    if name in INTERLEAVED and pp == 1:
         pytest.skip("interleaving needs two pipeline ranks")
     accepted = 0
     for m in range(1, 2 * pp * virtual + 1):
-        if name == "interleaved_1f1b" and m % pp:
+        if name in INTERLEAVED and m % pp:
             # Megatron's interleaved warm-up needs whole groups of pp micro-batches: a clear error, not a bad schedule.
             with pytest.raises(ValueError, match=rf"num_microbatches \({m}\) to be a multiple of pipeline_parallel_size \({pp}\)"):
                 build_schedule(name, pp, virtual, m, 0)
@@ -25,7 +27,7 @@ def test_every_schedule_runs_to_completion(name: str, virtual: int, pp: int) -> 
         # in an order that neither deadlocks nor misorders a channel.
         check_schedule([build_schedule(name, pp, virtual, m, r) for r in range(pp)], pp * virtual, m, train=True)
         accepted += 1
-    assert accepted == (2 * virtual if name == "interleaved_1f1b" else 2 * pp * virtual)
+    assert accepted == (2 * virtual if name in INTERLEAVED else 2 * pp * virtual)
 
 
 @pytest.mark.parametrize("virtual", [1, 2, 3])
@@ -168,14 +170,14 @@ def test_a_registered_schedule_is_built_checked_and_accepted_by_name(registry) -
         resolve_schedule_options("test_reverse_looped", 1, None, 3)
     with pytest.raises(ValueError, match="virtual_stages=2 only applies to interleaved schedules, not 'test_reverse_gpipe'"):
         resolve_schedule_options("test_reverse_gpipe", 2, 2, 4)
-    names = "'gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1', 'test_reverse_gpipe', 'test_reverse_looped'"
+    names = "'gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1', 'zb_interleaved', 'test_reverse_gpipe', 'test_reverse_looped'"
     with pytest.raises(ValueError, match=f"Unknown schedule 'zb'; choose one of {names}"):
         resolve_schedule_options("zb", 2, None, 4)
 
 
 def test_the_registry_holds_the_builtin_constraints() -> None:
-    assert list(schedules.SCHEDULES) == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
-    assert [n for n, spec in schedules.SCHEDULES.items() if spec.splits_backward] == ["zb_h1"]
+    assert list(schedules.SCHEDULES) == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_interleaved"]
+    assert [n for n, spec in schedules.SCHEDULES.items() if spec.splits_backward] == ["zb_h1", "zb_interleaved"]
     assert resolve_schedule_options("interleaved_1f1b", 4, None, 8) == 2
     assert resolve_schedule_options("gpipe", 4, None, 1) == 1
     with pytest.raises(ValueError, match=r"1F1B schedule with num_microbatches=3 < 4 at pipeline_parallel_size=4"):
@@ -251,6 +253,68 @@ def test_zb_h1_orders_per_rank() -> None:
                     held += 1 if a.kind == "F" else -1 if a.kind == "W" or (a.stage, a.microbatch) not in split else 0
                     peak = max(peak, held)
                 assert peak == min(pp, m)  # 1F1B's first rank: ZB-H1's memory rule
+
+
+def _held_peak(order) -> int:
+    """The most (stage, micro-batch) activations a rank holds at once: from F until B, or until W where split."""
+    held = peak = 0
+    split = schedules.deferred_weights(order)
+    for a in order:
+        held += 1 if a.kind == "F" else -1 if a.kind == "W" or (a.stage, a.microbatch) not in split else 0
+        peak = max(peak, held)
+    return peak
+
+
+def test_zb_interleaved_orders_per_rank() -> None:
+    """Interleaved zero bubble (zero_bubble.py): interleaved 1F1B's forwards and backwards in its order, every backward
+    of a stage > 0 split (stage 0's input gradient goes nowhere), rank r keeping r W's pending in the steady state,
+    one W after each drain B, the rest at the end."""
+    got = [" ".join(map(repr, build_schedule("zb_interleaved", 2, 2, 4, r))) for r in range(2)]
+    assert got[0] == ("F0,0 F0,1 F2,0 F2,1 F0,2 B2,0 W2,0 F0,3 B2,1 W2,1 F2,2 B0,0 F2,3 B0,1* B2,2* W2,2 B2,3* W2,3"
+                      " B0,2* B0,3*")
+    assert got[1] == ("F1,0 F1,1 F3,0 B3,0 F3,1 B3,1 W3,0 F1,2 B1,0 W3,1 F1,3 B1,1 W1,0 F3,2 B3,2 W1,1 F3,3 B3,3* W3,2"
+                      " B1,2* W3,3 B1,3* W1,2 W1,3")
+    for pp in (2, 3, 4):
+        for v in (2, 3):
+            for m in range(pp, 3 * pp + 1, pp):
+                orders = [build_schedule("zb_interleaved", pp, v, m, r) for r in range(pp)]
+                plain = [build_schedule("interleaved_1f1b", pp, v, m, r) for r in range(pp)]
+                check_schedule(orders, pp * v, m, train=True)
+                for r in range(pp):
+                    assert [a for a in orders[r] if a.kind != "W"] == list(plain[r])  # same F/B order and epilogue
+                    stages = range(r, pp * v, pp)
+                    assert schedules.deferred_weights(orders[r]) == {(s, i) for s in stages if s > 0 for i in range(m)}
+                    # memory: interleaved 1F1B's warm-up + 1 plus the r pending W's (docstring of zero_bubble.py) ...
+                    warmup = schedules.interleaved_warmup(r, pp, v, m)
+                    assert _held_peak(orders[r]) == min(m * v, warmup + 1 + r)
+                # ... never above interleaved 1F1B's peak, its first rank's
+                assert max(map(_held_peak, orders)) == max(map(_held_peak, plain)) == _held_peak(plain[0])
+
+
+def test_zb_interleaved_rejects_what_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match=r"interleaved zero-bubble schedule needs pipeline_parallel_size >= 2 and"
+                                         r" virtual_stages >= 2 \(got 4 and 1\); use schedule='zb_h1' otherwise"):
+        resolve_schedule_options("zb_interleaved", 4, 1, 8)
+    with pytest.raises(ValueError, match=r"\(got 1 and 2\); use schedule='zb_h1' otherwise"):
+        resolve_schedule_options("zb_interleaved", 1, None, 8)
+    with pytest.raises(ValueError, match=r"\(got 4 and 1\); use schedule='zb_h1'"):  # at every build, too
+        build_schedule("zb_interleaved", 4, 1, 8, 0)
+    with pytest.raises(ValueError, match=r"interleaved zero-bubble schedule needs num_microbatches \(6\) to be a multiple"
+                                         r" of pipeline_parallel_size \(4\); give a multiple of 4"):
+        resolve_schedule_options("zb_interleaved", 4, 2, 6)
+    assert resolve_schedule_options("zb_interleaved", 4, None, 8) == 2  # two chunks per rank by default
+    # the strategy checks at construction, before any process group exists
+    from lightning_3d import Compressed3DStrategy, ParallelismConfig, PipelineConfig
+
+    with pytest.raises(ValueError, match=r"\(got 4 and 1\); use schedule='zb_h1' otherwise"):
+        Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=4),
+                             pipeline=PipelineConfig(schedule="zb_interleaved", virtual_stages=1, num_microbatches=8))
+    strategy = Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=4),
+                                    pipeline=PipelineConfig(schedule="zb_interleaved", num_microbatches=8))
+    assert (strategy.schedule, strategy.virtual_stages, strategy.num_microbatches) == ("zb_interleaved", 2, 8)
+    # interleaved 1F1B keeps its own fix in the message
+    with pytest.raises(ValueError, match=r"\(got 4 and 1\); use schedule='1f1b' otherwise"):
+        resolve_schedule_options("interleaved_1f1b", 4, 1, 8)
 
 
 def test_simulator_checks_weight_actions() -> None:

@@ -133,6 +133,36 @@ def test_zb_h1_bubble_is_a_third_of_1f1b_at_1f1b_first_rank_memory(pp: int, m: i
     assert max(t_1f1b.peak_memory) == min(pp, m) * 10.0
 
 
+@pytest.mark.parametrize("pp,v,m", [(4, 2, 8), (4, 2, 16), (4, 3, 8), (2, 2, 4), (8, 2, 16)])
+def test_zb_interleaved_bubble_is_a_third_of_interleaved_1f1b_within_its_memory(pp: int, v: int, m: int) -> None:
+    # Per-chunk costs F = B = W = 1 (a whole backward 2); every rank computes m·v·3. Rank r's first input arrives
+    # after r forwards, so the last rank starts at (pp - 1)·F. Interleaved 1F1B: after the last rank's final backward
+    # the gradient of the last micro-batch still crosses pp - 1 ranks, each running a whole backward, so the makespan
+    # is (pp - 1)F + m·v(F + B + W) + (pp - 1)(B + W) (57 at pp = 4, v = 2, m = 8) and each rank idles
+    # (pp - 1)(F + B + W) = 9. Zero bubble: each rank of that drain runs only B and fills the wait with one of its r
+    # pending W's, so the last rank is never idle after it starts and ends last: the makespan is
+    # (pp - 1)F + m·v(F + B + W) (51) and each rank idles (pp - 1)F = (pp - 1)(F + B - W) = 3, a third. The counts
+    # are small integers, exact in floating point.
+    zb, plain = _orders("zb_interleaved", pp, m, v), _orders("interleaved_1f1b", pp, m, v)
+    keep = lambda a: 10.0  # noqa: E731
+    t_zb = simulate(zb, pp * v, _zero_bubble_cost(zb, 1.0, 1.0, 1.0), stored=keep)
+    t_plain = simulate(plain, pp * v, _cost(1.0, 2.0), stored=keep)
+    idle = lambda t: pp * t.makespan - sum(t.rank_busy)  # noqa: E731
+    assert sum(t_zb.rank_busy) == sum(t_plain.rank_busy) == pp * m * v * 3.0
+    assert t_plain.makespan == (pp - 1) * 1.0 + m * v * 3.0 + (pp - 1) * 2.0
+    assert t_zb.makespan == (pp - 1) * 1.0 + m * v * 3.0
+    assert idle(t_plain) == pp * (pp - 1) * 3.0 and idle(t_zb) == pp * (pp - 1) * 1.0
+    assert idle(t_zb) * 3 == idle(t_plain)
+    if (pp, v, m) == (4, 2, 8):  # the case of the goal: bubble fractions 12/204 against 36/228
+        assert t_zb.bubble_fraction() == pytest.approx(12 / 204) and t_plain.bubble_fraction() == pytest.approx(36 / 228)
+    # Memory: rank r holds interleaved 1F1B's warm-up + 1 plus r split backwards awaiting their W, never more than
+    # interleaved 1F1B's first rank (its peak); a split backward keeps its activations until its W.
+    warmup = [2 * (pp - 1 - r) + (v - 1) * pp for r in range(pp)]
+    assert t_zb.peak_memory == tuple(min(m * v, warmup[r] + 1 + r) * 10.0 for r in range(pp))
+    assert t_plain.peak_memory == tuple(min(m * v, warmup[r] + 1) * 10.0 for r in range(pp))
+    assert max(t_zb.peak_memory) == t_plain.peak_memory[0] == max(t_plain.peak_memory)
+
+
 def test_a_weight_action_waits_for_its_b_and_keeps_memory_until_it_runs() -> None:
     order = [[Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("B", 0, 1), Action("W", 0, 0),
               Action("W", 0, 1)]]

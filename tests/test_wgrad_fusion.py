@@ -14,7 +14,7 @@ import lightning_3d.distributed.wgrad_fusion as wgrad_fusion
 import lightning_3d.recipes.training as training
 from lightning_3d import Compressed3DStrategy
 from lightning_3d.distributed.grad_sync import GradientSynchronizer
-from lightning_3d.distributed.wgrad_fusion import FusedGradLinear, fusable_linears, fuse_gradient_accumulation
+from lightning_3d.distributed.wgrad_fusion import FusedGradLinear, fusable_linears, fuse_gradient_accumulation, unfuse_gradient_accumulation
 from lightning_3d.recipes import GPT
 from lightning_3d.recipes.data import SyntheticLMDataModule
 
@@ -177,6 +177,30 @@ def test_plain_modules_and_tensor_parallel_are_told_it_does_not_apply(caplog: py
     assert "does not apply with tensor_parallel_size > 1" in caplog.text and type(stage[0]) is nn.Linear
     strategy.engine.fuse_gradient_accumulation({0: stage}, tp=1)
     assert type(stage[0]) is FusedGradLinear and strategy.engine.fused_weights == [stage[0].weight]
+
+
+def test_grad_sync_hooks_only_where_work() -> None:
+    """A post-accumulate-grad hook is a Python call per parameter and micro-batch: the synchronizer registers one only
+    where it has work. One replica of plain tensors: none (``finish`` still runs); several replicas: every parameter
+    but the fused weights (their op reports instead)."""
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    params = [p for layer in layers for p in layer.parameters()]
+    hooked = lambda: [bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in params]  # noqa: E731
+    alone = GradientSynchronizer({0: params}, None, 1)
+    assert hooked() == [False] * 4
+    alone.begin(sync=True)
+    sum(layer(torch.ones(2, 4)).sum() for layer in layers).backward()
+    alone.finish()  # no hook ran; the step still completes and leaves the gradients as autograd wrote them
+    assert all(p.grad is not None for p in params)
+    alone.remove_hooks()
+    fused = fuse_gradient_accumulation([layers[0]])
+    replicas = GradientSynchronizer({0: params}, None, 2, fused=fused)
+    try:
+        assert hooked() == [False, True, True, True]  # layers[0].weight is fused: its slot reports, no hook
+    finally:
+        replicas.remove_hooks()
+        unfuse_gradient_accumulation(fused)
+    assert hooked() == [False] * 4
 
 
 def test_a_layer_called_twice_after_its_bucket_left_raises() -> None:

@@ -50,25 +50,27 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.dynamic.multitask_planned import packed_cost_attention, planned_batcher, speedups  # noqa: E402
 from lightning_3d.recipes import GPT, T5  # noqa: E402
 from lightning_3d.recipes.attention import SDPA_BACKENDS  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
-from lightning_3d.recipes.data.multitask_batching import StepCollator, sample_input_length, sample_lengths, sample_target_length  # noqa: E402
+from lightning_3d.recipes.data.multitask_batching import PLANNED, StepCollator, sample_lengths  # noqa: E402
 from lightning_3d.recipes.gpt.model import PACKED_ATTENTION, resolve_packed_attention  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, int | None]:
     """``padding@N`` -> ("padding", N); ``dynamic`` -> ("dynamic", None) (plans with ``--profile``);
     ``dynamic@analytic`` -> ("dynamic", None) planned with the analytic cost model whatever ``--profile`` says;
+    ``packed_dynamic`` and ``auto`` (``--auto-candidates``) likewise;
     ``packing@N:sdpa`` / ``packing@N:flex`` -> ("packing", N) with that packed attention (:func:`packed_attention_of`)."""
     packed_attention_of(text)
     name, _, size = text.partition(":")[0].partition("@")
-    if name not in ("padding", "packing", "token_budget", "dynamic"):
-        raise SystemExit(f"unknown variant {text!r}: use padding@N, packing@N, token_budget@N, dynamic or"
-                         " dynamic@analytic")
-    if name == "dynamic":
+    if name not in ("padding", "packing", "token_budget", *PLANNED):
+        raise SystemExit(f"unknown variant {text!r}: use padding@N, packing@N, token_budget@N, dynamic, packed_dynamic,"
+                         " auto (or one of the last three @analytic)")
+    if name in PLANNED:
         if size not in ("", "analytic"):
-            raise SystemExit(f"unknown variant {text!r}: dynamic takes no size; use dynamic or dynamic@analytic")
+            raise SystemExit(f"unknown variant {text!r}: {name} takes no size; use {name} or {name}@analytic")
         return name, None
     if not size.isdigit() or int(size) < 1:
         raise SystemExit(f"variant {text!r} needs a positive size after @, e.g. {name}@4")
@@ -89,11 +91,14 @@ def packed_attention_of(text: str) -> str:
 def attention_label(model_type: str, name: str, attention: str, device: str, dropout: float, head_dim: int) -> str:
     """What a variant's attention runs, for the table: GPT packing's resolved packed attention, else the mask kind."""
     if model_type == "t5":
-        return "sdpa+doc mask" if name == "packing" else "sdpa+pad mask"  # T5 masks encoder padding, packing: pairs
-    if name != "packing":
-        return "sdpa causal"
-    return "flex block mask" if resolve_packed_attention(attention, torch.device(device), dropout, head_dim) == "flex" \
-        else "sdpa dense mask"
+        packed_label, plain = "sdpa+doc mask", "sdpa+pad mask"  # T5 masks encoder padding, packing: pairs
+    else:
+        packed_label = "flex block mask" if resolve_packed_attention(attention, torch.device(device), dropout,
+                                                                     head_dim) == "flex" else "sdpa dense mask"
+        plain = "sdpa causal"
+    if name in ("packing", "packed_dynamic"):
+        return packed_label
+    return f"{plain} or {packed_label}" if name == "auto" else plain  # auto: its choice's
 
 
 def shape_counts(steps: list[list[dict]], seen: set) -> tuple[float, float]:
@@ -112,10 +117,12 @@ def shape_counts(steps: list[list[dict]], seen: set) -> tuple[float, float]:
 TABLE = [("variant", "variant", "{}"), ("sdpa", "sdpa", "{}"), ("attention", "attention", "{}"),
          ("tok/s", "useful_tokens_per_s", "{:,}"),
          ("repeat tok/s", "useful_tokens_per_s_repeat", "{:,}"), ("step s", "step_s_mean", "{:.3f}"),
-         ("predicted s", "predicted_step_s_mean", "{:.3f}"), ("mb/step", "microbatches_per_step", "{}"),
+         ("predicted s", "predicted_step_s_mean", "{:.3f}"), ("meas/pred", "measured_over_predicted", "{:.2f}"),
+         ("mb/step", "microbatches_per_step", "{}"),
          ("shapes", "shapes_per_step", "{}"), ("new shapes", "new_shapes_per_step", "{}"),
          ("padding", "padding_fraction", "{:.1%}"), ("dev allocs", "device_allocs_per_step", "{}"),
-         ("peak GB", "peak_memory_gb", "{}"), ("timed compiles", "compiles_timed", "{}")]
+         ("peak GB", "peak_memory_gb", "{}"), ("timed compiles", "compiles_timed", "{}"),
+         ("choices (timed steps)", "choices", "{}")]
 
 
 def table(rows: list[dict]) -> str:
@@ -127,7 +134,7 @@ def table(rows: list[dict]) -> str:
             continue
         cells = [fmt.format(r[key]) if r.get(key) is not None else "" for _, key, fmt in TABLE]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + speedups(rows))
 
 
 SDPA_CHOICES = (*SDPA_BACKENDS, "flash_first")
@@ -231,7 +238,7 @@ def compiled_graphs() -> int:
 # ----- direct engine: one model, every variant on the same batches ----------------------------------------------
 def direct(args) -> list[dict]:
     from lightning_3d.costs import model_shape
-    from lightning_3d.dynamic import DynamicMicroBatcher, default_cost_model
+    from lightning_3d.dynamic import default_cost_model
     from lightning_3d.recipes.t5.model import run_stage
 
     cuda = torch.cuda.is_available()
@@ -275,8 +282,10 @@ def direct(args) -> list[dict]:
     else:
         baseline, budget = 0, 64e9
     shape = model_shape(module.config, bytes_per_element=2 if cuda else 4)
-    cost_model = cost_model_for(args, module, shape) if "dynamic" in args.variants else None
+    # Every variant but padding gets the cost model's prediction beside its measurement (auto compares the same).
+    cost_model = cost_model_for(args, module, shape)
     analytic = default_cost_model(shape)
+    packed = packed_cost_attention(args, module, device)
     results = []
     seen: set = set()
     cuda_stats = (lambda: torch.cuda.memory_stats()) if cuda else (lambda: {})
@@ -291,24 +300,28 @@ def direct(args) -> list[dict]:
             backend_order.enter_context(sdpa_context(model, sdpa))
             if args.model == "gpt":
                 model.packed_attention = attention
-            collator: StepCollator = data_module(args, name if name != "dynamic" else "padding", size).collator(1, 0)
+            collator: StepCollator = data_module(args, name if name not in PLANNED else "padding", size).collator(1, 0)
             plan_s = 0.0
-            if name == "dynamic":
-                t5 = args.model == "t5"
-                collator.dynamic = DynamicMicroBatcher(
-                    collator.collate, shape=shape, dp=1, pp=1, dp_rank=0, memory_budget=budget,
-                    cost_model=analytic if text == "dynamic@analytic" else cost_model,
-                    max_seq_len=args.seq_length, max_target_len=args.target_length if t5 else None,
-                    input_length=sample_input_length, target_length=sample_target_length if t5 else None)
-                collator.microbatching = "dynamic"
-            steps, predicted = [], []
+            chooser = None
+            priced = packed if args.model == "t5" else {"sdpa": "dense", "flex": "flex"}.get(attention, packed)
+            if name in PLANNED:
+                chooser = planned_batcher(args, text, collator, shape, budget,
+                                          analytic if text.endswith("@analytic") else cost_model, priced)
+            elif name in ("packing", "token_budget"):  # its own prediction, the way auto costs it as a candidate
+                chooser = planned_batcher(args, text, collator, shape, budget, cost_model, priced)
+            steps, predicted, chosen, candidates = [], [], [], []
             for b in batches:
                 start = time.process_time()
                 planned = collator(b)
                 plan_s += time.process_time() - start
                 steps.append(list(planned))
-                if name == "dynamic":
+                if name in PLANNED:
                     predicted.append(planned.plan.makespan)
+                    if planned.choice is not None:
+                        chosen.append(planned.choice.chosen)
+                        candidates.append(planned.choice.predicted)
+                elif chooser is not None:
+                    predicted.append(chooser.choose(b).predicted[text.partition(":")[0]])
             computed = [sum(mb["input_ids"].numel() + (mb["labels"].numel() if args.model == "t5" else 0) for mb in s)
                         for s in steps]
             distinct, new = shape_counts(steps, seen)
@@ -349,8 +362,16 @@ def direct(args) -> list[dict]:
                 row["device_allocs_per_step"] = round(
                     (after.get("num_device_alloc", 0) - stats.get("num_device_alloc", 0)) / len(steps), 1)
                 row["alloc_retries"] = after.get("num_alloc_retries", 0) - stats.get("num_alloc_retries", 0)
-            if predicted:  # the cost model's simulated step time, against the measured one
+            if predicted and np.isfinite(predicted).all():  # the cost model's simulated step time beside the measured
                 row["predicted_step_s_mean"] = round(float(np.mean(predicted[timed])), 4)
+                row["measured_over_predicted"] = round(row["step_s_mean"] / row["predicted_step_s_mean"], 3)
+            elif predicted:  # a profile costs shapes outside its grid as infinite: no prediction for this variant
+                row["predicted_by"] = "none: micro-batch shapes outside the profile's grid"
+            if chosen and name == "auto":  # which candidate ran in the timed steps, and what each was predicted to take
+                row["choices"] = {c: chosen[timed].count(c) for c in dict.fromkeys(chosen[timed])}
+                means = {c: float(np.mean([p[c] for p in candidates[timed]])) for c in candidates[0]}
+                # None: refused in some timed step (over the memory budget, or outside the profile's grid)
+                row["candidates_predicted_s"] = {c: round(m, 4) if np.isfinite(m) else None for c, m in means.items()}
             if args.repeat:
                 # The same steps again: every shape has run once, so what the first pass paid per new shape is gone.
                 again = sum(timed_pass()[timed])
@@ -376,7 +397,7 @@ def plans(args) -> list[dict]:
     of a ``--card-gb`` card less 16 bytes per parameter (fp32 weights and gradients, AdamW's two moments), as the
     direct engine's budget is on the GPU."""
     from lightning_3d.costs import model_shape
-    from lightning_3d.dynamic import DynamicMicroBatcher, default_cost_model
+    from lightning_3d.dynamic import default_cost_model
 
     data = data_module(args)
     data.setup("fit")
@@ -391,21 +412,21 @@ def plans(args) -> list[dict]:
     rows = []
     for text in args.variants:
         name, size = parse_variant(text)
-        collator = data_module(args, name if name != "dynamic" else "padding", size).collator(1, 0)
-        if name == "dynamic":
-            t5 = args.model == "t5"
-            collator.dynamic = DynamicMicroBatcher(
-                collator.collate, shape=shape, dp=1, pp=1, dp_rank=0, memory_budget=budget,
-                cost_model=default_cost_model(shape) if text == "dynamic@analytic" or cost_model is None else cost_model,
-                max_seq_len=args.seq_length, max_target_len=args.target_length if t5 else None,
-                input_length=sample_input_length, target_length=sample_target_length if t5 else None)
-            collator.microbatching = "dynamic"
+        collator = data_module(args, name if name not in PLANNED else "padding", size).collator(1, 0)
+        if name in PLANNED:
+            analytic = text.endswith("@analytic") or cost_model is None
+            planned_batcher(args, text, collator, shape, budget, default_cost_model(shape) if analytic else cost_model,
+                            "dense" if args.model == "t5" else "flex")
         for k, b in enumerate(batches):
             step = collator(b)
             row = {"variant": text, "step": k, "shapes": [list(mb["input_ids"].shape) for mb in step]}
-            if name == "dynamic":
+            if name in PLANNED:
                 row["predicted_step_s"] = round(step.plan.makespan, 4)
                 row["cost_source"] = step.plan.cost_source
+                if step.choice is not None:
+                    row["chosen"] = step.choice.chosen
+                    row["candidates_predicted_s"] = {c: round(v, 4) if np.isfinite(v) else None
+                                                     for c, v in step.choice.predicted.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -511,9 +532,9 @@ def per_variant(items: list[str], option: str) -> dict[str, str]:
     out = {}
     for item in items:
         name, sep, value = item.rpartition("=")
-        if sep and name.split("@")[0].split(":")[0] not in ("padding", "packing", "token_budget", "dynamic"):
+        if sep and name.split("@")[0].split(":")[0] not in ("padding", "packing", "token_budget", *PLANNED):
             raise SystemExit(f"{option} {item!r}: the name before = must be a variant (padding, packing, token_budget,"
-                             " dynamic, or a full variant such as packing@2), e.g. padding=2/1")
+                             " dynamic, packed_dynamic, auto, or a full variant such as packing@2), e.g. padding=2/1")
         out[name] = value
     return out
 
@@ -674,9 +695,11 @@ def lightning(args) -> list[dict]:
         trainer = None
         try:
             model = build_model(args, probe, packed_attention_of(text))
-            extra = {"memory_budget_gb": budget_gb} if name == "dynamic" else {}
+            extra = {"memory_budget_gb": budget_gb} if name in PLANNED else {}
+            if name == "auto" and args.auto_candidates:
+                extra["auto_candidates"] = args.auto_candidates
             data = data_module(args, name, size, num_workers=args.num_workers, **extra)
-            if text == "dynamic" and args.profile not in ("none", "measure"):  # dynamic@analytic: the module's own
+            if name in PLANNED and not text.endswith("@analytic") and args.profile not in ("none", "measure"):
                 data.cost_model = cost_model
             strategy = Compressed3DStrategy(pipeline_parallel_size=args.pp, compression=False)
             trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, precision=args.precision,
@@ -740,8 +763,8 @@ def lightning(args) -> list[dict]:
                     predicted = max_over_ranks(predicted)
                     row["predicted_step_s_mean"] = round(float(np.mean(predicted)), 4)
                     row["measured_over_predicted"] = round(row["step_s_mean"] / row["predicted_step_s_mean"], 2)
-            if data.plan_waits is not None and name == "dynamic":
-                row["plan_waits"] = data.plan_waits.summary()
+            if data.plan_waits is not None and name in PLANNED:
+                row["plan_waits"] = data.plan_waits.summary()  # auto: its "choices" say which candidate ran how often
         except Exception as err:  # noqa: BLE001 - one failing variant (e.g. out of memory) must not lose the others
             if _received_sigterm or (trainer is not None and getattr(trainer, "received_sigterm", False)):
                 # Killed by the launch's limit: its store or workers died under it, which is no error of the code.
@@ -828,6 +851,9 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=16384, help="token_budget without @N")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="dynamic: budget as a fraction of the card")
     parser.add_argument("--profile", default="none", help="dynamic's cost model: none (analytic), measure, or a file")
+    parser.add_argument("--auto-candidates", nargs="+", default=None, metavar="CANDIDATE",
+                        help="auto: the candidates it chooses among (default: lightning_3d.dynamic.choice's"
+                             " default_candidates), e.g. dynamic packed_dynamic packing@2 packing@4 token_budget@16384")
     parser.add_argument("--profile-sizes", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--profile-lens", default="16,32,64,128,256,512,1024,2048")
     parser.add_argument("--num-samples", type=int, default=20000)
@@ -906,7 +932,7 @@ def main() -> None:
         # The dense-mask packing alone: the baseline of the runs before FlexAttention packing existed.
         dense = [r["useful_tokens_per_s"] for r in rows
                  if r["variant"].startswith("packing") and r.get("attention") == "sdpa dense mask"]
-        for r in (r for r in rows if r["variant"].startswith("dynamic")):
+        for r in (r for r in rows if r["variant"].partition("@")[0] in PLANNED):
             key = r["variant"].replace("@", "_") + ("" if len(args.sdpa) == 1 else f"_{order}")
             dyn = r["useful_tokens_per_s"]
             summary[f"{key}_vs_padding"] = round(dyn / base, 2) if dyn and base else None

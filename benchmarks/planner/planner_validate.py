@@ -6,6 +6,7 @@ configuration, synthetic data, bf16-mixed) and compare. Two suites, each sized f
     python benchmarks/planner/planner_validate.py --suite four   # 4 GPUs: GPT-350M, every (dp, pp, tp) of 4 (14 configurations)
     L3D_COMPILE_BACKEND=aot_eager python benchmarks/planner/planner_validate.py --suite one --device cpu   # CPU smoke test
     python benchmarks/planner/planner_validate.py --suite four --device cpu   # CPU smoke test (tiny GPT, 4 processes)
+    python benchmarks/planner/planner_validate.py --suite one --runs 3 --models gpt_1.3b   # medians of 3 fresh runs
     python benchmarks/planner/planner_validate.py --recompute REPORT.json --profiles gpt_350m=PROFILE.json ...  # offline
 
 Every configuration of a model trains the same global batch, so step times compare directly. Per configuration: the
@@ -16,7 +17,10 @@ predicts fastest) against the best measured one (goal: >= 97 % of its throughput
 time; a configuration that would start past it is skipped (reported), and each one's timeout is what is left.
 ``--remeasure-above E``: after every configuration had its turn, those whose time error exceeds E are measured once
 more in fresh processes while the budget lasts (both measurements are reported; the MAPE uses the first,
-``time_mape_both`` their mean), to tell a model's miss from a disturbed measurement. JSON to
+``time_mape_both`` their mean), to tell a model's miss from a disturbed measurement. ``--runs N``: the repeat
+protocol instead: every configuration is measured N times in fresh processes, interleaved (round r measures each
+configuration once, in the suite's order), and its step is the median of the N runs' medians, printed with the
+runs and their spread beside the error; ``--configs LABEL ...`` keeps a subset (labels as printed). JSON to
 ``$OUT/planner_validate_<suite>.json`` (or --out) and a compact summary on stdout.
 """
 
@@ -119,6 +123,12 @@ FOUR_CPU = {
         C(2, 2, layout=(2, 1, 1)), C(1, 4, layout=(1, 2, 1)), C(1, 4, layout=(1, 2, 1), split=(3, 1)),
         C(2, 2, layout=(1, 1, 2))], sizes=[1, 2]),
 }
+
+
+def replace_configs(m: Model, labels: list[str]) -> Model:
+    """``m`` with only the configurations labelled in ``labels`` (the profile keeps the model's micro-batch sizes)."""
+    return replace(m, configs=[c for c in m.configs if c.label() in labels],
+                   sizes=sorted(set(m.sizes) | {c.mbs for c in m.configs if not c.compile}))
 
 
 def config_dict(m: Model, cpu: bool) -> dict:
@@ -276,6 +286,10 @@ def summarize(rows: list[dict]) -> dict:
     both = [abs(r["predicted_step_s"] / ((r["step_s"] + r["repeat_step_s"]) / 2) - 1) if "repeat_step_s" in r
             else abs(r["time_error"]) for r in ok]
     out["time_mape_both"] = sum(both) / len(both)
+    if any(len(r.get("run_step_s", ())) > 1 for r in ok):  # the repeat protocol: the first runs alone, and the spread
+        out["time_mape_first_run"] = sum(abs(r["predicted_step_s"] / r["first_step_s"] - 1) for r in ok) / len(ok)
+        out["runs"] = [len(r["run_step_s"]) for r in ok]
+        out["max_run_spread"] = max(r.get("run_spread", 0.0) for r in ok)
     out["spearman"] = spearman([r["predicted_step_s"] for r in ok], [r["step_s"] for r in ok])
     mem = [abs(r["memory_error"]) for r in ok if r.get("memory_error") is not None]
     out["memory_max_abs_error"] = max(mem) if mem else None
@@ -393,6 +407,8 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
             row.update(measure(m, c, steps=ns.steps, warmup=ns.warmup, timeout=timeout, log_dir=log_dir, cpu=cpu))
             if "step_s" in row:
                 launch_s.append(max(0.0, row["run_s"] - (ns.warmup + ns.steps) * row["step_s"]))
+                row.update(first_step_s=row["step_s"], run_step_s=[row["step_s"]],
+                           run_p10_p90_s=[[row["step_p10_s"], row["step_p90_s"]]])
         if "step_s" in row:
             row["time_error"] = p.step_time / row["step_s"] - 1
             row["memory_error"] = p.peak_memory / row["peak_bytes"] - 1 if row.get("peak_bytes") else None
@@ -403,10 +419,31 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
         report["models"][name]["rows"].append(row)
         print(_line(name, row), flush=True)
         Path(ns.out).write_text(json.dumps(report, indent=1))
-    # Second pass, once every configuration had its turn: the worst misses measured again in fresh processes while
-    # the budget lasts (a model's miss repeats; a disturbed measurement does not).
+    # The repeat protocol (--runs N): rounds 2..N measure every configuration measured so far again, each in fresh
+    # processes and in the same order, so that a slow stretch of the machine lands on different configurations in
+    # different rounds; the row's step is then the median of its runs and its spread is printed beside its error.
+    for round_ in range(2, ns.runs + 1):
+        for name, m, c in order:
+            row = next((r for r in report["models"][name]["rows"] if r["config"] == c.label()), None)
+            if row is None or "step_s" not in row:
+                continue
+            need = seconds_needed(launch_s, ns.launch_s, ns.warmup + ns.steps, row["first_step_s"])
+            if left() < max(ns.min_config_s, need):
+                print(f"  {name:9s} {row['config']:34s} round {round_} skipped: {left():.0f} s left", flush=True)
+                continue
+            again = measure(m, c, steps=ns.steps, warmup=ns.warmup, log_dir=log_dir, cpu=cpu,
+                            timeout=min(ns.config_timeout_s, left(), max(ns.min_config_s, 2 * need)))
+            if "step_s" in again:
+                row["run_step_s"].append(again["step_s"])
+                row["run_p10_p90_s"].append([again["step_p10_s"], again["step_p90_s"]])
+                launch_s.append(max(0.0, again["run_s"] - (ns.warmup + ns.steps) * again["step_s"]))
+                _fold_runs(row)
+            print(f"  round {round_}" + _line(name, row)[1:], flush=True)
+            Path(ns.out).write_text(json.dumps(report, indent=1))
+    # Second pass (single runs only), once every configuration had its turn: the worst misses measured again in
+    # fresh processes while the budget lasts (a model's miss repeats; a disturbed measurement does not).
     report["launch_seconds"] = [round(x, 1) for x in launch_s]
-    misses = sorted(((abs(r["time_error"]), name, r) for name, e in report["models"].items() for r in e["rows"]
+    misses = [] if ns.runs > 1 else sorted(((abs(r["time_error"]), name, r) for name, e in report["models"].items() for r in e["rows"]
                      if "time_error" in r and abs(r["time_error"]) > ns.remeasure_above), key=lambda t: -t[0])
     for _, name, row in misses:
         need = seconds_needed(launch_s, ns.launch_s, ns.warmup + ns.steps, row["step_s"])
@@ -430,6 +467,17 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
     report["wall_seconds"] = round(time.monotonic() - started, 1)
     Path(ns.out).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _fold_runs(row: dict) -> None:
+    """The row's step as the median of its runs' medians, its spread ((max - min) / median of the runs) and the
+    errors against that median."""
+    runs = row["run_step_s"]
+    row["step_s"] = statistics.median(runs)
+    row["run_spread"] = (max(runs) - min(runs)) / row["step_s"]
+    row["time_error"] = row["predicted_step_s"] / row["step_s"] - 1
+    if "derived_step_s" in row:
+        row["derived_time_error"] = row["derived_step_s"] / row["step_s"] - 1
 
 
 def _release(cpu: bool) -> None:
@@ -463,10 +511,15 @@ def _line(name: str, r: dict) -> str:
     mem = (f" mem {r['predicted_peak_bytes'] / 1e9:6.2f}/{r['peak_bytes'] / 1e9:6.2f} GB ({100 * r['memory_error']:+5.1f} %)"
            if r.get("memory_error") is not None else "")
     again = f" again {r['repeat_step_s'] * 1e3:.1f}" if "repeat_step_s" in r else ""
+    if len(r.get("run_step_s", ())) > 1:
+        again += (f" runs {'/'.join(f'{x * 1e3:.1f}' for x in r['run_step_s'])} (median of {len(r['run_step_s'])},"
+                  f" spread {100 * r['run_spread']:.1f} %)")
     again += f" derived {r['derived_step_s'] * 1e3:.1f}" if "derived_step_s" in r else ""
     again += f" runahead {r['runahead_step_s'] * 1e3:.1f}" if "runahead_step_s" in r else ""
     again += f" run {r['run_s']:.0f} s" if "run_s" in r else ""
-    return (head + f" meas {r['step_s'] * 1e3:8.1f} [{r['step_p10_s'] * 1e3:.1f}-{r['step_p90_s'] * 1e3:.1f}]{again}"
+    spread = ("" if len(r.get("run_step_s", ())) > 1  # the runs' medians follow instead of one run's p10-p90
+              else f" [{r['step_p10_s'] * 1e3:.1f}-{r['step_p90_s'] * 1e3:.1f}]")
+    return (head + f" meas {r['step_s'] * 1e3:8.1f}{spread}{again}"
             f" ({100 * r['time_error']:+6.1f} %)" + mem)
 
 
@@ -479,6 +532,10 @@ def _print_summary(report: dict) -> None:
               f"  MAPE {fmt(s.get('time_mape') and 100 * s['time_mape'], '.1f')} %"
               f" (with repeats {fmt(s.get('time_mape_both') and 100 * s['time_mape_both'], '.1f')} %)"
               f"  spearman {fmt(s.get('spearman'), '.3f')}"
+              + (f" (medians of {min(s['runs'])}-{max(s['runs'])} runs; first runs alone MAPE"
+                 f" {100 * s['time_mape_first_run']:.1f} %; largest spread {100 * s['max_run_spread']:.1f} %)"
+                 if s.get("runs") else "")
+              + ""
               f"  memory max err {fmt(s.get('memory_max_abs_error') and 100 * s['memory_max_abs_error'], '.1f')} %"
               f"  choice/best {fmt(s.get('choice_vs_best_measured') and 100 * s['choice_vs_best_measured'], '.1f')} %"
               + (f" ({s['planner_choice']} vs {s['best_measured']})" if s.get("planner_choice") else "")
@@ -570,6 +627,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="seconds a compiled configuration needs left (its grids' compile and its run's)")
     parser.add_argument("--compile-round", type=int, default=1,
                         help="round (0-based, over the models) in which compiled configurations are measured")
+    parser.add_argument("--runs", type=int, default=1, help="fresh-process runs per configuration, interleaved"
+                        " (every configuration once per round); the step is the median of the runs' medians")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="LABEL", help="only these configurations"
+                        " (labels as printed, e.g. '1,1,1 4x2' '1,1,1 8x1 ckpt')")
     parser.add_argument("--remeasure-above", type=float, default=0.15, help="time error that triggers a re-run")
     parser.add_argument("--models", nargs="+", default=None, help="a subset of the suite's models")
     parser.add_argument("--recompute", default=None, metavar="REPORT", help="no measurement: rebuild a saved report's"
@@ -594,6 +655,15 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             parser.error(f"--models {unknown}: this suite has {sorted(models)}")
         models = {k: v for k, v in models.items() if k in ns.models}
+    if ns.runs < 1:
+        parser.error(f"--runs must be >= 1, got {ns.runs}")
+    if ns.configs:
+        labels = {c.label() for m in models.values() for c in m.configs}
+        unknown = sorted(set(ns.configs) - labels)
+        if unknown:
+            parser.error(f"--configs {unknown}: the suite's labels are {sorted(labels)}")
+        models = {k: replace_configs(v, ns.configs) for k, v in models.items()}
+        models = {k: v for k, v in models.items() if v.configs}
     gpus = 1 if ns.suite == "one" else 4
     if cpu:
         import torch

@@ -36,7 +36,9 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> int:
         return min(pp, m)
     if v == 1:
         return min(pp - rank, m)
-    return min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1)
+    # interleaved 1F1B's warm-up + 1; zb_interleaved adds rank r's r split backwards awaiting their W
+    extra = rank if schedule == "zb_interleaved" else 0
+    return min(m * v, (pp - rank - 1) * 2 + (v - 1) * pp + 1 + extra)
 
 
 def graph_gradient_bytes(params: float, grad_bytes_per_param: float, stored: float = 0.0) -> float:

@@ -113,9 +113,12 @@ class GradientSynchronizer:
         self.attach_compressor(compressor)
         # Every parameter, bucketed or synchronised elsewhere, gets its gradient placement aligned.
         self._all = [p for params in params_by_stage.values() for p in params if p.requires_grad]
-        # Not on fused weights: their op reports each accumulation, and autograd still runs their (empty) hooks.
+        # A hook runs once per parameter and micro-batch, a Python call each (host time a short-kernel step waits
+        # for: benchmarks/parallel/pp_host_time.py), so only where it has work: launching buckets (dp > 1) and
+        # slicing a DTensor gradient to its placement as soon as it exists. Not on fused weights: their op reports
+        # each accumulation, and autograd still runs their (empty) hooks. ``finish`` aligns every parameter anyway.
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._all
-                       if id(p) not in self._fused]
+                       if id(p) not in self._fused and (dp_size > 1 or isinstance(p, DTensor))]
 
     def attach_compressor(self, compressor: DataParallelPowerSGD | None) -> None:
         """Route the buckets of the compressed stages through ``compressor`` (SC) from now on."""

@@ -24,11 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_3d.pipeline.weight_grad import defer
+from lightning_3d.pipeline.weight_grad import cast_linear_forward, defer, linear_backward_parts, weight_grad_operands
 
 # ``gradient_accumulation_fusion="auto"`` fuses only layers whose weight has at least this many elements. The fused op
 # saves device memory traffic in proportion to the weight (the bf16 gradient, its fp32 copy and AccumulateGrad's
@@ -133,28 +132,17 @@ class _LinearWithFusedWeightGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, slot: Tensor) -> Tensor:  # type: ignore[override]
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        with torch.autocast(device, enabled=False):  # the casts autocast would make, made once, here
-            x_cast, w_cast = x.to(dtype), weight.to(dtype)
-            out = F.linear(x_cast, w_cast, bias.to(dtype) if bias is not None else None)
-        ctx.save_for_backward(x_cast, w_cast)
         # Kept off save_for_backward on purpose: the slot is written by earlier micro-batches' backwards while later
         # ones still hold it, which autograd's saved-tensor version check would reject.
         ctx.slot = slot
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return out
+        return cast_linear_forward(ctx, x, weight, bias)  # the same forward as a split layer's (weight_grad.py)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
-        x_cast, w_cast = ctx.saved_tensors
-        grad_input = grad_output @ w_cast if ctx.needs_input_grad[0] else None
-        slot, g_t, x = ctx.slot, grad_output.reshape(-1, grad_output.shape[-1]).t(), x_cast.reshape(-1, x_cast.shape[-1])
+        grad_input, grad_bias, x_cast = linear_backward_parts(ctx, grad_output)
+        slot, (g_t, x) = ctx.slot, weight_grad_operands(grad_output, x_cast)
         if not defer(lambda: accumulate_weight_grad(slot, g_t, x)):  # a zero-bubble B: done in its W (weight_grad.py)
             accumulate_weight_grad(slot, g_t, x)
-        grad_bias = None
-        if ctx.bias_dtype is not None:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_input, None, grad_bias, None
 
 

@@ -18,11 +18,13 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from lightning_3d.costs.model import CostModel, ModelShape
+from lightning_3d.dynamic.choice import StepChoice, choose_step, parse_candidates
 from lightning_3d.dynamic.consistency import RECOMPUTE_KEY
 from lightning_3d.dynamic.handoff import PlannedMicroBatches
 from lightning_3d.dynamic.plan import StepPlan, plan_step
 
 Collate = Callable[[list[Any], int, "int | None"], Any]
+CollatePacked = Callable[[list[list[Any]], int, "int | None"], Any]
 
 
 def input_length(sample: Any) -> int:
@@ -43,6 +45,13 @@ class DynamicMicroBatcher:
     lengths (padding labels ignored in the loss). ``dp_rank``: this replica (``trainer.strategy.
     distributed_sampler_kwargs["rank"]``). ``input_length`` / ``target_length``: a sample's lengths (T5: give
     ``target_length``). The other arguments are ``plan_step``'s; ``cost_model=None`` uses the analytic one.
+
+    ``candidates``: choose per step among these micro-batchings (``choose_step``: ``"dynamic"``,
+    ``"packed_dynamic"``, ``"packing@N"``, ``"token_budget@N"``) instead of always planning ``plan_step``'s; each
+    step then carries ``choice`` (a ``StepChoice``: what ran, every candidate's prediction). Packed candidates need
+    ``collate_packed(rows of samples, seq_len, target_len)`` (one micro-batch of packed rows with document ids) and
+    ``max_seq_len`` (the row length); ``packed_attention`` is what the model runs for GPT's packed rows on its device
+    (``"flex"`` or ``"dense"``), which decides their attention cost.
     """
 
     def __init__(
@@ -50,10 +59,24 @@ class DynamicMicroBatcher:
         cost_model: CostModel | None = None, virtual_stages: int = 1, schedule: str = "1f1b", round_to: int = 8,
         max_seq_len: int | None = None, max_target_len: int | None = None, tp: int = 1, seed: int = 0,
         layer_split: Sequence[int] | None = None, input_length: Callable[[Any], int] = input_length,
-        target_length: Callable[[Any], int] | None = None,
+        target_length: Callable[[Any], int] | None = None, candidates: Sequence[str] | None = None,
+        collate_packed: CollatePacked | None = None, packed_attention: str = "dense",
     ) -> None:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp={dp}).")
+        self.candidates = tuple(candidates) if candidates is not None else None
+        if self.candidates is not None:
+            if max_seq_len is None or (target_length is not None and max_target_len is None):
+                raise ValueError("candidates need max_seq_len (and max_target_len for targets): packed rows and token"
+                                 " budgets are sized by the model's lengths.")
+            parsed = parse_candidates(self.candidates, max_seq_len + (max_target_len or 0))
+            if collate_packed is None and any(kind in ("packing", "packed_dynamic") for kind, _ in parsed):
+                raise ValueError(f"candidates={list(self.candidates)} include packed rows: pass collate_packed (rows of"
+                                 " samples -> one micro-batch with document ids).")
+            if packed_attention not in ("flex", "dense"):
+                raise ValueError(f"packed_attention={packed_attention!r}: use 'flex' (FlexAttention's block mask) or"
+                                 " 'dense' (SDPA's dense document mask), what the model runs for packed rows.")
+        self.collate_packed, self.packed_attention = collate_packed, packed_attention
         self.collate = collate
         self.dp_rank = dp_rank
         self.input_length, self.target_length = input_length, target_length
@@ -68,11 +91,20 @@ class DynamicMicroBatcher:
         targets = [self.target_length(s) for s in samples] if self.target_length is not None else None
         return plan_step([self.input_length(s) for s in samples], target_lengths=targets, **self.options)
 
+    def choose(self, samples: Sequence[Any]) -> StepChoice:
+        """The step's choice among ``candidates`` (the same on every rank)."""
+        targets = [self.target_length(s) for s in samples] if self.target_length is not None else None
+        return choose_step([self.input_length(s) for s in samples], target_lengths=targets, candidates=self.candidates,
+                           packed_attention=self.packed_attention, **self.options)
+
     def __call__(self, samples: Sequence[Any]) -> PlannedMicroBatches:
         samples = list(samples)
-        plan = self.plan(samples)
+        choice = self.choose(samples) if self.candidates is not None else None
+        plan = choice.plan if choice is not None else self.plan(samples)
         mine = plan.replicas[self.dp_rank]
-        batches = [self.collate([samples[i] for i in mb.samples], mb.seq_len, mb.target_len) for mb in mine.microbatches]
+        batches = [self.collate_packed([[samples[i] for i in row] for row in mb.rows], mb.seq_len, mb.target_len)
+                   if mb.rows is not None else self.collate([samples[i] for i in mb.samples], mb.seq_len, mb.target_len)
+                   for mb in mine.microbatches]
         for mb, batch in zip(mine.microbatches, batches):
             if mb.recompute:  # only then: absent, the model's own setting holds (docs/dynamic.md)
                 if not isinstance(batch, MutableMapping):
@@ -84,5 +116,6 @@ class DynamicMicroBatcher:
                 batch[RECOMPUTE_KEY] = True
         out = PlannedMicroBatches(batches, orders=mine.orders)
         out.plan = plan  # for logging and tests; the runtime reads only the list and ``orders``
+        out.choice = choice  # what ran and every candidate's prediction (``PlanWaits`` records it per step)
         out.planned_at = time.monotonic()  # when the step was ready (``PlanWaits`` compares it with the request)
         return out

@@ -160,13 +160,17 @@ class PlanWaits:
     """Per-step record of a planned loader in the training process (see the module docstring for the terms).
 
     ``wrap(loader)`` yields the loader's batches and records each step; ``summary()`` reports the counts. A batch
-    without ``planned_at`` (not from a ``DynamicMicroBatcher``) is recorded with its fetch time only.
+    without ``planned_at`` (not from a ``DynamicMicroBatcher``) is recorded with its fetch time only. Per step also
+    ``choices`` (the candidate that ran, for a batcher with ``candidates``; else None) and ``predicted_s`` (the cost
+    model's simulated step seconds of what ran, for planned steps).
     """
 
     startup: int = 1
     requested: list[float] = field(default_factory=list)
     received: list[float] = field(default_factory=list)
     planned: list[float | None] = field(default_factory=list)
+    choices: list[str | None] = field(default_factory=list)
+    predicted_s: list[float | None] = field(default_factory=list)
 
     def wrap(self, loader: Iterable[Any]) -> Iterator[Any]:
         it = iter(loader)
@@ -176,13 +180,27 @@ class PlanWaits:
                 batch = next(it)
             except StopIteration:
                 return
-            self.record(start, time.monotonic(), getattr(batch, "planned_at", None))
+            received = time.monotonic()
+            choice, plan = getattr(batch, "choice", None), getattr(batch, "plan", None)
+            self.record(start, received, getattr(batch, "planned_at", None),
+                        choice.chosen if choice is not None else None, plan.makespan if plan is not None else None)
             yield batch
 
-    def record(self, requested: float, received: float, planned_at: float | None) -> None:
+    def record(self, requested: float, received: float, planned_at: float | None, chosen: str | None = None,
+               predicted_s: float | None = None) -> None:
         self.requested.append(requested)
         self.received.append(received)
         self.planned.append(planned_at)
+        self.choices.append(chosen)
+        self.predicted_s.append(predicted_s)
+
+    def choice_counts(self) -> dict[str, int]:
+        """How many steps ran each chosen candidate (empty without candidates)."""
+        counts: dict[str, int] = {}
+        for name in self.choices:
+            if name is not None:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def waited(self) -> list[bool]:
         """Per step: asked for before its plan was done."""
@@ -209,4 +227,5 @@ class PlanWaits:
             "fetch_ms_p99": fs[min(len(fs) - 1, int(0.99 * len(fs)))] if fs else None,
             "fetch_ms_max": fs[-1] if fs else None,
             "steps_fetching_over_1ms": int(sum(f > 1.0 for f in fetch[steady])),
+            "choices": self.choice_counts(),
         }

@@ -32,12 +32,15 @@ RETRIES, TIGHTEN = 6, 0.8
 
 @dataclass(frozen=True)
 class MicroBatchPlan:
-    """One micro-batch: indices into the step's samples, padded to ``seq_len`` (and ``target_len`` for T5)."""
+    """One micro-batch: indices into the step's samples, padded to ``seq_len`` (and ``target_len`` for T5).
+    ``rows``: for a micro-batch of packed rows (``packed_plan.py``), the samples of each row, in row order (rows of
+    ``seq_len`` tokens, documents masked from each other); None for one padded sample per row."""
 
     samples: tuple[int, ...]
     seq_len: int
     target_len: int | None
     recompute: bool
+    rows: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,22 @@ def plan_step(
     ``max_seq_len`` / ``max_target_len``: the model's limits (a longer sample is an error; padded lengths never
     exceed them). ``layer_split``: blocks per stage if the strategy's ``pipeline_layer_split`` overrides the even
     split. Raises ``ValueError`` naming the bad value and the fix for inputs no plan can serve."""
+    inputs, targets = check_sample_lengths(input_lengths, target_lengths, max_seq_len, max_target_len)
+    check_layout(len(inputs), dp, pp, virtual_stages, schedule, memory_budget, round_to)
+    cost_model = cost_model if cost_model is not None else default_cost_model(shape)
+    stages = stage_layers(shape, pp * virtual_stages, layer_split)
+    order = sample_order(round_up(inputs, round_to, max_seq_len),
+                         round_up(targets, round_to, max_target_len) if targets is not None else None)
+    rin = round_up(inputs[order], round_to, max_seq_len)
+    rtg = round_up(targets[order], round_to, max_target_len) if targets is not None else None
+    ctx = PlanContext(order, rin, rtg, *_grid(rin, rtg), pp, virtual_stages, dp, schedule, memory_budget, seed)
+    return search_plan(ctx, lambda recompute: evaluate(cost_model, stages, *ctx.shapes, recompute=recompute, tp=tp),
+                       cost_model)
+
+
+def check_sample_lengths(input_lengths: Sequence[int], target_lengths: Sequence[int] | None, max_seq_len: int | None,
+                         max_target_len: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The lengths as int64 arrays; ValueError naming the sample and the fix for an empty or too long one."""
     inputs = _lengths(input_lengths, "input", max_seq_len, "max_seq_len")
     targets = None
     if target_lengths is not None:
@@ -87,17 +106,17 @@ def plan_step(
         if len(targets) != len(inputs):
             raise ValueError(f"target_lengths has {len(targets)} entries but input_lengths has {len(inputs)}; give one"
                              " target length per sample.")
-    _check_layout(len(inputs), dp, pp, virtual_stages, schedule, memory_budget, round_to)
-    cost_model = cost_model if cost_model is not None else default_cost_model(shape)
-    stages = stage_layers(shape, pp * virtual_stages, layer_split)
-    order = sample_order(round_up(inputs, round_to, max_seq_len),
-                         round_up(targets, round_to, max_target_len) if targets is not None else None)
-    rin = round_up(inputs[order], round_to, max_seq_len)
-    rtg = round_up(targets[order], round_to, max_target_len) if targets is not None else None
-    ctx = _Context(order, rin, rtg, *_grid(rin, rtg), pp, virtual_stages, dp, schedule, memory_budget, seed)
-    levels = _held_levels(schedule, pp, virtual_stages, _count_for(schedule, pp, len(inputs)))
+    return inputs, targets
+
+
+def search_plan(ctx: PlanContext, costs_for, cost_model: CostModel) -> StepPlan:
+    """The partition, replica spread and order search of ``ctx``'s units (samples, or packed rows) under the memory
+    budget: the per-unit limit tightened while the simulated schedule exceeds the budget, then fewer micro-batches
+    in flight, then recomputation (``costs_for(recompute)`` gives the per-range ``StageCosts``), then an error."""
+    levels = _held_levels(ctx.schedule, ctx.pp, ctx.v, _count_for(ctx.schedule, ctx.pp, len(ctx.rin)))
+    memory_budget = ctx.budget
     for recompute in (False, True):
-        ctx.costs = evaluate(cost_model, stages, *ctx.shapes, recompute=recompute, tp=tp)
+        ctx.costs = costs_for(recompute)
         for held in levels:
             limit = memory_budget
             for _ in range(RETRIES):
@@ -141,7 +160,10 @@ def _held_levels(schedule: str, pp: int, v: int, m: int) -> list[np.ndarray]:
 
 
 @dataclass
-class _Context:
+class PlanContext:
+    """What the partition and the order search work on: the units (samples, or packed rows) in their order, every
+    contiguous range of that order with its shape, the layout and (set by ``search_plan``) the per-range costs."""
+
     order: np.ndarray  # position in the order -> sample index
     rin: np.ndarray  # rounded lengths in that order
     rtg: np.ndarray | None
@@ -171,7 +193,7 @@ def _rank_view(costs: StageCosts, pp: int, v: int) -> tuple[np.ndarray, np.ndarr
     return time, costs.stored.reshape(shape).max(axis=0), costs.transient.reshape(shape).max(axis=0)
 
 
-def _plan_once(ctx: _Context, limit: float, held: np.ndarray, recompute: bool) -> StepPlan:
+def _plan_once(ctx: PlanContext, limit: float, held: np.ndarray, recompute: bool) -> StepPlan:
     n = len(ctx.rin)
     rank_time, stored, transient = _rank_view(ctx.costs, ctx.pp, ctx.v)
     # A micro-batch fits if ``held`` (per rank) stages like its largest, plus its largest working set, fit every
@@ -273,7 +295,7 @@ def _lengths(values: Sequence[int], what: str, limit: int | None, limit_name: st
     return array.astype(np.int64)
 
 
-def _check_layout(n: int, dp: int, pp: int, v: int, schedule: str, budget: float, round_to: int) -> None:
+def check_layout(n: int, dp: int, pp: int, v: int, schedule: str, budget: float, round_to: int) -> None:
     for name, value in (("dp", dp), ("pp", pp), ("virtual_stages", v), ("round_to", round_to)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -289,7 +311,7 @@ def _check_layout(n: int, dp: int, pp: int, v: int, schedule: str, budget: float
                          f" one: use a global batch of at least {dp} samples.")
 
 
-def _budget_error(ctx: _Context, held: np.ndarray) -> ValueError:
+def _budget_error(ctx: PlanContext, held: np.ndarray) -> ValueError:
     """The budget no micro-batch fits: name the sample that needs the most, its need and the budget."""
     n = len(ctx.rin)
     singles = np.array([ctx.shape_of(i, i + 1) for i in range(n)])

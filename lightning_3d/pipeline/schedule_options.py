@@ -17,14 +17,7 @@ def resolve_schedule_options(schedule: str, pipeline_parallel_size: int, virtual
             raise ValueError(f"`{name}={value!r}` must be a positive integer.")
     if virtual_stages is None:
         virtual_stages = 2 if spec.interleaved else 1
-    if spec.interleaved:
-        if pipeline_parallel_size < 2 or not isinstance(virtual_stages, int) or virtual_stages < 2:
-            raise ValueError(
-                f"The {spec.title or schedule} schedule needs pipeline_parallel_size >= 2 and virtual_stages >= 2 (got"
-                f" {pipeline_parallel_size} and {virtual_stages}); use schedule='1f1b' otherwise."
-            )
-    elif virtual_stages != 1:
-        raise ValueError(f"virtual_stages={virtual_stages} only applies to interleaved schedules, not {schedule!r}.")
+    spec.check_interleaving(pipeline_parallel_size, virtual_stages)
     spec.check_microbatches(pipeline_parallel_size, num_microbatches)
     minimum = spec.min_microbatches(pipeline_parallel_size)
     if num_microbatches < minimum:

@@ -72,6 +72,19 @@ class ScheduleSpec:
     # The builder emits W actions (split backwards): the strategy then gives the stages' nn.Linear layers a backward
     # whose weight gradient can be deferred to W (pipeline/weight_grad.py).
     splits_backward: bool = False
+    # An interleaved schedule's counterpart with one stage per rank: the fix its error names when pp or
+    # virtual_stages is below 2.
+    single_stage_alternative: str = "1f1b"
+
+    def check_interleaving(self, pp: int, virtual_stages: object) -> None:
+        """The stage-count constraint: several stages per rank for an interleaved schedule, else exactly one."""
+        if self.interleaved and (pp < 2 or not isinstance(virtual_stages, int) or virtual_stages < 2):
+            raise ValueError(
+                f"The {self.title or self.name} schedule needs pipeline_parallel_size >= 2 and virtual_stages >= 2 (got"
+                f" {pp} and {virtual_stages}); use schedule={self.single_stage_alternative!r} otherwise."
+            )
+        if not self.interleaved and virtual_stages != 1:
+            raise ValueError(f"virtual_stages={virtual_stages} only applies to interleaved schedules, not {self.name!r}.")
 
     def check_microbatches(self, pp: int, num_microbatches: int) -> None:
         """The hard constraint of the builder on the micro-batch count (raised at configuration and at every build)."""
@@ -108,8 +121,7 @@ def schedule_spec(name: str) -> ScheduleSpec:
 def build_schedule(name: str, pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> tuple[Action, ...]:
     """The training action list of one pipeline rank."""
     spec = schedule_spec(name)
-    if not spec.interleaved and virtual_stages != 1:
-        raise ValueError(f"virtual_stages={virtual_stages} only applies to interleaved schedules, not {name!r}.")
+    spec.check_interleaving(pp, virtual_stages)
     spec.check_microbatches(pp, num_microbatches)
     return mark_epilogue(spec.builder(rank, pp, virtual_stages, num_microbatches))
 
@@ -121,7 +133,7 @@ def build_forward_only(pp: int, virtual_stages: int, num_microbatches: int, rank
     Correct for every micro-batch count: evaluation splits a last, smaller batch into fewer micro-batches.
     """
     return tuple(
-        Action("F", *_interleaved_slot(k, rank, pp, virtual_stages, num_microbatches, False))
+        Action("F", *interleaved_slot(k, rank, pp, virtual_stages, num_microbatches, False))
         for k in range(num_microbatches * virtual_stages)
     )
 
@@ -131,7 +143,7 @@ def _gpipe(rank: int, pp: int, v: int, m: int) -> list[Action]:
     return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
 
 
-def _one_f_one_b(rank: int, pp: int, v: int, m: int) -> list[Action]:
+def one_f_one_b(rank: int, pp: int, v: int, m: int) -> list[Action]:
     # Warm up with as many forwards as there are later stages, then alternate, then drain:
     # at most pp - rank micro-batches are in flight on rank `rank`.
     warmup = min(pp - rank - 1, m)
@@ -142,7 +154,7 @@ def _one_f_one_b(rank: int, pp: int, v: int, m: int) -> list[Action]:
     return order
 
 
-def _interleaved_slot(k: int, rank: int, pp: int, v: int, m: int, backward: bool) -> tuple[int, int]:
+def interleaved_slot(k: int, rank: int, pp: int, v: int, m: int, backward: bool) -> tuple[int, int]:
     """(stage, micro-batch) of the k-th forward (or backward) of a rank in Megatron's interleaved order.
 
     Micro-batches go in groups of pp through chunk 0, then the same group through chunk 1, and so on;
@@ -164,16 +176,22 @@ def _interleaved_slot(k: int, rank: int, pp: int, v: int, m: int, backward: bool
     return rank + chunk * pp, microbatch
 
 
-def _interleaved(rank: int, pp: int, v: int, m: int) -> list[Action]:
+def interleaved_warmup(rank: int, pp: int, v: int, m: int) -> int:
+    """Forwards a rank runs before its first backward in Megatron's interleaved order: the rank's share of the first
+    chunk's round trip, twice per later rank (a forward and a backward away), plus the other chunks' first group."""
+    return min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+
+
+def interleaved_1f1b(rank: int, pp: int, v: int, m: int) -> list[Action]:
     # Megatron's warm-up below is only deadlock-free for m % pp == 0 (the simulator finds deadlocks otherwise,
     # e.g. pp=4, v=3, m=5), hence ``microbatch_multiple_of_pp`` in its registration.
     total = m * v
-    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-    order = [Action("F", *_interleaved_slot(k, rank, pp, v, m, False)) for k in range(warmup)]
+    warmup = interleaved_warmup(rank, pp, v, m)
+    order = [Action("F", *interleaved_slot(k, rank, pp, v, m, False)) for k in range(warmup)]
     for i in range(total - warmup):
-        order.append(Action("F", *_interleaved_slot(warmup + i, rank, pp, v, m, False)))
-        order.append(Action("B", *_interleaved_slot(i, rank, pp, v, m, True)))
-    order += [Action("B", *_interleaved_slot(k, rank, pp, v, m, True)) for k in range(total - warmup, total)]
+        order.append(Action("F", *interleaved_slot(warmup + i, rank, pp, v, m, False)))
+        order.append(Action("B", *interleaved_slot(i, rank, pp, v, m, True)))
+    order += [Action("B", *interleaved_slot(k, rank, pp, v, m, True)) for k in range(total - warmup, total)]
     return order
 
 
@@ -181,14 +199,14 @@ register_schedule(ScheduleSpec("gpipe", _gpipe, title="GPipe"))
 register_schedule(
     ScheduleSpec(
         "1f1b",
-        _one_f_one_b,
+        one_f_one_b,
         title="1F1B",
         min_microbatches=lambda pp: pp,
         min_microbatches_reason="fewer leave stages idle most of the step (use schedule='gpipe' for fewer)",
     )
 )
 register_schedule(
-    ScheduleSpec("interleaved_1f1b", _interleaved, interleaved=True, microbatch_multiple_of_pp=True, title="interleaved 1F1B")
+    ScheduleSpec("interleaved_1f1b", interleaved_1f1b, interleaved=True, microbatch_multiple_of_pp=True, title="interleaved 1F1B")
 )
 
 

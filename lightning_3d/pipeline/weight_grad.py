@@ -60,9 +60,42 @@ def run_deferred(work: list[Callable[[], None]]) -> None:
             run()
 
 
+def weight_grad_operands(grad_output: Tensor, saved_input: Tensor) -> tuple[Tensor, Tensor]:
+    """The weight-gradient GEMM's operands: the (out, tokens) transposed output gradient and the (tokens, in) input,
+    every leading dimension flattened into tokens (views, no copy)."""
+    return grad_output.reshape(-1, grad_output.shape[-1]).t(), saved_input.reshape(-1, saved_input.shape[-1])
+
+
 def weight_grad(grad_output: Tensor, saved_input: Tensor) -> Tensor:
     """(out, in) = grad_outputᵀ · input over every leading dimension: one GEMM, the same in B and in W."""
-    return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(saved_input.reshape(-1, saved_input.shape[-1]))
+    g_t, x = weight_grad_operands(grad_output, saved_input)
+    return g_t.mm(x)
+
+
+def cast_linear_forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The forward of a linear layer's ``autograd.Function`` whose backward computes the weight gradient itself (here
+    and in distributed/wgrad_fusion.py): ``F.linear`` under the caller's autocast state, with the casts autocast would
+    make made once, here, so that the backward's GEMMs use the same cast tensors. Saves them on ``ctx`` for
+    ``linear_backward_parts``."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    with torch.autocast(device, enabled=False):
+        x_cast, w_cast = x.to(dtype), weight.to(dtype)
+        out = F.linear(x_cast, w_cast, bias.to(dtype) if bias is not None else None)
+    ctx.save_for_backward(x_cast, w_cast)
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    return out
+
+
+def linear_backward_parts(ctx, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """What the backward of a ``cast_linear_forward`` layer computes besides its weight gradient: the input gradient
+    and the bias gradient (None where not needed), and the saved cast input, the weight GEMM's other operand."""
+    x_cast, w_cast = ctx.saved_tensors
+    grad_input = grad_output @ w_cast if ctx.needs_input_grad[0] else None
+    grad_bias = None
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
+    return grad_input, grad_bias, x_cast
 
 
 def accumulate(weight: nn.Parameter, grad: Tensor) -> None:
@@ -77,21 +110,13 @@ class _SplitLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        with torch.autocast(device, enabled=False):  # the casts autocast would make, made once, here
-            x_cast, w_cast = x.to(dtype), weight.to(dtype)
-            out = F.linear(x_cast, w_cast, bias.to(dtype) if bias is not None else None)
-        ctx.save_for_backward(x_cast, w_cast)
         ctx.weight = weight
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return out
+        return cast_linear_forward(ctx, x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
-        x_cast, w_cast = ctx.saved_tensors
+        grad_input, grad_bias, x_cast = linear_backward_parts(ctx, grad_output)
         weight = ctx.weight
-        grad_input = grad_output @ w_cast if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
             def work(g: Tensor = grad_output, x: Tensor = x_cast) -> None:
@@ -99,9 +124,6 @@ class _SplitLinear(torch.autograd.Function):
 
             if not defer(work):
                 grad_weight = weight_grad(grad_output, x_cast).to(weight.dtype)
-        grad_bias = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_input, grad_weight, grad_bias
 
 

@@ -87,7 +87,7 @@ class PipelineConfig:
     schedule accepts (1F1B needs at least pp, interleaved 1F1B a multiple of pp). The strategy's ``num_microbatches``
     is the resolved value."""
     schedule: str = "1f1b"
-    """A registered schedule name: "gpipe", "1f1b", "interleaved_1f1b", or one added with
+    """A registered schedule name: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_interleaved", or one added with
     ``lightning_3d.pipeline.register_schedule`` (docs/extending.md)."""
     virtual_stages: int | None = None
     """Stages per pipeline rank for interleaved schedules (at least 2 there, default 2; else 1)."""

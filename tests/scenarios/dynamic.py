@@ -7,7 +7,9 @@ World 2: (1,2,1) with 1F1B. World 4: (2,2,1) 1F1B, (2,1,2), (1,2,2) interleaved 
 their own lengths, padded per micro-batch with an encoder attention mask): (1,2,1) and (2,2,1), against the
 single-process reference of tests/scenarios/t5_layouts.py (the same pairs, padded to the longest). On 2 ranks, an
 empty sample raises the planner's error on every rank, and a rank given a different schedule than its pipeline peer
-makes every rank raise the strategy's plan-mismatch error before any pipeline send. One process group per world.
+makes every rank raise the strategy's plan-mismatch error before any pipeline send. World 4 also trains the multi-task
+data module's planned micro-batchings at (2,2,1) against single-process training (tests/scenarios/multitask.py's
+``planned_fits``: GPT with ``"packed_dynamic"``, T5 with ``"auto"``). One process group per world.
 """
 
 from __future__ import annotations
@@ -274,6 +276,12 @@ def main() -> None:
     for cfg in layouts(args.world):
         results.append(run(cfg, ref))
         write_report(args.report, {"results": results})
+    if args.world == 4:  # in this process group rather than a new one (the suite's processes are few on purpose)
+        from tests.scenarios import multitask
+
+        cache = args.report.with_suffix(".cache")
+        planned = multitask.planned_fits(4, cache, multitask.reference(cache))
+        write_report(args.report, {"results": results, "multitask": planned})
     if args.world == 2:
         flag = torch.tensor(float(bad_input()["raised"]))
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)

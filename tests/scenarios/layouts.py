@@ -48,7 +48,7 @@ def layouts(world: int) -> list[dict]:
                 runs.append(dict(dp=dp, pp=pp, tp=tp, schedule="1f1b", m=2))
                 continue
             m = 6 if pp == 3 else 4
-            for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
+            for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_interleaved"):
                 runs.append(dict(dp=dp, pp=pp, tp=tp, schedule=schedule, m=m))
     return runs
 
@@ -66,7 +66,10 @@ def variants(world: int) -> list[dict]:
                   dict(dp=1, pp=2, tp=1, schedule="1f1b", m=None, stage_ac=[True, False]),
                   dict(dp=1, pp=2, tp=1, schedule="reverse_gpipe", m=4),  # tests/schedule_example.py, registered below
                   # zero bubble with plain (split, unfused) linear layers and checkpointed blocks on both stages
-                  dict(dp=1, pp=2, tp=1, schedule="zb_h1", m=4, fusion=False, stage_ac=[True, True])]
+                  dict(dp=1, pp=2, tp=1, schedule="zb_h1", m=4, fusion=False, stage_ac=[True, True]),
+                  # interleaved zero bubble likewise, each rank holding a checkpointed and a plain stage
+                  dict(dp=1, pp=2, tp=1, schedule="zb_interleaved", m=4, fusion=False,
+                       stage_ac=[True, False, False, True])]
     if world == 8:
         return []
     if world == 4:
@@ -76,7 +79,8 @@ def variants(world: int) -> list[dict]:
                   dict(dp=2, pp=2, tp=1, schedule="interleaved_1f1b", m=4, variable=True),
                   dict(dp=1, pp=2, tp=2, schedule="gpipe", m=4, sp=True, variable=True),
                   # zero bubble: split plain layers whose W feeds the data-parallel buckets, with accumulation
-                  dict(dp=2, pp=2, tp=1, schedule="zb_h1", m=4, fusion=False, accumulate=2)]
+                  dict(dp=2, pp=2, tp=1, schedule="zb_h1", m=4, fusion=False, accumulate=2),
+                  dict(dp=2, pp=2, tp=1, schedule="zb_interleaved", m=4, fusion=False, accumulate=2)]
     return extra
 
 
@@ -105,7 +109,7 @@ def run(cfg: dict) -> dict:
     accumulate = cfg.get("accumulate", 1)
     variable = cfg.get("variable", False)
     virtual = None
-    if cfg["schedule"] == "interleaved_1f1b":
+    if cfg["schedule"] in ("interleaved_1f1b", "zb_interleaved"):
         virtual = 3 if cfg["pp"] == 4 else 2
     strategy = Compressed3DStrategy(
         data_parallel_size=cfg["dp"], pipeline_parallel_size=cfg["pp"], tensor_parallel_size=cfg["tp"],
@@ -144,11 +148,12 @@ def run(cfg: dict) -> dict:
         cfg = {**cfg, "ordered": runtime.last_orders == expected}
     if cfg.get("stage_ac"):  # the runtime ran m micro-batches per step; stage s recomputed exactly where asked
         runtime = strategy.pipeline_runtime
-        ran = sum(a.kind == "F" for a in runtime.last_orders[0])
+        ran = len({a.microbatch for a in runtime.last_orders[0] if a.kind == "F"})
         expected = {s: STEPS * m * (2 if cfg["stage_ac"][s] else 1) for s in calls.calls}
         cfg = {**cfg, "m": m, "microbatches_run": all_max(float(ran)),
                "recomputed_as_asked": all_max(0.0 if calls.calls == expected else 1.0) == 0.0}
-    if cfg["schedule"] == "zb_h1":  # the backwards of ranks > 0 were split: W ran, on the layers the fusion left
+    if cfg["schedule"] in ("zb_h1", "zb_interleaved"):  # the backwards of stages > 0 were split: W ran, on the layers
+        # the fusion left (rank 0 of zb_h1 holds only stage 0, whose backward stays whole)
         layers = strategy.engine.split_layers
         split = sum(a.kind == "W" for a in strategy.pipeline_runtime.last_orders[strategy.pp_rank])
         cfg = {**cfg, "w_ran": all_max(float(split > 0 or strategy.pp_rank == 0)),
@@ -175,7 +180,9 @@ def main() -> None:
         from tests.scenarios.sharded_optimizer import layout as sharded_layout
 
         write_report(args.report, {"results": results, "zb_cb": exact_at_full_rank(1, 4, 1, schedule="zb_h1"),
-                                   "zb_sharded": sharded_layout(2, 2, 1, 4, schedule="zb_h1")})
+                                   "zb_sharded": sharded_layout(2, 2, 1, 4, schedule="zb_h1"),
+                                   # at (2,2,1): its W's feed the data-parallel buckets while CB compresses B's sends
+                                   "zbi_cb": exact_at_full_rank(2, 2, 1, schedule="zb_interleaved")})
     if args.world == 8 and args.extra != "gpu_subset":  # (2,2,2) with compression, in the same process group
         from tests.scenarios.compression import exact_at_full_rank, full_stack_222
         from tests.scenarios.sharded_optimizer import layout as sharded_layout

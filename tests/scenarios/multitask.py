@@ -5,6 +5,12 @@ with packing (the attention mask passes the pipeline and the tensor-parallel pla
 training (no Lightning, no strategy) on the same global batches, unpacked and padded; with ``--extra t5`` also T5 at
 pp=2 with packing against T5 at pp=2 with padding. Step losses and final parameters (gathered in full on every rank)
 are compared.
+
+Planned micro-batching against the same single-process references (GPT, and T5 trained alone, padded): GPT at
+(1,2,1) with ``microbatching="auto"`` and at (2,1,1) with ``"packed_dynamic"``, T5 at (1,2,1) with
+``"packed_dynamic"`` and at (2,1,1) with ``"auto"`` over candidates that mix packed and padded ones; each replica
+plans the whole global batch and keeps its share. The 4-process layouts run in tests/scenarios/dynamic.py (its world-4
+process group) through :func:`planned_fits`.
 """
 
 from __future__ import annotations
@@ -27,11 +33,18 @@ OPTIM = dict(warmup_steps=1, learning_rate=2e-3, min_learning_rate=2e-4, decay_s
              optimizer_foreach=True)
 
 
-def data(model_type: str, microbatching: str, cache: Path) -> MultiTaskDataModule:
+# Activation memory per device for the planned runs: small enough that the analytic cost model cuts each replica's
+# share into several micro-batches (GPT: one to four rows of up to 384 tokens each).
+BUDGET_GB = 0.006
+# T5's auto run chooses among packed and padded candidates (its default ones tie on these tiny shapes).
+T5_AUTO = ["packing@2", "packed_dynamic", "token_budget@832", "dynamic"]
+
+
+def data(model_type: str, microbatching: str, cache: Path, **kw) -> MultiTaskDataModule:
     # Rows of 384 bytes hold up to three of the file's samples (inputs <= ~550 bytes are cut, targets to 32).
     return MultiTaskDataModule(model_type=model_type, data_files=str(FLAN), tokenizer="bytes", seq_length=SEQ,
                                target_length=32, global_batch_size=8, microbatching=microbatching, micro_batch_size=2,
-                               val_fraction=0.0, cache_dir=str(cache), shuffle=True)
+                               val_fraction=0.0, cache_dir=str(cache), shuffle=True, **kw)
 
 
 def model(model_type: str, dm: MultiTaskDataModule):
@@ -42,11 +55,11 @@ def model(model_type: str, dm: MultiTaskDataModule):
               relative_attention_num_buckets=8, relative_attention_max_distance=16, **OPTIM)
 
 
-def reference(cache: Path) -> tuple[list[float], dict]:
-    """Plain single-process GPT training on the same global batches, padded (one replica), with the recipe's own
-    optimizer, schedule and the scenarios' gradient clipping."""
-    dm = data("gpt", "padding", cache)
-    module = model("gpt", dm)
+def reference(cache: Path, model_type: str = "gpt") -> tuple[list[float], dict]:
+    """Plain single-process GPT (or T5) training on the same global batches, padded (one replica), with the recipe's
+    own optimizer, schedule and the scenarios' gradient clipping."""
+    dm = data(model_type, "padding", cache)
+    module = model(model_type, dm)
     module.configure_model()
     optim = module.configure_optimizers()
     opt, sched = optim["optimizer"], optim["lr_scheduler"]["scheduler"]
@@ -54,13 +67,19 @@ def reference(cache: Path) -> tuple[list[float], dict]:
     for _, mbs in zip(range(STEPS), dm.train_dataloader()):
         opt.zero_grad()
         terms = sum(module.pipeline_loss_terms(mb) for mb in mbs)
-        loss = sum(module.pipeline_loss(module(mb["input_ids"]), mb) for mb in mbs) / terms
+        loss = sum(module.pipeline_loss(forward(module, mb), mb) for mb in mbs) / terms
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
         opt.step()
         sched.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def forward(module, mb: dict) -> torch.Tensor:
+    if isinstance(module, GPT):
+        return module(mb["input_ids"])
+    return module(mb["input_ids"], mb["decoder_input_ids"], mb["attention_mask"], mb["labels"])
 
 
 def full_parameters(module) -> dict[str, torch.Tensor]:
@@ -71,14 +90,14 @@ def full_parameters(module) -> dict[str, torch.Tensor]:
     return {n: t for part in gathered for n, t in part.items()}
 
 
-def fit(model_type: str, microbatching: str, pp: int, tp: int, cache: Path) -> tuple[list[float], dict]:
-    dm = data(model_type, microbatching, cache)
+def fit(model_type: str, microbatching: str, pp: int, tp: int, cache: Path, **kw) -> tuple[list[float], dict]:
+    dm = data(model_type, microbatching, cache, **kw)
     # num_microbatches only passes the configuration check: MicroBatches batches bring their own count.
     strategy = Compressed3DStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2,
                                     compression=False)
     recorder, module = LossRecorder(), model(model_type, dm)
     trainer(strategy, STEPS, [recorder]).fit(module, datamodule=dm)
-    return recorder.losses, full_parameters(module)
+    return recorder.losses, full_parameters(module), dm.plan_waits.choices if dm.plan_waits is not None else []
 
 
 def compare(run: tuple, ref: tuple) -> dict:
@@ -89,7 +108,24 @@ def compare(run: tuple, ref: tuple) -> dict:
     assert len(shared) >= len(ref[1]) - 1, (sorted(ref[1]), sorted(run[1]))
     param_err = max(((run[1][n][: len(ref[1][n])] - ref[1][n][: len(run[1][n])]).norm()
                      / ref[1][n].norm().clamp_min(1e-12)).item() for n in shared)
-    return {"loss_err": loss_err, "param_err": param_err, "losses": run[0], "ref_losses": ref[0]}
+    out = {"loss_err": loss_err, "param_err": param_err, "losses": run[0], "ref_losses": ref[0]}
+    if len(run) > 2 and any(run[2]):
+        out["choices"] = run[2]  # the candidate each step ran (auto and packed_dynamic)
+    return out
+
+
+def planned_fits(world: int, cache: Path, gpt_ref: tuple) -> dict:
+    """Planned micro-batching against single-process training: 2 processes (1,2,1) and (2,1,1), 4 processes
+    (2,2,1) (module docstring)."""
+    t5_ref = reference(cache, "t5")
+    budget = dict(memory_budget_gb=BUDGET_GB)
+    if world == 2:
+        return {"gpt_121_auto": compare(fit("gpt", "auto", 2, 1, cache, **budget), gpt_ref),
+                "gpt_211_packed_dynamic": compare(fit("gpt", "packed_dynamic", 1, 1, cache, **budget), gpt_ref),
+                "t5_121_packed_dynamic": compare(fit("t5", "packed_dynamic", 2, 1, cache, **budget), t5_ref),
+                "t5_211_auto": compare(fit("t5", "auto", 1, 1, cache, auto_candidates=T5_AUTO, **budget), t5_ref)}
+    return {"gpt_221_packed_dynamic": compare(fit("gpt", "packed_dynamic", 2, 1, cache, **budget), gpt_ref),
+            "t5_221_auto": compare(fit("t5", "auto", 2, 1, cache, auto_candidates=T5_AUTO, **budget), t5_ref)}
 
 
 def main() -> None:
@@ -102,6 +138,7 @@ def main() -> None:
     gpt_ref = reference(cache)
     results["gpt_pp2_packing"] = compare(fit("gpt", "packing", 2, 1, cache), gpt_ref)
     results["gpt_tp2_packing"] = compare(fit("gpt", "packing", 1, 2, cache), gpt_ref)
+    results.update(planned_fits(2, cache, gpt_ref))
     if args.extra == "t5":  # T5's packed masks under the pipeline (its unit test covers logits and gradients)
         t5_ref = fit("t5", "padding", 2, 1, cache)
         results["t5_pp2_packing"] = compare(fit("t5", "packing", 2, 1, cache), t5_ref)

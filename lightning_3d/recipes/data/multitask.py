@@ -19,13 +19,22 @@ from typing import Any, Literal
 
 import lightning as L
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_3d.dynamic.choice import parse_candidates
 from lightning_3d.dynamic.handoff import PlanWaits, background
 from lightning_3d.recipes.data.causal_lm import cache_key, default_cache_dir
 from lightning_3d.recipes.data.loader import ResumableDataLoader, ResumableDistributedSampler, data_parallel_rank, worker_options
 from lightning_3d.recipes.data.memory_budget import default_memory_budget_gb
-from lightning_3d.recipes.data.multitask_batching import MICROBATCHINGS, Sample, StepCollator, sample_input_length, sample_target_length
+from lightning_3d.recipes.data.multitask_batching import (
+    MICROBATCHINGS,
+    PLANNED,
+    Sample,
+    StepCollator,
+    sample_input_length,
+    sample_target_length,
+)
 from lightning_3d.recipes.data.multitask_mix import TASKS, iter_offline_mix, read_flan_jsonl
 from lightning_3d.recipes.data.packing import resolve_data_files
 from lightning_3d.recipes.data.span_corruption import Seq2SeqVocab
@@ -37,6 +46,7 @@ from lightning_3d.recipes.data.tokenizer import (
     load_tokenizer,
     tokenizer_kind,
 )
+from lightning_3d.recipes.gpt.model import resolve_packed_attention
 
 MIX_FORMAT_VERSION = 1
 
@@ -110,8 +120,11 @@ class MultiTaskDataModule(L.LightningDataModule):
     ``global_batch_size`` samples per optimizer step over all data-parallel replicas. ``microbatching``:
     ``"padding"`` (``micro_batch_size`` samples, padded to the longest), ``"packing"`` (``micro_batch_size`` rows of
     ``seq_length`` tokens, documents masked from each other), ``"token_budget"`` (at most ``token_budget`` padded
-    tokens per micro-batch) or ``"dynamic"`` (DynaPipe planner; ``memory_budget_gb`` of activations per device, by
-    default 80 % of the device's memory minus the rank's model state: recipes/data/memory_budget.py). ``microbatch_multiple``:
+    tokens per micro-batch), ``"dynamic"`` (DynaPipe planner; ``memory_budget_gb`` of activations per device, by
+    default 80 % of the device's memory minus the rank's model state: recipes/data/memory_budget.py),
+    ``"packed_dynamic"`` (the planner over packed rows) or ``"auto"`` (per step the cheapest under the planner's cost
+    model of ``auto_candidates``, by default both planners, packing at 1, 2, 4, 8 rows and token budgets of 1, 2, 4,
+    8 longest samples: ``lightning_3d.dynamic.choose_step``, docs/dynamic.md). ``microbatch_multiple``:
     the largest micro-batches are halved until their count is a multiple of it (interleaved 1F1B needs a multiple of
     the pipeline size). ``tokenizer`` as in
     :class:`CausalLMDataModule`; T5's pad (= decoder start) id is appended after the text vocabulary.
@@ -133,11 +146,12 @@ class MultiTaskDataModule(L.LightningDataModule):
         truncate: bool = True,
         train_on_inputs: bool = False,
         global_batch_size: int = 32,
-        microbatching: Literal["padding", "packing", "token_budget", "dynamic"] = "padding",
+        microbatching: Literal["padding", "packing", "token_budget", "dynamic", "packed_dynamic", "auto"] = "padding",
         micro_batch_size: int = 4,
         token_budget: int | None = None,
         microbatch_multiple: int = 1,
         memory_budget_gb: float | None = None,
+        auto_candidates: list[str] | None = None,
         val_fraction: float = 0.02,
         cache_dir: str | None = None,
         num_workers: int = 0,
@@ -163,6 +177,11 @@ class MultiTaskDataModule(L.LightningDataModule):
         if microbatching == "token_budget" and (token_budget is None or token_budget < longest):
             raise ValueError(f"microbatching='token_budget' needs token_budget >= {longest} (the longest sample:"
                              f" seq_length{' + target_length' if model_type == 't5' else ''}), got {token_budget}.")
+        if auto_candidates is not None:
+            if microbatching != "auto":
+                raise ValueError(f"auto_candidates={auto_candidates!r} applies to microbatching='auto' only, not"
+                                 f" {microbatching!r}: set microbatching='auto' or drop auto_candidates.")
+            parse_candidates(auto_candidates, longest)
         self.tasks = list(tasks) if tasks is not None else list(TASKS)
         if not self.tasks or set(self.tasks) - set(TASKS):
             raise ValueError(f"tasks={tasks!r}: choose a non-empty subset of {list(TASKS)}.")
@@ -331,7 +350,7 @@ class MultiTaskDataModule(L.LightningDataModule):
         collator = StepCollator(hp.model_type, hp.microbatching, dp, rank, seq_length=hp.seq_length,
                                 target_length=target, pad_id=self.pad_token_id, micro_batch_size=hp.micro_batch_size,
                                 token_budget=hp.token_budget, microbatch_multiple=hp.microbatch_multiple)
-        if hp.microbatching == "dynamic":
+        if hp.microbatching in PLANNED:
             collator.dynamic = self._dynamic_planner(collator, dp, rank)
         return collator
 
@@ -340,12 +359,13 @@ class MultiTaskDataModule(L.LightningDataModule):
         trained model's shape. Imported here: only this option needs the planner and the cost models."""
         from lightning_3d.costs import model_shape
         from lightning_3d.dynamic import DynamicMicroBatcher
+        from lightning_3d.dynamic.choice import default_candidates
 
         hp, trainer = self.hparams, self.trainer
         config = getattr(getattr(trainer, "lightning_module", None), "config", None)
         if config is None:
-            raise ValueError("microbatching='dynamic' plans with the model's shape: train a recipe model (GPT or T5,"
-                             " which have a .config) with this data module.")
+            raise ValueError(f"microbatching={hp.microbatching!r} plans with the model's shape: train a recipe model"
+                             " (GPT or T5, which have a .config) with this data module.")
         strategy = trainer.strategy
         budget_gb = hp.memory_budget_gb
         if budget_gb is None:  # derived from the device and this rank's parameters (memory_budget.py)
@@ -355,14 +375,30 @@ class MultiTaskDataModule(L.LightningDataModule):
         pp, tp = (dims.pp, dims.tp) if dims is not None else (1, 1)
         half = any(k in str(trainer.precision) for k in ("16", "bf16"))
         t5 = hp.model_type == "t5"
+        longest = hp.seq_length + (hp.target_length if t5 else 0)
+        candidates = {"dynamic": None, "packed_dynamic": ("packed_dynamic",),
+                      "auto": tuple(hp.auto_candidates or default_candidates(longest))}[hp.microbatching]
         return DynamicMicroBatcher(
             collator.collate, shape=model_shape(config, bytes_per_element=2 if half else 4, tensor_parallel_size=tp),
             dp=dp, pp=pp, dp_rank=rank, memory_budget=budget_gb * 2**30, tp=tp, seed=hp.seed,
             virtual_stages=getattr(strategy, "virtual_stages", 1) or 1, schedule=getattr(strategy, "schedule", "1f1b"),
             layer_split=getattr(strategy, "pipeline_layer_split", None), max_seq_len=hp.seq_length,
             max_target_len=hp.target_length if t5 else None, input_length=sample_input_length,
-            target_length=sample_target_length if t5 else None,
+            target_length=sample_target_length if t5 else None, candidates=candidates,
+            collate_packed=collator.collate_packed, packed_attention=self._packed_attention(config, strategy),
         )
+
+    def _packed_attention(self, config, strategy) -> str:
+        """What the model runs for packed rows on this device, as the planner prices it: GPT's ``packed_attention``
+        resolved as the model resolves it ("flex" or the dense SDPA mask); T5's packed rows use dense masks."""
+        if self.hparams.model_type == "t5":
+            return "dense"
+        module = self.trainer.lightning_module
+        asked = getattr(getattr(module, "hparams", None), "packed_attention", "auto")
+        device = getattr(strategy, "root_device", torch.device("cpu"))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_heads
+        resolved = resolve_packed_attention(asked, device, getattr(config, "dropout", 0.0), head_dim)
+        return "flex" if resolved == "flex" else "dense"
 
     def _loader(self, dataset: Dataset, shuffle: bool, train: bool = False) -> ResumableDataLoader:
         hp = self.hparams

@@ -2,14 +2,17 @@
 
 A sample is a dict of NumPy token arrays: GPT ``{"tokens", "prompt"}`` (``input_ids = tokens[:-1]``, ``labels =
 tokens[1:]`` with the first ``prompt - 1`` labels ignored: the loss is on the target) or T5 ``{"inputs",
-"targets"}`` (EOS included). Four micro-batchings (docs/multitask.md says when to use which):
+"targets"}`` (EOS included). The micro-batchings (docs/multitask.md says when to use which):
 
 - ``padding``: ``micro_batch_size`` samples in sampled order, each micro-batch padded to its longest sample;
 - ``token_budget``: samples sorted by length and grouped while ``count x longest <= token_budget`` (padded);
 - ``packing``: samples packed first-fit-decreasing into rows of ``seq_length`` (T5: and ``target_length``) tokens
   with ``document_ids`` (and GPT ``position_ids``), ``micro_batch_size`` rows per micro-batch: the models mask
   attention across documents, so packing changes no sample's loss;
-- ``dynamic``: DynaPipe's planner (``lightning_3d.dynamic``) chooses the micro-batches from a cost model.
+- ``dynamic``: DynaPipe's planner (``lightning_3d.dynamic``) chooses the micro-batches from a cost model;
+- ``packed_dynamic``: the same planner over packed rows (its micro-batches are packed rows with document ids);
+- ``auto``: per global batch, the cheapest under that cost model of dynamic, packed dynamic, packing and token
+  budgets (``lightning_3d.dynamic.choose_step``).
 
 Padding labels are -100 and T5 encoder padding is masked (``attention_mask``). The global batch is split over the
 replicas by position (replica ``r`` takes samples ``r, r + dp, ...``), so replicas hold the same number of samples and
@@ -25,10 +28,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_3d.dynamic.choice import token_budget_groups
+from lightning_3d.dynamic.packed import first_fit_decreasing
 from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.recipes.training import IGNORE_INDEX
 
-MICROBATCHINGS = ("padding", "packing", "token_budget", "dynamic")
+MICROBATCHINGS = ("padding", "packing", "token_budget", "dynamic", "packed_dynamic", "auto")
+# Planned by ``lightning_3d.dynamic`` over the whole global batch (every replica plans it and keeps its share).
+PLANNED = ("dynamic", "packed_dynamic", "auto")
 Sample = dict[str, Any]
 
 
@@ -130,42 +137,15 @@ def plan_padding(lengths: Sequence[tuple[int, int]], micro_batch_size: int) -> l
 
 def plan_token_budget(lengths: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
     """Samples sorted by length (longest first, ties by position) and grouped greedily while the padded micro-batch
-    holds at most ``budget`` tokens: ``count x (longest input + longest target)``."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i][0], -lengths[i][1], i))
-    groups: list[list[int]] = []
-    for i in order:
-        if sum(lengths[i]) > budget:
-            raise ValueError(f"A sample of {lengths[i][0]} + {lengths[i][1]} tokens does not fit token_budget={budget};"
-                             f" raise token_budget to at least {sum(lengths[i])}.")
-        if groups:
-            s, t = _cost([lengths[j] for j in groups[-1]] + [lengths[i]])
-            if (len(groups[-1]) + 1) * (s + t) <= budget:
-                groups[-1].append(i)
-                continue
-        groups.append([i])
-    return groups
+    holds at most ``budget`` tokens: ``count x (longest input + longest target)`` (``microbatching="auto"`` costs
+    the same groups: ``lightning_3d.dynamic.choice``)."""
+    return token_budget_groups(lengths, budget)
 
 
 def plan_packing(lengths: Sequence[tuple[int, int]], capacity: tuple[int, int]) -> list[list[int]]:
     """First-fit decreasing into rows of ``capacity`` (sequence, target) tokens; rows keep their samples in order of
-    placement. Deterministic (stable sort on length, then position)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i][0], -lengths[i][1], i))
-    rows: list[list[int]] = []
-    free: list[list[int]] = []
-    for i in order:
-        s, t = lengths[i]
-        if s > capacity[0] or t > capacity[1]:
-            raise ValueError(f"A sample of {s} (+{t} target) tokens does not fit a packed row of {capacity[0]}"
-                             f" (+{capacity[1]}) tokens; raise seq_length/target_length or truncate the data.")
-        for r, (fs, ft) in enumerate(free):
-            if s <= fs and t <= ft:
-                rows[r].append(i)
-                free[r] = [fs - s, ft - t]
-                break
-        else:
-            rows.append([i])
-            free.append([capacity[0] - s, capacity[1] - t])
-    return rows
+    placement. Deterministic (stable sort on length, then position); ``microbatching="auto"`` packs the same rows."""
+    return first_fit_decreasing(lengths, capacity)
 
 
 class StepCollator:
@@ -198,6 +178,13 @@ class StepCollator:
             return collate_gpt(samples, seq_len, self.pad_id)
         return collate_t5(samples, seq_len, target_len, self.pad_id)
 
+    def collate_packed(self, rows: Sequence[Sequence[Sample]], seq_len: int, target_len: int | None) -> dict[str, Tensor]:
+        """One micro-batch of packed rows of (seq_len, target_len) tokens with document ids: what the planner calls
+        for packed candidates (GPT: target_len is ignored)."""
+        if self.model_type == "gpt":
+            return collate_packed_gpt(rows, seq_len, self.pad_id)
+        return collate_packed_t5(rows, seq_len, target_len, self.pad_id)
+
     def microbatches(self, samples: Sequence[Sample]) -> list[dict[str, Tensor]]:
         """Micro-batches of some samples (one replica's share) under the padding/packing/token_budget options."""
         lengths = [sample_lengths(s) for s in samples]
@@ -214,9 +201,9 @@ class StepCollator:
         return [self.collate([samples[i] for i in g], *_cost([lengths[i] for i in g])) for g in plan]
 
     def __call__(self, samples: list[Sample]) -> MicroBatches:
-        if self.microbatching == "dynamic":
+        if self.microbatching in PLANNED:
             if self.dynamic is None:
-                raise RuntimeError("microbatching='dynamic' needs the planner the data module builds in"
+                raise RuntimeError(f"microbatching={self.microbatching!r} needs the planner the data module builds in"
                                    " train_dataloader(); call it through the data module.")
             return self.dynamic(samples)
         share = samples[self.rank :: self.dp]
