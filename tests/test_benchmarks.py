@@ -637,3 +637,26 @@ def test_peers_time_a_step_from_its_start_to_the_next_ones(monkeypatch: pytest.M
     assert timer.step_s == [6.0, 10.0] and len(timer.losses) == 4  # the warm-up step's 7 + 1 ticks are not timed
     # The profiler hears of a step after the step before it is timed (its start-up stays out of the timings).
     assert profiled == [(0, 0), (1, 0), (2, 1), (3, 2)]
+
+
+def test_soak_summary_tells_a_one_time_jump_from_steady_growth() -> None:
+    """benchmarks/tools/soak.py's goal check: the change from the first window to the last against 5 % for RSS and
+    step time (window medians), and the RSS slope over the last half of the windows, which stays near zero after a
+    one-time jump and stays positive under a leak however small the change so far."""
+    from benchmarks.tools.soak import summary
+
+    def rows(rss_of_step, step_ms_of_step):
+        return [{"step": s, "ranks": [{"rank": 0, "rss_mib": rss_of_step(s), "step_ms_median": step_ms_of_step(s),
+                                       "cpu_ms": 10.0}]} for s in range(100, 1001, 100)]
+
+    flat = summary(rows(lambda s: 500.0, lambda s: 100.0))["ranks"][0]
+    assert flat["rss_goal_met"] and flat["step_time_goal_met"] and flat["rss_slope_mib_per_100"] == 0
+    jump = summary(rows(lambda s: 500.0 if s < 300 else 550.0, lambda s: 100.0))
+    assert jump["slope_windows"] == [600, 1000]
+    assert not jump["ranks"][0]["rss_goal_met"] and jump["ranks"][0]["rss_change_pct"] == pytest.approx(10.0)
+    assert jump["ranks"][0]["rss_slope_mib_per_100"] == pytest.approx(0.0)
+    leak = summary(rows(lambda s: 500.0 + s / 100, lambda s: 100.0 + s / 10))["ranks"][0]
+    assert leak["rss_goal_met"] and leak["rss_change_pct"] == pytest.approx(100 * 9 / 501)  # within 5 % at step 1,000 ...
+    assert leak["rss_slope_mib_per_100"] == pytest.approx(1.0)  # ... but growing by 1 MiB per 100 steps
+    assert leak["rss_slope_pct_per_100"] == pytest.approx(100 / 501)
+    assert not leak["step_time_goal_met"] and leak["step_time_change_pct"] == pytest.approx(100 * 90 / 110)

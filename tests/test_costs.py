@@ -124,8 +124,19 @@ def test_profile_interpolation_exact_on_grid_linear_between_inf_outside_and_oom(
     np.testing.assert_array_equal(f, [block["forward"][0][0], block["forward"][1][1]])
     mid, _ = m.layer_time("block", 1.5, 256)
     assert mid == pytest.approx((block["forward"][0][0] + block["forward"][1][0]) / 2, rel=1e-12)
-    outside = m.layer_time("block", np.array([16, 1, 1]), np.array([256, 4096, 128]))[0]
-    assert np.all(np.isinf(outside))
+    outside = m.layer_time("block", np.array([1, 1]), np.array([4096, 128]))[0]
+    assert np.all(np.isinf(outside))  # lengths outside the grid have no price
+    # Past the largest profiled micro-batch (8): per sample from there, time and memory; the host time stays.
+    top = max(block["microbatch_size"])
+    i, j = block["microbatch_size"].index(top), block["seq_len"].index(256)
+    f16, b16 = m.layer_time("block", 2 * top, 256)
+    assert f16 == pytest.approx(2 * block["forward"][i][j], rel=1e-12)
+    assert b16 == pytest.approx(2 * block["backward"][i][j], rel=1e-12)
+    assert m.layer_memory("block", 3 * top, 256)[0] == pytest.approx(3 * block["stored"][i][j], rel=1e-12)
+    if block.get("host_forward") is not None:
+        host = m.layer_host_time("block", 2 * top, 256)[0]
+        assert host == pytest.approx(block["host_forward"][i][j], rel=1e-12)
+    assert np.isinf(m.layer_time("block", 2 * top, 2048)[0])  # out of memory at the top: larger stays out
     assert np.isinf(m.layer_time("block", 8, 2048)[0]) and np.isinf(m.layer_memory("block", 8, 2048)[0])
     assert np.isfinite(m.layer_time("block", 8, 2048, recompute=True)[0])  # checkpointing fits there
     assert np.isinf(m.layer_time("block", 1, 256, tp=4)[0])  # unprofiled tp

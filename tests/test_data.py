@@ -552,6 +552,20 @@ def test_malformed_jsonl_and_binary_txt_name_the_file_and_line(tmp_path):
         load_tokenizer("bpe", training_files=[bad_json], vocab_size=300, cache_dir=tmp_path / "c")
 
 
+def test_checkpoint_state_of_a_cached_bpe_tokenizer_reads_no_documents(tmp_path, monkeypatch):
+    """A rank that did not run ``prepare_data`` (every rank but each node's first) builds the checkpoint's tokenizer
+    entry from the cached tokenizer.json: it must neither import ``datasets`` nor load and keep the training corpus
+    (on a long run that was a one-time jump of that rank's memory at its first checkpoint, held for good)."""
+    files = write_docs(tmp_path / "data", "jsonl", ["hello world, hello text"] * 20)
+    kwargs = dict(data_files=files, tokenizer="bpe", tokenizer_vocab_size=300, seq_length=8)
+    expected = ready(make_dm(tmp_path, **kwargs)).state_dict()  # local rank 0: trains and caches the tokenizer
+    monkeypatch.setitem(sys.modules, "datasets", None)  # importing it now raises
+    other = make_dm(tmp_path, **kwargs)
+    other.setup("fit")
+    assert other.state_dict() == expected
+    assert other._documents_cache == {}
+
+
 @pytest.mark.parametrize("spec", ["bytes", "bpe", "hf"])
 def test_data_module_stores_its_tokenizer_in_checkpoints(tmp_path, spec):
     from lightning_3d.recipes.data.tokenizer import TOKENIZER_STATE_KEY, write_tokenizer_files

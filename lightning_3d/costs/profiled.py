@@ -1,7 +1,9 @@
 """A cost model read from a profile file (``lightning-3d profile`` writes it): measured per-layer times and memory
 on grids of micro-batch size × sequence length (× target length for T5's decoder), one grid per (kind, recompute,
-tp), interpolated linearly and vectorised (SciPy's ``RegularGridInterpolator``). Outside a grid, or where the
-profiler ran out of memory (``null`` in the file), the cost is ``inf``.
+tp), interpolated linearly and vectorised (SciPy's ``RegularGridInterpolator``). Above the largest profiled micro-batch
+size a layer's device time and memory grow in proportion to the size from there (its work and activations are per
+sample; the host times stay), so many short samples in one micro-batch (token budgets, dynamic micro-batching) get a
+price; outside the lengths, or where the profiler ran out of memory (``null`` in the file), the cost is ``inf``.
 
 The file is JSON (no pickle: a profile someone sends runs no code), versioned (``PROFILE_FORMAT``,
 ``PROFILE_VERSION``); docs/planner.md documents its fields. ``derive_tp=True`` prices a tensor-parallel degree the
@@ -67,7 +69,8 @@ def monotone_in_microbatch(grid: np.ndarray) -> np.ndarray:
 
 
 class _Grid:
-    """One (kind, recompute, tp) grid: axes and the four measured quantities, interpolated with inf outside."""
+    """One (kind, recompute, tp) grid: axes and the four measured quantities, interpolated; scaled past the largest
+    micro-batch size, inf outside the lengths (module docstring)."""
 
     def __init__(self, entry: dict, where: str) -> None:
         axes = [entry["microbatch_size"], entry["seq_len"]]
@@ -104,8 +107,14 @@ class _Grid:
     def __call__(self, q: str, points: list[np.ndarray]) -> np.ndarray:
         b = np.broadcast_arrays(*points)
         flat = np.stack([p.ravel().astype(float) for p in b], axis=-1)
+        # Past the largest profiled micro-batch: the value there, times the size ratio (device time and memory are
+        # per sample once a size that large keeps the GPU busy; a pessimistic price where it does not yet). An
+        # out-of-memory cell at the top stays inf. Host times do not grow with the size.
+        top = self.axes[0][-1]
+        scale = np.maximum(flat[:, 0] / top, 1.0) if q not in HOST_QUANTITIES else 1.0
+        flat[:, 0] = np.minimum(flat[:, 0], top)
         values, missing = self.interp[q]
-        out = np.where(missing(flat) > 0, math.inf, values(flat))
+        out = np.where(missing(flat) > 0, math.inf, values(flat) * scale)
         return out.reshape(b[0].shape)
 
 

@@ -218,7 +218,11 @@ class CausalLMDataModule(L.LightningDataModule):
         if self._tokenizer is None:
             texts = fingerprint = None
             if self.tokenizer_kind == "bpe":
-                texts, fingerprint = self._train_documents(), json.dumps(self._train_identity(), sort_keys=True)
+                # Lazily: the documents are opened (``datasets`` imported, the corpus loaded and cached in this
+                # module) only when the tokenizer must be trained; with a cached tokenizer, e.g. a rank other than
+                # the one that ran ``prepare_data`` asked for ``state_dict`` at a checkpoint, nothing is read.
+                texts = lambda: self._train_documents()()  # noqa: E731
+                fingerprint = json.dumps(self._train_identity(), sort_keys=True)
             self._tokenizer = load_tokenizer(
                 self.hparams.tokenizer,
                 vocab_size=self.hparams.tokenizer_vocab_size,
