@@ -46,10 +46,15 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_3d import Compressed3DStrategy
-from lightning_3d.recipes import GPT
-from lightning_3d.recipes.data import CausalLMDataModule
-from lightning_3d.strategies.config import ParallelismConfig, PipelineConfig
+# The repository's package without an install (as the other benchmarks run): the launcher re-runs this script for
+# the other ranks, which take the same path.
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lightning_3d import Compressed3DStrategy  # noqa: E402
+from lightning_3d.recipes import GPT  # noqa: E402
+from lightning_3d.recipes.data import CausalLMDataModule  # noqa: E402
+from lightning_3d.strategies.config import ParallelismConfig, PipelineConfig  # noqa: E402
 
 GOAL_PCT = 5.0
 
