@@ -2,7 +2,8 @@
 training on the same global batches (tests/scenarios/dynamic.py), with replicas holding different numbers of
 micro-batches and tokens, and every step running its own planned schedule. GPT and T5 (whose inputs and targets
 are padded per micro-batch to their own planned lengths). Ranks that planned differently raise before any send. At
-4 processes also the multi-task data module's ``packed_dynamic`` (GPT) and ``auto`` (T5) micro-batching."""
+4 processes also the multi-task data module's ``packed_dynamic`` (GPT) and ``auto`` (T5) micro-batching, with
+compressed backpropagation (full rank) and the sharded optimizer state on."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def test_dynamic_microbatching_matches_single_process_training(world: int, tmp_p
             assert r["loss_err"] <= TOLERANCE and r["param_err"] <= TOLERANCE, (name, r)
             assert len(r["choices"]) == len(r["losses"]), (name, r)  # every step recorded what ran
         assert set(planned["gpt_221_packed_dynamic"]["choices"]) == {"packed_dynamic"}
+        for name, r in planned.items():  # with CB at full rank and the sharded optimizer state: it compressed, sharded
+            assert r["strategy"]["cb_sends"] > 0 and r["strategy"]["sharded"] is True, (name, r["strategy"])
     else:  # bad input in the data path: every rank raised the planner's message, none hung in a collective
         assert report["empty_sample_raised_on_every_rank"] is True
         # ranks of one pipeline given different schedules: every rank raised the strategy's message before any send

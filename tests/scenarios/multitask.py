@@ -9,14 +9,16 @@ are compared.
 Planned micro-batching against the same single-process references (GPT, and T5 trained alone, padded): GPT at
 (1,2,1) with ``microbatching="auto"`` and at (2,1,1) with ``"packed_dynamic"``, T5 at (1,2,1) with
 ``"packed_dynamic"`` and at (2,1,1) with ``"auto"`` over candidates that mix packed and padded ones; each replica
-plans the whole global batch and keeps its share. The 4-process layouts run in tests/scenarios/dynamic.py (its world-4
-process group) through :func:`planned_fits`.
+plans the whole global batch and keeps its share. The 4-process layouts, (2,2,1) with compressed backpropagation (at
+full rank) and the sharded optimizer state on, run in tests/scenarios/dynamic.py (its world-4 process group) through
+:func:`planned_fits`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -90,14 +92,34 @@ def full_parameters(module) -> dict[str, torch.Tensor]:
     return {n: t for part in gathered for n, t in part.items()}
 
 
-def fit(model_type: str, microbatching: str, pp: int, tp: int, cache: Path, **kw) -> tuple[list[float], dict]:
+# CB at full rank (rank >= the tiny models' hidden size 32) on every send, SC held in its warm-up: compression's code
+# path with a reconstruction exact up to rounding, so the fit must still equal one process (tests/tolerance.py).
+EXACT_CB = dict(enabled=True, compressed_backprop=True, cb_rank=64, cb_epilogue_only=False, cb_min_compression_ratio=0.0,
+                sc_warmup=100)
+
+
+def fit(model_type: str, microbatching: str, pp: int, tp: int, cache: Path, compression: dict | None = None,
+        shard_optimizer_state: bool = False, **kw) -> tuple[list[float], dict]:
     dm = data(model_type, microbatching, cache, **kw)
     # num_microbatches only passes the configuration check: MicroBatches batches bring their own count.
-    strategy = Compressed3DStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2,
-                                    compression=False)
-    recorder, module = LossRecorder(), model(model_type, dm)
-    trainer(strategy, STEPS, [recorder]).fit(module, datamodule=dm)
-    return recorder.losses, full_parameters(module), dm.plan_waits.choices if dm.plan_waits is not None else []
+    strategy = Compressed3DStrategy(parallelism={"pipeline_parallel_size": pp, "tensor_parallel_size": tp},
+                                    pipeline={"num_microbatches": 2}, compression=compression or {"enabled": False},
+                                    runtime={"shard_optimizer_state": shard_optimizer_state})
+    recorder, module, facts = LossRecorder(), model(model_type, dm), StrategyFacts()
+    trainer(strategy, STEPS, [recorder, facts]).fit(module, datamodule=dm)
+    return recorder.losses, full_parameters(module), dm.plan_waits.choices if dm.plan_waits is not None else [], facts.facts
+
+
+class StrategyFacts(pl.Callback):
+    """What the strategy did, read before its teardown: compressed sends (the most of any rank) and whether the
+    optimizer stepped sharded."""
+
+    def on_train_end(self, trainer, module) -> None:
+        strategy = trainer.strategy
+        cb = strategy.compressed_backprop
+        sends = torch.tensor(float(sum(cb.compressed_sends.values())) if cb is not None else 0.0)
+        dist.all_reduce(sends, op=dist.ReduceOp.MAX)
+        self.facts = {"cb_sends": int(sends.item()), "sharded": strategy.engine.sharded is not None}
 
 
 def compare(run: tuple, ref: tuple) -> dict:
@@ -111,6 +133,8 @@ def compare(run: tuple, ref: tuple) -> dict:
     out = {"loss_err": loss_err, "param_err": param_err, "losses": run[0], "ref_losses": ref[0]}
     if len(run) > 2 and any(run[2]):
         out["choices"] = run[2]  # the candidate each step ran (auto and packed_dynamic)
+    if len(run) > 3:
+        out["strategy"] = run[3]  # compressed sends, sharded optimizer
     return out
 
 
@@ -124,8 +148,10 @@ def planned_fits(world: int, cache: Path, gpt_ref: tuple) -> dict:
                 "gpt_211_packed_dynamic": compare(fit("gpt", "packed_dynamic", 1, 1, cache, **budget), gpt_ref),
                 "t5_121_packed_dynamic": compare(fit("t5", "packed_dynamic", 2, 1, cache, **budget), t5_ref),
                 "t5_211_auto": compare(fit("t5", "auto", 1, 1, cache, auto_candidates=T5_AUTO, **budget), t5_ref)}
-    return {"gpt_221_packed_dynamic": compare(fit("gpt", "packed_dynamic", 2, 1, cache, **budget), gpt_ref),
-            "t5_221_auto": compare(fit("t5", "auto", 2, 1, cache, auto_candidates=T5_AUTO, **budget), t5_ref)}
+    # With compression (CB) and the sharded optimizer state on at the same time (2 replicas, 2 stages).
+    both = dict(compression=EXACT_CB, shard_optimizer_state=True)
+    return {"gpt_221_packed_dynamic": compare(fit("gpt", "packed_dynamic", 2, 1, cache, **both, **budget), gpt_ref),
+            "t5_221_auto": compare(fit("t5", "auto", 2, 1, cache, auto_candidates=T5_AUTO, **both, **budget), t5_ref)}
 
 
 def main() -> None:
