@@ -235,20 +235,31 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--workdir", type=Path, default=None, help="checkpoints and data cache (default: a temp dir)")
+    parser.add_argument("--train-files", type=Path, nargs="+", default=None,
+                        help="local text files to train on instead of the offline default corpus (a machine whose"
+                             " data cache was prepared elsewhere: the cache is keyed by the files' path, size and"
+                             " modification time)")
     parser.add_argument("--json", type=Path, default=None, help="write every window and the summary here")
     parser.add_argument("--tracemalloc", type=int, default=0, metavar="N",
                         help="print the N source lines of largest Python allocation growth per window (slow)")
     parser.add_argument("--gc-types", type=int, default=0, metavar="N",
                         help="print the N types whose tracked-object count grew most per window")
+    parser.add_argument("--flush-denormal", action="store_true",
+                        help="flush subnormal floats to zero on this CPU (torch.set_flush_denormal) in every rank:"
+                             " tells a phase of subnormal arithmetic (many times slower on x86) from the library's own"
+                             " step time")
     parser.add_argument("--malloc-trim", action="store_true",
                         help="malloc_trim(0) before each RSS reading (glibc): tells allocator caching from a leak")
     args = parser.parse_args()
     if args.steps < args.every:
         parser.error(f"--steps={args.steps} must be at least --every={args.every} (one window)")
+    if args.flush_denormal and not torch.set_flush_denormal(True):
+        parser.error("--flush-denormal: this CPU cannot flush subnormals (torch.set_flush_denormal returned False)")
     workdir = args.workdir or Path(os.environ.get("L3D_SOAK_DIR") or tempfile.mkdtemp(prefix="soak-"))
     os.environ["L3D_SOAK_DIR"] = str(workdir)  # the other ranks (started by the launcher) use the same directory
 
-    data = CausalLMDataModule(seq_length=args.seq_length, batch_size=args.batch_size, cache_dir=str(workdir / "cache"))
+    data = CausalLMDataModule(seq_length=args.seq_length, batch_size=args.batch_size, cache_dir=str(workdir / "cache"),
+                              data_files=[str(p.resolve()) for p in args.train_files] if args.train_files else None)
     model = GPT("tiny", vocab_size=data.vocab_size, seq_length=args.seq_length)
     soak = Soak(args.every, args.tracemalloc, args.gc_types, args.malloc_trim)
     strategy = Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=args.devices),
