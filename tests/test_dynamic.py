@@ -194,9 +194,14 @@ import numpy as np
 from lightning_3d.dynamic import plan_step
 from tests.scenarios.dynamic_costs import TINY, ToyCostModel
 lengths = np.minimum(np.random.default_rng(7).lognormal(3.5, 1.0, 96).astype(int) + 1, 256)
-plan = plan_step(lengths, cost_model=ToyCostModel(), shape=TINY, dp=2, pp=2, memory_budget=3e6, max_seq_len=256)
+plans = [plan_step(lengths, cost_model=ToyCostModel(), shape=TINY, dp=2, pp=2, memory_budget=3e6, max_seq_len=256)]
+# the adaptive schedule's lists (built from the plan's costs alone): one and two stages per rank
+plans += [plan_step(lengths, cost_model=ToyCostModel(), shape=TINY, dp=1, pp=pp, virtual_stages=v, schedule=schedule,
+                    memory_budget=3e6, max_seq_len=256, adaptive_schedule="only")
+          for pp, v, schedule in ((4, 1, "1f1b"), (2, 2, "interleaved_1f1b"))]
+assert all(r.schedule == "adaptive" for plan in plans[1:] for r in plan.replicas)
 print(json.dumps([[[list(mb.samples), mb.seq_len] for mb in r.microbatches] + [repr(r.orders), r.makespan]
-                  for r in plan.replicas]))
+                  for plan in plans for r in plan.replicas]))
 """
 
 

@@ -301,7 +301,8 @@ def test_packed_batches_train_like_unpacked_ones_at_pp2_and_tp2(tmp_path: Path) 
     """GPT at pp=2 and tp=2: packed training equals plain single-process training on the same global batches, padded,
     within the 1e-5 relative fp32 tolerance of tests/test_distributed.py (summation order only; Adam eps 1e-6 as
     there). So do the planned micro-batchings, GPT and T5 against their own single-process references: ``auto`` at
-    (1,2,1) (GPT) and (2,1,1) (T5), ``packed_dynamic`` at (2,1,1) (GPT) and (1,2,1) (T5). T5 at pp=2 (packing
+    (1,2,1) (GPT) and (2,1,1) (T5), ``packed_dynamic`` at (2,1,1) (GPT) and (1,2,1) (T5); the two at pp=2 run the
+    adaptive pipeline schedule (``adaptive_schedule="only"``) in every planned step. T5 at pp=2 (packing
     against padding) runs with ``L3D_MULTITASK_T5=1`` (it passes; left out by default to keep the suite short)."""
     import os
 
@@ -319,6 +320,11 @@ def test_packed_batches_train_like_unpacked_ones_at_pp2_and_tp2(tmp_path: Path) 
         choices = report[name]["choices"]
         assert len(choices) == len(report[name]["losses"]), (name, choices)
         assert name.endswith("auto") or set(choices) == {"packed_dynamic"}, (name, choices)
+    # The adaptive schedule's per-step orders ran in every step a planner's candidate ran at pp=2, GPT and T5.
+    for name in ("gpt_121_auto", "t5_121_packed_dynamic"):
+        result = report[name]
+        planned_steps = [k for k, c in enumerate(result["choices"]) if c in ("dynamic", "packed_dynamic")]
+        assert planned_steps and all(result["schedules"][k] == ["adaptive"] for k in planned_steps), (name, result)
     # The auto runs' exactness covers both kinds of micro-batch: padded samples and packed rows (the analytic cost
     # model's choice on this data; if a cost-model change moves it, pick auto_candidates that keep both).
     ran = {c for name in planned if name.endswith("auto") for c in report[name]["choices"]}

@@ -168,22 +168,9 @@ def sdpa_context(model: torch.nn.Module, name: str):
     return stack
 
 
-class ProfiledData(MultiTaskDataModule):
-    """The data module with a given cost model for dynamic micro-batching (the module itself plans with the
-    analytic one)."""
-
-    cost_model = None
-
-    def _dynamic_planner(self, collator, dp, rank):
-        batcher = super()._dynamic_planner(collator, dp, rank)
-        if self.cost_model is not None:
-            batcher.options["cost_model"] = self.cost_model
-        return batcher
-
-
 def data_module(args, microbatching: str = "padding", size: int | None = None, **extra) -> MultiTaskDataModule:
     budget = size if microbatching == "token_budget" else args.token_budget
-    return ProfiledData(
+    return MultiTaskDataModule(
         model_type=args.model, num_samples=args.num_samples, tokenizer="bpe", tokenizer_vocab_size=args.vocab_size,
         seq_length=args.seq_length, target_length=args.target_length, global_batch_size=args.global_batch,
         microbatching=microbatching, micro_batch_size=size or args.micro_batch_size, token_budget=budget,
@@ -698,9 +685,9 @@ def lightning(args) -> list[dict]:
             extra = {"memory_budget_gb": budget_gb} if name in PLANNED else {}
             if name == "auto" and args.auto_candidates:
                 extra["auto_candidates"] = args.auto_candidates
-            data = data_module(args, name, size, num_workers=args.num_workers, **extra)
             if name in PLANNED and not text.endswith("@analytic") and args.profile not in ("none", "measure"):
-                data.cost_model = cost_model
+                extra["cost_profile"] = args.profile  # the data module reads and checks it (its public option)
+            data = data_module(args, name, size, num_workers=args.num_workers, **extra)
             strategy = Compressed3DStrategy(pipeline_parallel_size=args.pp, compression=False)
             trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, precision=args.precision,
                                  max_steps=steps, strategy=strategy, logger=False, enable_checkpointing=False,

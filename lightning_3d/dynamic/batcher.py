@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from lightning_3d.costs.model import CostModel, ModelShape
+from lightning_3d.dynamic.adaptive import check_adaptive
 from lightning_3d.dynamic.choice import StepChoice, choose_step, parse_candidates
 from lightning_3d.dynamic.consistency import RECOMPUTE_KEY
 from lightning_3d.dynamic.handoff import PlannedMicroBatches
@@ -51,7 +52,8 @@ class DynamicMicroBatcher:
     step then carries ``choice`` (a ``StepChoice``: what ran, every candidate's prediction). Packed candidates need
     ``collate_packed(rows of samples, seq_len, target_len)`` (one micro-batch of packed rows with document ids) and
     ``max_seq_len`` (the row length); ``packed_attention`` is what the model runs for GPT's packed rows on its device
-    (``"flex"`` or ``"dense"``), which decides their attention cost.
+    (``"flex"`` or ``"dense"``), which decides their attention cost. ``adaptive_schedule``: "auto" (the order search
+    also tries the adaptive schedule and keeps it where it simulates faster), "off" or "only" (``plan_step``).
     """
 
     def __init__(
@@ -60,10 +62,11 @@ class DynamicMicroBatcher:
         max_seq_len: int | None = None, max_target_len: int | None = None, tp: int = 1, seed: int = 0,
         layer_split: Sequence[int] | None = None, input_length: Callable[[Any], int] = input_length,
         target_length: Callable[[Any], int] | None = None, candidates: Sequence[str] | None = None,
-        collate_packed: CollatePacked | None = None, packed_attention: str = "dense",
+        collate_packed: CollatePacked | None = None, packed_attention: str = "dense", adaptive_schedule: str = "auto",
     ) -> None:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp={dp}).")
+        check_adaptive(adaptive_schedule, schedule)
         self.candidates = tuple(candidates) if candidates is not None else None
         if self.candidates is not None:
             if max_seq_len is None or (target_length is not None and max_target_len is None):
@@ -83,7 +86,7 @@ class DynamicMicroBatcher:
         self.options = dict(
             shape=shape, dp=dp, pp=pp, memory_budget=memory_budget, cost_model=cost_model,
             virtual_stages=virtual_stages, schedule=schedule, round_to=round_to, max_seq_len=max_seq_len,
-            max_target_len=max_target_len, tp=tp, seed=seed, layer_split=layer_split,
+            max_target_len=max_target_len, tp=tp, seed=seed, layer_split=layer_split, adaptive_schedule=adaptive_schedule,
         )
 
     def plan(self, samples: Sequence[Any]) -> StepPlan:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_3d.costs.model import CostModel, ModelShape
+from lightning_3d.dynamic.adaptive import check_adaptive
 from lightning_3d.dynamic.packed import attention_ratio, dense_mask_bytes, first_fit_decreasing
 from lightning_3d.dynamic.packed_plan import plan_packed_step
 from lightning_3d.dynamic.plan import (
@@ -109,19 +110,23 @@ def choose_step(
     cost_model: CostModel | None = None, shape: ModelShape, dp: int, pp: int, virtual_stages: int = 1,
     schedule: str = "1f1b", memory_budget: float, round_to: int = 8, max_seq_len: int, max_target_len: int | None = None,
     tp: int = 1, seed: int = 0, layer_split: Sequence[int] | None = None, packed_attention: str = "dense",
+    adaptive_schedule: str = "auto",
 ) -> StepChoice:
     """The cheapest candidate for one global batch (module docstring). ``packed_attention``: what GPT's packed rows
-    run on the device (``"flex"`` or ``"dense"``). Raises ValueError, naming every candidate's reason, when none
+    run on the device (``"flex"`` or ``"dense"``); ``adaptive_schedule`` applies to the dynamic candidates' order
+    search (``plan_step``), the fixed ones run the named schedule. Raises ValueError, naming every candidate's reason, when none
     fits the memory budget."""
     targets = target_lengths is not None
     longest = max_seq_len + ((max_target_len or 0) if targets else 0)
     parsed = parse_candidates(candidates, longest)
     inputs, tgts = check_sample_lengths(input_lengths, target_lengths, max_seq_len, max_target_len)
     check_layout(len(inputs), dp, pp, virtual_stages, schedule, memory_budget, round_to)
+    check_adaptive(adaptive_schedule, schedule)
     cost_model = cost_model if cost_model is not None else default_cost_model(shape)
     common = dict(target_lengths=target_lengths, cost_model=cost_model, shape=shape, dp=dp, pp=pp,
                   virtual_stages=virtual_stages, schedule=schedule, memory_budget=memory_budget, round_to=round_to,
-                  max_seq_len=max_seq_len, max_target_len=max_target_len, tp=tp, seed=seed, layer_split=layer_split)
+                  max_seq_len=max_seq_len, max_target_len=max_target_len, tp=tp, seed=seed, layer_split=layer_split,
+                  adaptive_schedule=adaptive_schedule)
     layout = Layout(cost_model, stage_layers(shape, pp * virtual_stages, layer_split), shape.family == "gpt", pp,
                      virtual_stages, schedule, tp, memory_budget, packed_attention)
     predicted, refused, plans = {}, {}, {}
@@ -236,4 +241,4 @@ def _simulated(mbs: list[MicroBatchPlan], inputs: np.ndarray, layout: Layout) ->
     timeline = simulate(orders, stages, lambda a: (costs.forward if a.kind == "F" else costs.backward)[a.stage, a.microbatch],
                         stored=lambda a: costs.stored[a.stage, a.microbatch],
                         transient=lambda a: costs.transient[a.stage, a.microbatch], check=False)
-    return ReplicaPlan(tuple(mbs), orders, timeline.makespan, timeline.peak_memory)
+    return ReplicaPlan(tuple(mbs), orders, timeline.makespan, timeline.peak_memory, layout.schedule)

@@ -162,7 +162,8 @@ class PlanWaits:
     ``wrap(loader)`` yields the loader's batches and records each step; ``summary()`` reports the counts. A batch
     without ``planned_at`` (not from a ``DynamicMicroBatcher``) is recorded with its fetch time only. Per step also
     ``choices`` (the candidate that ran, for a batcher with ``candidates``; else None) and ``predicted_s`` (the cost
-    model's simulated step seconds of what ran, for planned steps).
+    model's simulated step seconds of what ran, for planned steps) and ``schedules`` (per replica, what its pipeline
+    orders are: the named schedule, ``"1f1b-warmup<w>"`` or ``"adaptive"``; None for a step that was not planned).
     """
 
     startup: int = 1
@@ -171,6 +172,7 @@ class PlanWaits:
     planned: list[float | None] = field(default_factory=list)
     choices: list[str | None] = field(default_factory=list)
     predicted_s: list[float | None] = field(default_factory=list)
+    schedules: list[tuple[str, ...] | None] = field(default_factory=list)
 
     def wrap(self, loader: Iterable[Any]) -> Iterator[Any]:
         it = iter(loader)
@@ -183,16 +185,18 @@ class PlanWaits:
             received = time.monotonic()
             choice, plan = getattr(batch, "choice", None), getattr(batch, "plan", None)
             self.record(start, received, getattr(batch, "planned_at", None),
-                        choice.chosen if choice is not None else None, plan.makespan if plan is not None else None)
+                        choice.chosen if choice is not None else None, plan.makespan if plan is not None else None,
+                        tuple(r.schedule for r in plan.replicas) if plan is not None else None)
             yield batch
 
     def record(self, requested: float, received: float, planned_at: float | None, chosen: str | None = None,
-               predicted_s: float | None = None) -> None:
+               predicted_s: float | None = None, schedules: tuple[str, ...] | None = None) -> None:
         self.requested.append(requested)
         self.received.append(received)
         self.planned.append(planned_at)
         self.choices.append(chosen)
         self.predicted_s.append(predicted_s)
+        self.schedules.append(schedules)
 
     def choice_counts(self) -> dict[str, int]:
         """How many steps ran each chosen candidate (empty without candidates)."""

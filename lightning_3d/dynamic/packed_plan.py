@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_3d.costs.model import CostModel, ModelShape
+from lightning_3d.dynamic.adaptive import check_adaptive
 from lightning_3d.dynamic.packed import FLEX_BLOCK, attention_ratio, causal_blocks, dense_mask_bytes, document_blocks, first_fit_decreasing
 from lightning_3d.dynamic.partition import karmarkar_karp, range_shapes, round_up, sample_order
 from lightning_3d.dynamic.plan import (
@@ -53,7 +54,7 @@ def plan_packed_step(
     input_lengths: Sequence[int], *, target_lengths: Sequence[int] | None = None, cost_model: CostModel | None = None,
     shape: ModelShape, dp: int, pp: int, virtual_stages: int = 1, schedule: str = "1f1b", memory_budget: float,
     round_to: int = 8, max_seq_len: int | None = None, max_target_len: int | None = None, tp: int = 1, seed: int = 0,
-    layer_split: Sequence[int] | None = None, packed_attention: str = "dense",
+    layer_split: Sequence[int] | None = None, packed_attention: str = "dense", adaptive_schedule: str = "auto",
 ) -> StepPlan:
     """Plan one global batch as micro-batches of packed rows (module docstring): the rows are spread over the
     replicas first (Karmarkar–Karp on each row's time), then each replica's rows are partitioned and ordered
@@ -69,6 +70,7 @@ def plan_packed_step(
                          " (SDPA's dense document mask), what the model runs for packed rows.")
     inputs, targets = check_sample_lengths(input_lengths, target_lengths, max_seq_len, max_target_len)
     check_layout(len(inputs), dp, pp, virtual_stages, schedule, memory_budget, round_to)
+    check_adaptive(adaptive_schedule, schedule)
     cost_model = cost_model if cost_model is not None else default_cost_model(shape)
     stages = stage_layers(shape, pp * virtual_stages, layer_split)
     # Every replica needs a micro-batch, and interleaved schedules a multiple of pp of them: as many rows at least.
@@ -86,7 +88,7 @@ def plan_packed_step(
         units = PlanUnits(np.array(mine), fill_in[mine], fill_tg[mine] if fill_tg is not None else None,
                           [docs[i] for i in mine] if docs is not None else None)
         try:
-            plan = _plan_replica(units, costs, pp, virtual_stages, schedule, memory_budget, seed + r)
+            plan = _plan_replica(units, costs, pp, virtual_stages, schedule, memory_budget, seed + r, adaptive_schedule)
         except ValueError as err:
             raise ValueError(f"Packed rows of {max_seq_len} tokens: {str(err).replace('sample ', 'packed row ', 1)}"
                              ) from err
@@ -140,7 +142,7 @@ def _spread(rows: list[list[int]], seq: np.ndarray, target: np.ndarray | None, d
 
 
 def _plan_replica(units: PlanUnits, costs: _Costs, pp: int, v: int, schedule: str, budget: float,
-                  seed: int) -> StepPlan:
+                  seed: int, adaptive: str) -> StepPlan:
     """``search_plan`` over one replica's rows (dp = 1): every contiguous range of its rows, ordered by padded
     length, is a candidate micro-batch, costed as packed rows."""
     order = sample_order(units.seq, units.target)
@@ -151,7 +153,7 @@ def _plan_replica(units: PlanUnits, costs: _Costs, pp: int, v: int, schedule: st
     size, seq, tgt = range_shapes(rin, rtg)
     shapes = (size[starts, stops], seq[starts, stops], tgt[starts, stops] if tgt is not None else None)
     ctx = PlanContext(units.rows[order], rin, rtg, starts, stops, shapes, np.arange(len(starts)), pp, v, 1, schedule,
-                      budget, seed)
+                      budget, seed, adaptive=adaptive)
     ratio = None
     if costs.attention is not None:
         ratio = _range_attention_ratio([units.docs[i] for i in order], starts, stops, shapes[1], costs.attention)
@@ -178,4 +180,4 @@ def _with_rows(replica: ReplicaPlan, rows: list[list[int]]) -> ReplicaPlan:
     mbs = tuple(MicroBatchPlan(tuple(i for r in mb.samples for i in rows[r]), mb.seq_len, mb.target_len,
                                mb.recompute, tuple(tuple(rows[r]) for r in mb.samples))
                 for mb in replica.microbatches)
-    return ReplicaPlan(mbs, replica.orders, replica.makespan, replica.peak_memory)
+    return ReplicaPlan(mbs, replica.orders, replica.makespan, replica.peak_memory, replica.schedule)

@@ -20,6 +20,7 @@ import numpy as np
 
 from lightning_3d.costs.analytic import AnalyticCostModel
 from lightning_3d.costs.model import CostModel, ModelShape
+from lightning_3d.dynamic.adaptive import check_adaptive
 from lightning_3d.dynamic.ordering import in_flight, order_microbatches
 from lightning_3d.dynamic.partition import NoPartition, best_partition, karmarkar_karp, range_shapes, round_up, sample_order
 from lightning_3d.dynamic.stage_costs import StageCosts, evaluate, stage_layers
@@ -47,12 +48,14 @@ class MicroBatchPlan:
 class ReplicaPlan:
     """One data-parallel replica's micro-batches in running order, and the schedule (one action tuple per pipeline
     rank) to pass as ``MicroBatches(..., orders=orders)``. ``makespan`` (seconds) and ``peak_memory`` (bytes per
-    pipeline rank) are the simulator's predictions under the cost model."""
+    pipeline rank) are the simulator's predictions under the cost model; ``schedule`` names what ``orders`` are (the
+    named schedule, ``"1f1b-warmup<w>"`` or ``"adaptive"``: ``ordering.Ordered``)."""
 
     microbatches: tuple[MicroBatchPlan, ...]
     orders: tuple[tuple[Action, ...], ...]
     makespan: float
     peak_memory: tuple[float, ...]
+    schedule: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,21 +80,25 @@ def plan_step(
     input_lengths: Sequence[int], *, target_lengths: Sequence[int] | None = None, cost_model: CostModel | None = None,
     shape: ModelShape, dp: int, pp: int, virtual_stages: int = 1, schedule: str = "1f1b", memory_budget: float,
     round_to: int = 8, max_seq_len: int | None = None, max_target_len: int | None = None, tp: int = 1, seed: int = 0,
-    layer_split: Sequence[int] | None = None,
+    layer_split: Sequence[int] | None = None, adaptive_schedule: str = "auto",
 ) -> StepPlan:
     """Plan one global batch (see the module docstring). ``memory_budget``: activation bytes per GPU.
     ``max_seq_len`` / ``max_target_len``: the model's limits (a longer sample is an error; padded lengths never
     exceed them). ``layer_split``: blocks per stage if the strategy's ``pipeline_layer_split`` overrides the even
-    split. Raises ``ValueError`` naming the bad value and the fix for inputs no plan can serve."""
+    split. ``adaptive_schedule``: whether the order search also tries the adaptive schedule ("auto", "off" or
+    "only": ``adaptive.ADAPTIVE_CHOICES``). Raises ``ValueError`` naming the bad value and the fix for inputs no plan
+    can serve."""
     inputs, targets = check_sample_lengths(input_lengths, target_lengths, max_seq_len, max_target_len)
     check_layout(len(inputs), dp, pp, virtual_stages, schedule, memory_budget, round_to)
+    check_adaptive(adaptive_schedule, schedule)
     cost_model = cost_model if cost_model is not None else default_cost_model(shape)
     stages = stage_layers(shape, pp * virtual_stages, layer_split)
     order = sample_order(round_up(inputs, round_to, max_seq_len),
                          round_up(targets, round_to, max_target_len) if targets is not None else None)
     rin = round_up(inputs[order], round_to, max_seq_len)
     rtg = round_up(targets[order], round_to, max_target_len) if targets is not None else None
-    ctx = PlanContext(order, rin, rtg, *_grid(rin, rtg), pp, virtual_stages, dp, schedule, memory_budget, seed)
+    ctx = PlanContext(order, rin, rtg, *_grid(rin, rtg), pp, virtual_stages, dp, schedule, memory_budget, seed,
+                      adaptive=adaptive_schedule)
     return search_plan(ctx, lambda recompute: evaluate(cost_model, stages, *ctx.shapes, recompute=recompute, tp=tp),
                        cost_model)
 
@@ -178,6 +185,7 @@ class PlanContext:
     budget: float
     seed: int
     costs: StageCosts | None = None  # per stage and shape
+    adaptive: str = "auto"  # ``order_microbatches``'s ``adaptive``
 
     def shape_of(self, a: int, b: int) -> int:
         """The shape index of range [a, b)."""
@@ -212,13 +220,15 @@ def _plan_once(ctx: PlanContext, limit: float, held: np.ndarray, recompute: bool
         if schedule_spec(ctx.schedule).microbatch_multiple_of_pp:
             mine = _split_to_multiple(mine, ctx.pp, time, ctx.schedule)
         cols = np.array([ctx.shape_of(a, b) for a, b in mine])
-        chosen = order_microbatches(ctx.costs.take(cols), ctx.pp, ctx.v, ctx.schedule, ctx.budget, ctx.seed + r)
+        chosen = order_microbatches(ctx.costs.take(cols), ctx.pp, ctx.v, ctx.schedule, ctx.budget, ctx.seed + r,
+                                    adaptive=ctx.adaptive)
         mbs = tuple(
             MicroBatchPlan(tuple(sorted(int(i) for i in ctx.order[a:b])), int(ctx.rin[a:b].max()),
                            int(ctx.rtg[a:b].max()) if ctx.rtg is not None else None, recompute)
             for a, b in (mine[j] for j in chosen.perm)
         )
-        replicas.append(ReplicaPlan(mbs, chosen.orders, chosen.timeline.makespan, chosen.timeline.peak_memory))
+        replicas.append(ReplicaPlan(mbs, chosen.orders, chosen.timeline.makespan, chosen.timeline.peak_memory,
+                                    chosen.schedule))
     return StepPlan(tuple(replicas), max(p.makespan for p in replicas), max(max(p.peak_memory) for p in replicas),
                     estimate, recompute, "")
 

@@ -9,9 +9,11 @@ are compared.
 Planned micro-batching against the same single-process references (GPT, and T5 trained alone, padded): GPT at
 (1,2,1) with ``microbatching="auto"`` and at (2,1,1) with ``"packed_dynamic"``, T5 at (1,2,1) with
 ``"packed_dynamic"`` and at (2,1,1) with ``"auto"`` over candidates that mix packed and padded ones; each replica
-plans the whole global batch and keeps its share. The 4-process layouts, (2,2,1) with compressed backpropagation (at
-full rank) and the sharded optimizer state on, run in tests/scenarios/dynamic.py (its world-4 process group) through
-:func:`planned_fits`.
+plans the whole global batch and keeps its share. The two pipelined ones (1,2,1) run the adaptive schedule
+(``adaptive_schedule="only"``, lightning_3d/dynamic/adaptive.py) wherever a planner's candidate runs, so its
+per-step orders train exactly like one process too; each run reports the schedule of every step. The 4-process
+layouts, (2,2,1) with compressed backpropagation (at full rank) and the sharded optimizer state on, run in
+tests/scenarios/dynamic.py (its world-4 process group) through :func:`planned_fits`.
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ def fit(model_type: str, microbatching: str, pp: int, tp: int, cache: Path, comp
                                     runtime={"shard_optimizer_state": shard_optimizer_state})
     recorder, module, facts = LossRecorder(), model(model_type, dm), StrategyFacts()
     trainer(strategy, STEPS, [recorder, facts]).fit(module, datamodule=dm)
-    return recorder.losses, full_parameters(module), dm.plan_waits.choices if dm.plan_waits is not None else [], facts.facts
+    waits = dm.plan_waits
+    return (recorder.losses, full_parameters(module), waits.choices if waits is not None else [], facts.facts,
+            waits.schedules if waits is not None else [])
 
 
 class StrategyFacts(pl.Callback):
@@ -135,6 +139,8 @@ def compare(run: tuple, ref: tuple) -> dict:
         out["choices"] = run[2]  # the candidate each step ran (auto and packed_dynamic)
     if len(run) > 3:
         out["strategy"] = run[3]  # compressed sends, sharded optimizer
+    if len(run) > 4 and any(run[4]):
+        out["schedules"] = run[4]  # per step, every replica's pipeline schedule (planned steps)
     return out
 
 
@@ -144,9 +150,11 @@ def planned_fits(world: int, cache: Path, gpt_ref: tuple) -> dict:
     t5_ref = reference(cache, "t5")
     budget = dict(memory_budget_gb=BUDGET_GB)
     if world == 2:
-        return {"gpt_121_auto": compare(fit("gpt", "auto", 2, 1, cache, **budget), gpt_ref),
+        adaptive = dict(adaptive_schedule="only")  # at pp = 2 (module docstring)
+        return {"gpt_121_auto": compare(fit("gpt", "auto", 2, 1, cache, **adaptive, **budget), gpt_ref),
                 "gpt_211_packed_dynamic": compare(fit("gpt", "packed_dynamic", 1, 1, cache, **budget), gpt_ref),
-                "t5_121_packed_dynamic": compare(fit("t5", "packed_dynamic", 2, 1, cache, **budget), t5_ref),
+                "t5_121_packed_dynamic": compare(fit("t5", "packed_dynamic", 2, 1, cache, **adaptive, **budget),
+                                                 t5_ref),
                 "t5_211_auto": compare(fit("t5", "auto", 1, 1, cache, auto_candidates=T5_AUTO, **budget), t5_ref)}
     # With compression (CB) and the sharded optimizer state on at the same time (2 replicas, 2 stages).
     both = dict(compression=EXACT_CB, shard_optimizer_state=True)

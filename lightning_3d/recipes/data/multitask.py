@@ -36,6 +36,7 @@ from lightning_3d.recipes.data.multitask_batching import (
     sample_target_length,
 )
 from lightning_3d.recipes.data.multitask_mix import TASKS, iter_offline_mix, read_flan_jsonl
+from lightning_3d.recipes.data.multitask_planning import check_adaptive_option, check_profile_shape, load_cost_profile
 from lightning_3d.recipes.data.packing import resolve_data_files
 from lightning_3d.recipes.data.span_corruption import Seq2SeqVocab
 from lightning_3d.recipes.data.tokenizer import (
@@ -124,7 +125,11 @@ class MultiTaskDataModule(L.LightningDataModule):
     default 80 % of the device's memory minus the rank's model state: recipes/data/memory_budget.py),
     ``"packed_dynamic"`` (the planner over packed rows) or ``"auto"`` (per step the cheapest under the planner's cost
     model of ``auto_candidates``, by default both planners, packing at 1, 2, 4, 8 rows and token budgets of 1, 2, 4,
-    8 longest samples: ``lightning_3d.dynamic.choose_step``, docs/dynamic.md). ``microbatch_multiple``:
+    8 longest samples: ``lightning_3d.dynamic.choose_step``, docs/dynamic.md). The planned ones cost micro-batches
+    with ``cost_profile`` (a profile JSON written by ``lightning-3d profile`` for this model, read as data, checked
+    when the module is built) or, without one, the analytic cost model; ``adaptive_schedule`` says whether their
+    pipeline order search also tries the adaptive schedule: ``"auto"`` (where it simulates faster), ``"off"`` or
+    ``"only"`` (``lightning_3d.dynamic.adaptive``). ``microbatch_multiple``:
     the largest micro-batches are halved until their count is a multiple of it (interleaved 1F1B needs a multiple of
     the pipeline size). ``tokenizer`` as in
     :class:`CausalLMDataModule`; T5's pad (= decoder start) id is appended after the text vocabulary.
@@ -152,6 +157,8 @@ class MultiTaskDataModule(L.LightningDataModule):
         microbatch_multiple: int = 1,
         memory_budget_gb: float | None = None,
         auto_candidates: list[str] | None = None,
+        cost_profile: str | None = None,
+        adaptive_schedule: Literal["auto", "off", "only"] = "auto",
         val_fraction: float = 0.02,
         cache_dir: str | None = None,
         num_workers: int = 0,
@@ -182,6 +189,9 @@ class MultiTaskDataModule(L.LightningDataModule):
                 raise ValueError(f"auto_candidates={auto_candidates!r} applies to microbatching='auto' only, not"
                                  f" {microbatching!r}: set microbatching='auto' or drop auto_candidates.")
             parse_candidates(auto_candidates, longest)
+        check_adaptive_option(adaptive_schedule, microbatching)
+        #: the measured cost model of ``cost_profile`` (None: planned micro-batching uses the analytic one)
+        self.cost_model = load_cost_profile(cost_profile, microbatching)
         self.tasks = list(tasks) if tasks is not None else list(TASKS)
         if not self.tasks or set(self.tasks) - set(TASKS):
             raise ValueError(f"tasks={tasks!r}: choose a non-empty subset of {list(TASKS)}.")
@@ -355,8 +365,9 @@ class MultiTaskDataModule(L.LightningDataModule):
         return collator
 
     def _dynamic_planner(self, collator: StepCollator, dp: int, rank: int):
-        """DynaPipe's planner (``lightning_3d.dynamic``) over each step's global batch, with the cost model of the
-        trained model's shape. Imported here: only this option needs the planner and the cost models."""
+        """DynaPipe's planner (``lightning_3d.dynamic``) over each step's global batch, costed by ``cost_profile``
+        (refused here if it measured another model) or the analytic model of the trained model's shape. Imported
+        here: only this option needs the planner."""
         from lightning_3d.costs import model_shape
         from lightning_3d.dynamic import DynamicMicroBatcher
         from lightning_3d.dynamic.choice import default_candidates
@@ -378,8 +389,11 @@ class MultiTaskDataModule(L.LightningDataModule):
         longest = hp.seq_length + (hp.target_length if t5 else 0)
         candidates = {"dynamic": None, "packed_dynamic": ("packed_dynamic",),
                       "auto": tuple(hp.auto_candidates or default_candidates(longest))}[hp.microbatching]
+        shape = model_shape(config, bytes_per_element=2 if half else 4, tensor_parallel_size=tp)
+        if self.cost_model is not None:
+            check_profile_shape(self.cost_model, shape, hp.cost_profile)
         return DynamicMicroBatcher(
-            collator.collate, shape=model_shape(config, bytes_per_element=2 if half else 4, tensor_parallel_size=tp),
+            collator.collate, shape=shape, cost_model=self.cost_model, adaptive_schedule=hp.adaptive_schedule,
             dp=dp, pp=pp, dp_rank=rank, memory_budget=budget_gb * 2**30, tp=tp, seed=hp.seed,
             virtual_stages=getattr(strategy, "virtual_stages", 1) or 1, schedule=getattr(strategy, "schedule", "1f1b"),
             layer_split=getattr(strategy, "pipeline_layer_split", None), max_seq_len=hp.seq_length,

@@ -1,0 +1,59 @@
+"""The planner options of ``MultiTaskDataModule`` (``cost_profile``, ``adaptive_schedule``), checked when the module
+is constructed so that a bad path or value fails before any process group or data exists, with the fix named.
+
+A profile is read by the cost models' own loader (``lightning_3d.costs.ProfiledCostModel``: JSON only, its structure
+checked field by field), so a file a user hands in is data and never runs code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from lightning_3d.costs import ProfiledCostModel
+from lightning_3d.costs.model import ModelShape
+from lightning_3d.dynamic.adaptive import ADAPTIVE_CHOICES
+from lightning_3d.recipes.data.multitask_batching import PLANNED
+
+
+def load_cost_profile(path: object, microbatching: str) -> ProfiledCostModel | None:
+    """The measured cost model of ``cost_profile`` (None: the analytic one); ValueError naming the path and the
+    fix for a missing, unreadable or malformed file, or an option the micro-batching does not use."""
+    if path is None:
+        return None
+    if microbatching not in PLANNED:
+        raise ValueError(f"cost_profile={path!r} applies to planned micro-batching only ({', '.join(PLANNED)}), not"
+                         f" microbatching={microbatching!r}: set one of those or drop cost_profile.")
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"cost_profile={path!r} must be the path of a profile JSON written by `lightning-3d profile`.")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"cost_profile={str(path)!r}: no such file. Write one with `lightning-3d profile --config"
+                         " <your training config>` on the training GPU, or drop cost_profile to plan with the analytic"
+                         " cost model.")
+    try:
+        return ProfiledCostModel(file)
+    except (ValueError, TypeError, KeyError, OSError) as err:
+        raise ValueError(f"cost_profile={str(path)!r} is not a usable profile: {err} Re-run `lightning-3d profile` to"
+                         " write it again, or drop cost_profile to plan with the analytic cost model.") from None
+
+
+def check_adaptive_option(value: object, microbatching: str) -> str:
+    """``adaptive_schedule`` if it is one of the choices (and, when not the default, the micro-batching plans)."""
+    if value not in ADAPTIVE_CHOICES:
+        choices = "; ".join(f"{k!r}: {v}" for k, v in ADAPTIVE_CHOICES.items())
+        raise ValueError(f"adaptive_schedule={value!r} is not a choice ({choices}).")
+    if value != "auto" and microbatching not in PLANNED:
+        raise ValueError(f"adaptive_schedule={value!r} applies to planned micro-batching only ({', '.join(PLANNED)}),"
+                         f" not microbatching={microbatching!r}: the fixed ones run the strategy's named schedule.")
+    return str(value)
+
+
+def check_profile_shape(cost_model: ProfiledCostModel, shape: ModelShape, path: str) -> None:
+    """A profile measures one model's layers: refuse one of another model (the vocabulary may differ by the
+    tensor-parallel padding, which the head's cost barely notices)."""
+    measured = replace(cost_model.shape, vocab_size=shape.vocab_size)
+    if measured != shape:
+        raise ValueError(f"cost_profile={path!r} was measured for {cost_model.shape}, but the trained model is {shape}."
+                         " Profile this model (`lightning-3d profile --config <its training config>`, with the"
+                         " precision it trains in), or drop cost_profile.")
