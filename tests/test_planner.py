@@ -18,7 +18,7 @@ import yaml
 
 import lightning_3d.recipes  # noqa: F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, DeviceSpec, ModelShape, ProfiledCostModel, device_spec
-from lightning_3d.planner import SearchOptions, Workload, load_config, plan, predict, search
+from lightning_3d.planner import SearchOptions, Workload, context, load_config, plan, predict, search
 from lightning_3d.planner.api import strategy_options
 from lightning_3d.planner.model import Candidate
 from lightning_3d.planner.search import skeletons
@@ -99,16 +99,18 @@ def test_no_invalid_config_is_ever_emitted() -> None:
             c = p.candidate
             emitted += 1
             blocks = shape.num_layers + shape.num_decoder_layers
-            assert c.dp * c.pp * c.tp == gpus and c.tp <= cluster.gpus_per_node and shape.num_heads % c.tp == 0
+            assert c.dp * c.pp * c.cp * c.tp == gpus and c.tp <= cluster.gpus_per_node and shape.num_heads % c.tp == 0
+            assert context.refusal(w, c.cp, c.cp_attention, c.tp, c.sequence_parallel) is None
             assert sum(c.layer_split) == blocks and len(c.layer_split) == c.num_stages and min(c.layer_split) >= 1
             assert len(c.stage_checkpointing) == c.num_stages
             assert batch % c.dp == 0 and c.microbatch_size * c.num_microbatches == batch // c.dp
             assert p.fits and p.peak_memory <= w.memory_budget
             Compressed3DStrategy(data_parallel_size=c.dp, pipeline_parallel_size=c.pp, tensor_parallel_size=c.tp,
                                  num_microbatches=c.num_microbatches, schedule=c.schedule,
-                                 virtual_stages=c.virtual_stages if c.schedule == "interleaved_1f1b" else None,
+                                 virtual_stages=c.virtual_stages if c.virtual_stages > 1 else None,
                                  pipeline_layer_split=list(c.layer_split), compression=c.compression,
-                                 sequence_parallel=c.sequence_parallel, shard_optimizer_state=c.shard_optimizer_state)
+                                 sequence_parallel=c.sequence_parallel, shard_optimizer_state=c.shard_optimizer_state,
+                                 context_parallel_size=c.cp, context_parallel_attention=c.cp_attention)
     assert emitted > 15
 
 
@@ -119,8 +121,10 @@ def test_a_model_that_fits_nothing_says_what_is_short() -> None:
         plan(cfg, 2, cluster=tiny_gpu)
     shape = ModelShape("gpt", 1, 96, 3, 384, 1000)
     w = Workload(shape, 128, 1, AnalyticCostModel(shape), ClusterSpec.single_node(2))
-    result = search(w, 2)
+    result = search(w, 2, SearchOptions(context_parallel_sizes=(1,)))
     assert not result.top and "no (dp, pp, tp) layout of 2 GPUs" in result.shortfall[0]
+    # One sequence, one layer, three heads: only context parallelism puts the second GPU to work.
+    assert search(w, 2).top[0].candidate.cp == 2
     with pytest.raises(ValueError, match="gpus=0 must be a positive integer"):
         plan(cfg, 0)
 
@@ -182,8 +186,8 @@ def test_time_budget_and_profile_device(tmp_path) -> None:
         plan(cfg, 2, profile=PROFILE)
     cfg["trainer"]["precision"] = "bf16-mixed"
     cfg["model"]["init_args"].update(num_layers=8, hidden_size=1024, num_heads=16, vocab_size=32768)
-    cfg["data"]["init_args"]["seq_length"] = 4096
-    with pytest.raises(ValueError, match="no finite cost for sequence length 4096 at micro-batch size 1"):
+    cfg["data"]["init_args"]["seq_length"] = 8192  # the grid ends at 2048: not even cp = 2 brings it in
+    with pytest.raises(ValueError, match="no finite cost for sequence length 8192 at micro-batch size 1"):
         plan(cfg, 2, profile=PROFILE)
     cfg["data"]["init_args"]["seq_length"] = 1024
     # Without a cluster file, a plan on a profile targets one node of the profiled GPU (here: an H100 with 80 GiB).

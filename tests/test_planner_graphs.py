@@ -74,10 +74,10 @@ def test_the_search_offers_cuda_graphs_only_where_the_strategy_accepts_it() -> N
     assert graphed and all(pp == 1 and tp == 1 for _, pp, tp, *_ in graphed)
     # Both values at every pp = tp = 1 layout (eager first), none elsewhere.
     # (s[9], s[10]: sequence parallelism and the sharded optimizer; neither is offered with graphs.)
-    flat = [s for s in every if s[1] == 1 and s[2] == 1 and not s[10]]
+    flat = [s for s in every if s[1] == 1 and s[2] == 1 and s[11] == 1 and not s[10]]  # s[11]: cp, never with graphs
     assert sorted(s[:8] for s in flat if s[8]) == sorted(s[:8] for s in flat if not s[8])
     assert not any(s[9] or s[10] for s in graphed)
-    assert len([s for s in every if not any(s[8:])]) == len({s[:8] for s in every})  # one plain variant each
+    assert len([s for s in every if not any(s[8:11])]) == len({s[:8] + s[11:] for s in every})  # one plain variant each
     for dp, pp, tp, _mbs, m, schedule, _v, comp, *_ in graphed:  # each one the strategy's own check accepts
         Compressed3DStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                              num_microbatches=m, schedule=schedule, compression=comp, cuda_graphs=True)

@@ -83,9 +83,12 @@ def test_compression_is_offered_only_where_cb_or_sc_would_run() -> None:
     fast = _workload()
     assert not any(s[7] for s in skeletons(fast, 4, SearchOptions()))  # NVLink everywhere: the exact run
     two = _workload(ClusterSpec(2, 2, device_spec("h100"), 300e9, 5e9))  # dp or pp across nodes at 5 GB/s
-    offered = {(s[0], s[1], s[2]) for s in skeletons(two, 4, SearchOptions()) if s[7]}
-    # On two nodes of two every layout of four GPUs has a group across the nodes: each is offered compression.
-    assert offered == {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2)}
+    offered = {(s[0], s[1], s[2], s[11]) for s in skeletons(two, 4, SearchOptions()) if s[7]}
+    # On two nodes of two every layout of four GPUs has a group across the nodes: each is offered compression. With
+    # context parallelism SC runs over the dp x cp group (the strategy's data-parallel group), which spans the nodes
+    # in every cp layout here (cp ranks are tp apart in the mesh: cp 2 x tp 2 pairs ranks 0 and 2).
+    assert offered == {(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 4, 1, 1), (1, 2, 2, 1), (1, 1, 1, 4),
+                       (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2)}
     # (2, 2, 1): the pipeline inside a node (NVLink, CB off), dp across (SC on); (1, 2, 2): the pipeline across (CB on).
     dp_across = Candidate(2, 2, 1, 2, 4, "1f1b", 1, (4, 4), (False, False), True)
     pp_across = Candidate(1, 2, 2, 2, 8, "1f1b", 1, (4, 4), (False, False), True)

@@ -43,7 +43,10 @@ class RecipeCosts:
     ModelShape`` reads the recipe's config objects, whose classes are ``config_types`` (``model_shape``);
     ``tiny``: the model the profiler trains for the per-step and per-micro-batch overheads (None: not measured);
     ``optimizer(model_args, device) -> {"foreach": ..., "fused": ...}``: the arguments of the AdamW the recipe builds
-    for a model of ``model_args`` on ``device``, which the profiler times (None: torch's defaults)."""
+    for a model of ``model_args`` on ``device``, which the profiler times (None: torch's defaults);
+    ``context_parallel(model_args, data_class_path, data_args) -> str | None``: why a config of the recipe cannot train
+    with context parallelism (its attention dropout, a data module whose micro-batches the strategy cannot slice), or
+    None where it can; a recipe without the rule has no context-parallel attention (the planner does not search cp)."""
 
     workload: Callable[[dict, dict, int], tuple[ModelShape, int, int | None]]
     layers: Callable[..., dict] | None = None
@@ -52,6 +55,7 @@ class RecipeCosts:
     config_types: tuple[type, ...] = ()
     tiny: TinyModel | None = None
     optimizer: Callable[[dict, Any], dict] | None = None
+    context_parallel: Callable[[dict, str | None, dict], str | None] | None = None
 
 
 RECIPES: dict[str, RecipeCosts] = {}

@@ -21,6 +21,8 @@ from pathlib import Path
 import yaml
 
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, ProfiledCostModel, device_spec, recipe_costs
+from lightning_3d.pipeline.schedules import schedule_spec
+from lightning_3d.planner import context
 from lightning_3d.planner.cluster import REGIME_GBPS, check_regime, cluster_for
 from lightning_3d.planner.confidence import RunnerUp, label, runner_ups
 from lightning_3d.planner.model import Prediction, Workload
@@ -162,14 +164,27 @@ def workload_from_config(cfg: dict, cluster: ClusterSpec, cost_model: CostModel 
             devices = trainer.get("devices", 1)
             devices = devices if isinstance(devices, int) else 1
             world = devices * int(trainer.get("num_nodes", 1))
-            dp = max(1, world // (int(init.get("pipeline_parallel_size", 1)) * int(init.get("tensor_parallel_size", 1))))
+            dp = max(1, world // (int(init.get("pipeline_parallel_size", 1)) * int(init.get("tensor_parallel_size", 1))
+                                  * int(init.get("context_parallel_size", 1))))
         global_batch_size = int(data.get("batch_size", 8)) * dp
     cost = cost_model if cost_model is not None else AnalyticCostModel(shape, cluster.device)
     # The compression settings the model decides CB and SC by (communication.py): the config's, else the defaults.
     compression = {k: v for k, v in strategy_options(cfg).items()
                    if k in ("cb_rank", "sc_rank", "cb_max_link_gbps", "sc_max_link_gbps") and v is not None}
     return Workload(shape, seq, global_batch_size, cost, cluster, target_len=target,
-                    state_bytes_per_param=16.0 if precision != "bf16-true" else 8.0, **compression)
+                    state_bytes_per_param=16.0 if precision != "bf16-true" else 8.0,
+                    context_parallel_refusal=context_parallel_refusal(cfg), **compression)
+
+
+def context_parallel_refusal(cfg: dict) -> str | None:
+    """Why the config's model or data cannot train with context parallelism (its recipe's rule), or None."""
+    model = cfg.get("model") or {}
+    path = model.get("class_path", "lightning_3d.recipes.GPT")
+    rule = recipe_costs(path).context_parallel
+    if rule is None:
+        return f"the model {path} has no context-parallel attention (its recipe registers no rule for it)"
+    data = cfg.get("data") or {}
+    return rule(dict(model.get("init_args") or {}), data.get("class_path"), dict(data.get("init_args") or {}))
 
 
 def eager_only(cfg: dict, cost_model: CostModel | None = None) -> str | None:
@@ -188,8 +203,10 @@ def eager_only(cfg: dict, cost_model: CostModel | None = None) -> str | None:
     return None
 
 
-def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_batch_size: int) -> dict:
-    """The training config for prediction ``p``, checked by the strategy's constructor."""
+def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_batch_size: int,
+         w: Workload | None = None) -> dict:
+    """The training config for prediction ``p``, checked by the strategy's constructor (and, with cp, by the context
+    checks the strategy runs later: ``check_context_parallel``, given the workload ``w``)."""
     c = p.candidate
     out = copy.deepcopy(cfg)
     trainer = out.setdefault("trainer", {})
@@ -199,7 +216,11 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
         "data_parallel_size": c.dp, "pipeline_parallel_size": c.pp, "tensor_parallel_size": c.tp,
         "num_microbatches": c.num_microbatches, "schedule": c.schedule, "compression": c.compression,
     }
-    if c.schedule == "interleaved_1f1b":
+    if c.cp > 1:
+        # The layout the model priced (planner/context.py); checked below as the strategy checks every batch.
+        init.update(context_parallel_size=c.cp, context_parallel_layout=context.LAYOUT,
+                    context_parallel_attention=c.cp_attention)
+    if schedule_spec(c.schedule).interleaved:
         init["virtual_stages"] = c.virtual_stages
     for name in ("cuda_graphs", "sequence_parallel", "shard_optimizer_state"):
         if getattr(c, name):
@@ -223,13 +244,26 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
     old_init = strategy_options(cfg)
     keep = {k: v for k, v in old_init.items() if k not in init and k not in (
         "virtual_stages", "pipeline_layer_split", "stage_activation_checkpointing", "cuda_graphs", "sequence_parallel",
-        "shard_optimizer_state")}
+        "shard_optimizer_state", "context_parallel_size", "context_parallel_layout", "context_parallel_attention")}
     # Written in the grouped form (strategies/config.py), whichever form the input config used.
     trainer["strategy"] = {"class_path": "lightning_3d.Compressed3DStrategy", "init_args": nest_options({**init, **keep})}
     data = out.setdefault("data", {}).setdefault("init_args", {})
     data["batch_size"] = global_batch_size // c.dp
     Compressed3DStrategy(**trainer["strategy"]["init_args"])  # the strategy's own checks; raises if invalid
+    if c.cp > 1:
+        check_context_parallel(c, w)
     return out
+
+
+def check_context_parallel(c, w: Workload | None) -> None:
+    """What the strategy and the GPT check about cp only once processes run (each batch's slices against the layout,
+    Ulysses' heads per tp rank, the recipe's dropout and data rule), checked here with the same pure checks
+    (``context.refusal``) so that an emitted plan does not fail at fit. Without the workload (a prediction emitted
+    for a config by hand) only the strategy's constructor checks it."""
+    why = None if w is None else context.refusal(w, c.cp, c.cp_attention, c.tp, c.sequence_parallel)
+    if why is not None:
+        raise ValueError(f"context_parallel_size={c.cp} with context_parallel_attention={c.cp_attention!r} would fail"
+                         f" at fit: {why}. Plan with SearchOptions(context_parallel_sizes=(1,)) or change the config.")
 
 
 def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | Path | None = None,
@@ -281,13 +315,13 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
         raise ValueError(f"No configuration of {w.shape.family.upper()} ({len(w.block_kinds())} layers, hidden"
                          f" {w.shape.hidden_size}, global batch {w.global_batch_size} x {w.seq_len} tokens) fits {gpus}"
                          f" GPUs: " + " ".join(result.shortfall))
-    configs = [emit(cfg, p, cluster, gpus, w.global_batch_size) for p in result.top]
+    configs = [emit(cfg, p, cluster, gpus, w.global_batch_size, w) for p in result.top]
     return Plan(configs, result.top, result, gpus, cluster)
 
 
 def plan_main(argv: list[str]) -> int:
     """``lightning-3d plan --config MODEL.yaml --gpus N [--cluster FILE] [--profile FILE] --out PLAN.yaml [--verify]``."""
-    parser = argparse.ArgumentParser(prog="lightning-3d plan", description="search (dp, pp, tp), micro-batching,"
+    parser = argparse.ArgumentParser(prog="lightning-3d plan", description="search (dp, pp, cp, tp), micro-batching,"
                                      " schedule, stage split, checkpointing and compression; write a runnable config")
     parser.add_argument("--config", required=True, help="training YAML (or packaged config name) to plan for")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
@@ -347,6 +381,8 @@ def print_plan(result: Plan) -> None:
                 f" {s['schedule']} v={s['virtual_stages']} split={s['layer_split']} ckpt={s['stage_checkpointing']}"
                 f" compression={s['compression']} cuda_graphs={s['cuda_graphs']}"
                 + "".join(f" {k}=True" for k in ("sequence_parallel", "shard_optimizer_state") if s[k])
+                + (f" cp={s['context_parallel_size']} {s['context_parallel_attention']}" if s["context_parallel_size"] > 1
+                   else "")
                 + f": {s['step_time_s'] * 1e3:.1f} ms,"
                 f" {s['peak_memory_gib']:.2f} GiB")
         if k in result.measured:

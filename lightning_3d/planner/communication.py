@@ -17,19 +17,32 @@ import numpy as np
 
 from lightning_3d.costs import weight_matrices
 
-# ``c`` is a ``planner.model.Candidate`` and ``w`` a ``Workload`` throughout (model.py imports this module: the types
-# are not imported back, which would be an import cycle).
+# ``c`` is a ``planner.workload.Candidate`` and ``w`` a ``Workload`` throughout (model.py imports this module: the
+# types are not imported back, which would be an import cycle).
 Candidate = Workload = Any
 
 
+def mesh_rank(c: Candidate, d: int, p: int, k: int, t: int) -> int:
+    """The global rank of mesh coordinates (dp d, pp p, cp k, tp t): the mesh is ("dp", "pp", "cp", "tp"), tp
+    innermost (distributed/parallel_dims.py)."""
+    return ((d * c.pp + p) * c.cp + k) * c.tp + t
+
+
 def pipeline_link(c: Candidate, w: Workload) -> float:
-    """Bus bandwidth (bytes/s) of an all-reduce over one pipeline's ranks (tp apart in the mesh), what CB decides by."""
-    return w.cluster.bandwidth(c.pp, c.tp)
+    """Bus bandwidth (bytes/s) of an all-reduce over one pipeline's ranks (cp x tp apart in the mesh), what CB decides
+    by."""
+    return w.cluster.bandwidth(c.pp, c.cp * c.tp)
 
 
 def dp_link(c: Candidate, w: Workload) -> float:
-    """Bus bandwidth (bytes/s) of the data-parallel group (pp x tp apart), what SC decides by."""
-    return w.cluster.bandwidth(c.dp, c.pp * c.tp)
+    """Bus bandwidth (bytes/s) of the strategy's data-parallel group, dp x cp ranks (``Candidate.replicas``), what SC
+    decides by and the gradient reduction runs over: inter-node once a group spans nodes."""
+    if c.cp == 1:
+        return w.cluster.bandwidth(c.dp, c.pp * c.tp)
+    node = w.cluster.gpus_per_node
+    spans = any(len({mesh_rank(c, d, p, k, 0) // node for d in range(c.dp) for k in range(c.cp)}) > 1
+                for p in range(c.pp))
+    return w.cluster.inter_node_bandwidth if spans else w.cluster.intra_node_bandwidth
 
 
 def cb_runs(c: Candidate, w: Workload) -> bool:
@@ -39,7 +52,7 @@ def cb_runs(c: Candidate, w: Workload) -> bool:
 
 def sc_runs(c: Candidate, w: Workload) -> bool:
     """Whether the strategy's default SC compresses this candidate's data-parallel gradients (on ``sc_ranks``)."""
-    return c.compression and c.dp > 1 and dp_link(c, w) < w.sc_max_link_gbps * 1e9
+    return c.compression and c.replicas > 1 and dp_link(c, w) < w.sc_max_link_gbps * 1e9
 
 
 def sc_ranks(c: Candidate) -> set[int]:
@@ -56,14 +69,14 @@ def compression_acts(c: Candidate, w: Workload) -> bool:
 def send_times(c: Candidate, w: Workload) -> tuple[list[float], list[float]]:
     """Per stage boundary: activation send and gradient send seconds (CB shrinks the gradients where it runs)."""
     cl = w.cluster
-    size = w.boundary_bytes(c.microbatch_size)
+    size = w.boundary_bytes(c.microbatch_size, c.cp)
     h = w.shape.hidden_size
     cb = cb_runs(c, w)
     fsend, bsend = [], []
     for s in range(c.num_stages - 1):
         r0, r1 = s % c.pp, (s + 1) % c.pp
-        crosses = any(((d * c.pp + r0) * c.tp) // cl.gpus_per_node != ((d * c.pp + r1) * c.tp) // cl.gpus_per_node
-                      for d in range(c.dp))
+        crosses = any(mesh_rank(c, d, r0, k, 0) // cl.gpus_per_node != mesh_rank(c, d, r1, k, 0) // cl.gpus_per_node
+                      for d in range(c.dp) for k in range(c.cp))
         bw = cl.inter_node_bandwidth if crosses else cl.intra_node_bandwidth
         t = size / bw + cl.latency
         fsend.append(t)
@@ -78,10 +91,11 @@ def send_times(c: Candidate, w: Workload) -> tuple[list[float], list[float]]:
 
 
 def dp_allreduce(c: Candidate, w: Workload, params_per_rank: list[float], rank_stages: list[list[int]]) -> list[float]:
-    """Seconds of each pipeline rank's gradient synchronisation over the dp group: a ring all-reduce, SC-compressed on
-    its ranks where it runs; under the sharded optimizer a reduce-scatter, half the all-reduce's traffic (its
-    all-gather of the parameters comes after the optimizer step: ``param_allgather``)."""
-    if c.dp == 1:
+    """Seconds of each pipeline rank's gradient synchronisation over the dp x cp group (``Candidate.replicas``): a ring
+    all-reduce, SC-compressed on its ranks where it runs; under the sharded optimizer a reduce-scatter, half the
+    all-reduce's traffic (its all-gather of the parameters comes after the optimizer step: ``param_allgather``)."""
+    replicas = c.replicas
+    if replicas == 1:
         return [0.0] * c.pp
     cl = w.cluster
     bw = dp_link(c, w)
@@ -106,18 +120,19 @@ def dp_allreduce(c: Candidate, w: Workload, params_per_rank: list[float], rank_s
         # Reduce-scatter (ZeRO-1): one pass of the ring; all-reduce: two. An SC-compressed stage stays all-reduced
         # under ZeRO-1 and pays the all-gather on top (docs/sharded_optimizer.md).
         passes = 1 if c.shard_optimizer_state and not (sc and r in ranks) else 2
-        out.append(passes * (c.dp - 1) / c.dp * size / bw + buckets * cl.latency + extra)
+        out.append(passes * (replicas - 1) / replicas * size / bw + buckets * cl.latency + extra)
     return out
 
 
 def param_allgather(c: Candidate, w: Workload, params_per_rank: list[float]) -> float:
-    """The sharded optimizer's all-gather of the updated parameters (fp32: ``grad_bytes_per_param``) over the dp group,
-    waited for at the end of the step (docs/sharded_optimizer.md: not overlapped with the next forward); the slowest
-    pipeline rank's. 0 without it or at dp = 1."""
-    if not c.shard_optimizer_state or c.dp == 1:
+    """The sharded optimizer's all-gather of the updated parameters (fp32: ``grad_bytes_per_param``) over the dp x cp
+    group, waited for at the end of the step (docs/sharded_optimizer.md: not overlapped with the next forward); the
+    slowest pipeline rank's. 0 without it or with one replica."""
+    n = c.replicas
+    if not c.shard_optimizer_state or n == 1:
         return 0.0
     size = max(params_per_rank) * w.grad_bytes_per_param
-    return (c.dp - 1) / c.dp * size / dp_link(c, w) + max(1.0, size / (25 * 2**20)) * w.cluster.latency
+    return (n - 1) / n * size / dp_link(c, w) + max(1.0, size / (25 * 2**20)) * w.cluster.latency
 
 
 def stage_kinds(c: Candidate, w: Workload, stages: list[int]) -> dict[str, int]:

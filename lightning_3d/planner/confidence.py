@@ -62,7 +62,10 @@ def step_terms(p: Prediction) -> dict[str, float]:
 
 def describe(c: Candidate) -> dict[str, object]:
     """The options a candidate sets, by the name a user reads (what ``differences`` compares)."""
-    out: dict[str, object] = {"dp": c.dp, "pp": c.pp, "tp": c.tp, "micro-batch": f"{c.microbatch_size}x{c.num_microbatches}"}
+    out: dict[str, object] = {"dp": c.dp, "pp": c.pp, "tp": c.tp}
+    if c.cp > 1:
+        out["cp"] = f"{c.cp} {c.cp_attention}"
+    out["micro-batch"] = f"{c.microbatch_size}x{c.num_microbatches}"
     if c.pp > 1:
         out["schedule"] = c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
         out["split"] = "/".join(map(str, c.layer_split))

@@ -1,9 +1,11 @@
 """The planner's performance model: one candidate configuration → step time and memory per GPU.
 
-Per pipeline stage and micro-batch: compute of its layers (the cost model), recomputation where the stage
-checkpoints, tensor-parallel all-reduces, and the stage-boundary sends. Per step: the schedule's closed form (GPipe,
-1F1B, interleaved; ``tests/test_planner_model.py`` checks them against ``pipeline/timing.py``), the data-parallel
-gradient all-reduce that stays exposed after each rank's last backward (the first stage finishes last), the
+Per pipeline stage and micro-batch: compute of its layers (the cost model, at ``seq / cp`` tokens), recomputation
+where the stage checkpoints, tensor-parallel all-reduces, context-parallel attention's extra work and exchange
+(``context.py``), and the stage-boundary sends. Per step: the schedule's closed form (GPipe, 1F1B, interleaved, and
+the zero-bubble ``zb_h1``/``zb_interleaved``; ``tests/test_planner_model.py`` checks them against
+``pipeline/timing.py``), the gradient all-reduce over the dp x cp replicas that stays exposed after each rank's last
+backward (the first stage finishes last), the
 optimizer step, and Optimus-CC compression: compressed backpropagation (CB) shrinks the cool-down's gradient sends
 and costs a low-rank projection; selective compression (SC) shrinks the data-parallel all-reduce of the compressed
 stages' weight matrices on links slower than ``sc_max_link_gbps`` and costs two GEMMs per matrix.
@@ -15,13 +17,11 @@ docs/planner.md derives every term.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
-
-from lightning_3d.costs import ClusterSpec, CostModel, ModelShape, layer_parameters, weight_matrices
+from lightning_3d.costs import layer_parameters, weight_matrices
 from lightning_3d.costs.analytic import ATTENTION_EFFICIENCY, BACKWARD_ATTENTION
-from lightning_3d.costs.host import layer_host_time, microbatch_overhead, stage_pass_seconds
+from lightning_3d.costs.host import microbatch_overhead, stage_pass_seconds
 
 # The memory terms per rank are shared with the strategy's fit check (costs/memory.py: the strategies may not import
 # the planner); re-exported here for the planner's users.
@@ -29,131 +29,12 @@ from lightning_3d.costs.memory import graph_gradient_bytes, in_flight, rank_memo
 from lightning_3d.pipeline.schedules import schedule_spec
 from lightning_3d.planner.communication import dp_allreduce, param_allgather, sc_ranks, sc_runs, send_times
 
-GIB = 2**30
+# Candidate and Workload live in workload.py (what is priced); re-exported here, where the planner's users import them.
+from lightning_3d.planner.workload import GIB, Candidate, Workload
 
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration: what the emitted YAML sets. ``layer_split``/``stage_checkpointing`` have pp × v entries.
-    ``cuda_graphs``: the strategy's ``cuda_graphs=True`` (pp = tp = 1 only; docs/planner.md, "CUDA graphs");
-    ``sequence_parallel`` and ``shard_optimizer_state`` are the strategy's options of those names."""
-
-    dp: int
-    pp: int
-    tp: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str
-    virtual_stages: int
-    layer_split: tuple[int, ...]
-    stage_checkpointing: tuple[bool, ...]
-    compression: bool
-    cuda_graphs: bool = False
-    sequence_parallel: bool = False  # tp > 1 only: the residual stream sharded over the sequence between tp regions
-    shard_optimizer_state: bool = False  # dp > 1 only: ZeRO-1 (docs/sharded_optimizer.md)
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
-
-
-@dataclass
-class Workload:
-    """What is trained and where: the model shape and lengths, the global batch (sequences per optimizer step),
-    the cost model, the cluster, and the training state's bytes per parameter (fp32 weights, gradients and Adam's
-    two moments: 16). ``host_runahead``: ``simulate_candidate`` times each pipeline rank's device and host apart, the
-    host issuing one action ahead of the device (pipeline/timing.py; docs/planner.md says why it is off by default)."""
-
-    shape: ModelShape
-    seq_len: int
-    global_batch_size: int
-    cost_model: CostModel
-    cluster: ClusterSpec
-    target_len: int | None = None
-    state_bytes_per_param: float = 16.0
-    grad_bytes_per_param: float = 4.0
-    memory_reserve: float = 1.5 * GIB  # CUDA context, allocator fragmentation, communication buffers
-    cb_rank: int = 16
-    sc_rank: int = 128
-    sc_max_link_gbps: float = 50.0
-    cb_max_link_gbps: float = 100.0  # the strategy's default (CompressionConfig): CB runs only on slower pipeline links
-    host_runahead: bool = False
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def memory_budget(self) -> float:
-        return self.cluster.memory_per_gpu - self.memory_reserve
-
-    def block_kinds(self) -> list[str]:
-        return [k for k in self.shape.layer_kinds() if k not in ("embedding", "head")]
-
-    def layer_costs(self, mbs: int, tp: int, recompute: bool, sp: bool = False) -> tuple[np.ndarray, ...]:
-        """Per block (pipeline order) and for embedding/head: fwd, bwd, stored, peak seconds/bytes, parameters, and
-        the device's fwd, bwd and the host's fwd, bwd seconds apart (fwd = max(device, host) per layer); cached.
-        ``sp``: sequence parallelism at tp > 1, which changes a block's memory only (below)."""
-        key = (mbs, tp, recompute, sp)
-        if key not in self._cache:
-            out = {}
-            for kind in {*self.block_kinds(), "embedding", "head"}:
-                kw = dict(target_len=self.target_len, recompute=recompute and kind not in ("embedding", "head"), tp=tp)
-                f, b = self.cost_model.layer_time(kind, mbs, self.seq_len, **kw)
-                # A layer takes at least the host's time to issue its kernels (eager PyTorch launches each from
-                # Python): the floor that holds where the measured span does not already show it (a tp shard the
-                # profile lacks, whose compute is scaled down but whose launches are not; the host's time inside
-                # the training loop, which the isolated span does not hold). Zeros for models without host times.
-                hf, hb = layer_host_time(self.cost_model, kind, mbs, self.seq_len, **kw)
-                st, pk = self.cost_model.layer_memory(kind, mbs, self.seq_len, **kw)
-                if sp and tp > 1 and kind not in ("embedding", "head"):
-                    # Every tensor a block stores is split over tp, its norms and residuals included: a tp = 1 block's
-                    # memory on seq_len / tp tokens (the strategy's fit check counts it alike, costs/memory.py). Its
-                    # time is the tp block's: the reduce-scatter and all-gather that replace each all-reduce carry
-                    # the same bytes in a ring, and the norms' share of the work on 1/tp of the tokens is not modelled.
-                    t = None if self.target_len is None else self.target_len / tp
-                    st, pk = self.cost_model.layer_memory(kind, mbs, self.seq_len / tp, target_len=t,
-                                                          recompute=kw["recompute"], tp=1)
-                measured = getattr(self.cost_model, "includes_tp_collectives", None)
-                kind_rc = recompute and kind not in ("embedding", "head")
-                # A grid measured across tp GPUs holds its collectives in its span (and their launches in its host
-                # time): only a derived grid gets the modelled all-reduces.
-                comm = 0.0 if measured is not None and measured(kind, kind_rc, tp) else self.tp_comm(kind, mbs, tp)
-                extra_bwd = comm if recompute and kind not in ("embedding", "head") else 0.0
-                df, db = float(f) + comm, float(b) + comm + extra_bwd
-                out[kind] = (max(df, float(hf)), max(db, float(hb)), float(st), float(pk),
-                             layer_parameters(self.shape, kind, tp), df, db, float(hf), float(hb))
-            kinds = self.block_kinds()
-            blocks = tuple(np.array([out[k][i] for k in kinds]) for i in range(9))
-            self._cache[key] = (blocks, out["embedding"], out["head"])
-            # Prefix sums (Python floats) of forward, backward, stored, parameters, and the device's and host's
-            # forward and backward: O(1) stage sums; infinite (unprofiled) layers are counted apart, so that a stage
-            # holding one is inf (not inf - inf = nan).
-            self._cache[("prefix", *key)] = tuple(
-                (np.concatenate([[0.0], np.cumsum(np.where(np.isinf(blocks[i]), 0.0, blocks[i]))]).tolist(),
-                 np.concatenate([[0], np.cumsum(np.isinf(blocks[i]))]).tolist()) for i in (0, 1, 2, 4, 5, 6, 7, 8))
-        return self._cache[key]
-
-    def prefix_sums(self, mbs: int, tp: int, recompute: bool, sp: bool = False) -> tuple[list[float], ...]:
-        self.layer_costs(mbs, tp, recompute, sp)
-        return self._cache[("prefix", mbs, tp, recompute, sp)]
-
-    def tokens(self, mbs: int, kind: str = "block") -> float:
-        t = self.target_len if self.target_len is not None else self.seq_len
-        return mbs * (t if kind in ("decoder_block", "head") else self.seq_len)
-
-    def tp_comm(self, kind: str, mbs: int, tp: int) -> float:
-        """Tensor-parallel all-reduces of one layer's forward (the backward has as many), ring cost."""
-        if tp == 1:
-            return 0.0
-        count = {"embedding": 1, "head": 1, "decoder_block": 3}.get(kind, 2)
-        size = self.tokens(mbs, kind) * self.shape.hidden_size * self.shape.bytes_per_element
-        bw = self.cluster.bandwidth(tp)
-        return count * (2 * (tp - 1) / tp * size / bw + self.cluster.latency)
-
-    def boundary_bytes(self, mbs: int) -> float:
-        """Bytes one pipeline boundary carries per micro-batch (T5 carries the encoder output and the decoder state)."""
-        e, h = self.shape.bytes_per_element, self.shape.hidden_size
-        if self.shape.family == "t5":
-            return mbs * (self.seq_len + (self.target_len or self.seq_len)) * h * e
-        return mbs * self.seq_len * h * e
+__all__ = ["GIB", "Candidate", "Prediction", "Workload", "graph_gradient_bytes", "in_flight", "layer_terms",
+           "lower_bound_memory", "pipeline_time", "predict", "rank_memory", "sharded_state_bytes", "simulate_candidate",
+           "stage_costs", "stage_device_host", "stage_terms", "weight_grad_fraction", "weight_grad_seconds"]
 
 
 @dataclass
@@ -195,7 +76,8 @@ class Prediction:
             "virtual_stages": c.virtual_stages, "layer_split": list(c.layer_split),
             "stage_checkpointing": list(c.stage_checkpointing), "compression": c.compression,
             "cuda_graphs": c.cuda_graphs, "sequence_parallel": c.sequence_parallel,
-            "shard_optimizer_state": c.shard_optimizer_state, "costs": self.source,
+            "shard_optimizer_state": c.shard_optimizer_state, "context_parallel_size": c.cp,
+            "context_parallel_attention": c.cp_attention if c.cp > 1 else None, "costs": self.source,
         }
 
 
@@ -222,9 +104,9 @@ def stage_terms(c: Candidate, w: Workload) -> tuple[list[float], ...]:
     start = 0
     mb_overhead = microbatch_overhead(w.cost_model)
     for s, (n, ckpt) in enumerate(zip(c.layer_split, c.stage_checkpointing)):
-        sp = c.sequence_parallel
-        blocks, emb, head = w.layer_costs(c.microbatch_size, c.tp, ckpt, sp)
-        _, _, pst, pp_, pdf, pdb, phf, phb = w.prefix_sums(c.microbatch_size, c.tp, ckpt, sp)
+        how = (c.microbatch_size, c.tp, ckpt, c.sequence_parallel, c.cp, c.cp_attention)
+        blocks, emb, head = w.layer_costs(*how)
+        _, _, pst, pp_, pdf, pdb, phf, phb = w.prefix_sums(*how)
         lo, hi = start, start + n
         start = hi
         st, p, df, db, hf, hb = (math.inf if count[hi] > count[lo] else total[hi] - total[lo]
@@ -263,17 +145,23 @@ def layer_terms(mbs: int, tp: int, recompute: bool, w: Workload) -> dict[str, fl
     return out
 
 
+#: The zero-bubble schedules the model prices, by the schedule whose order of forwards and backwards they keep.
+ZERO_BUBBLE = {"zb_h1": "1f1b", "zb_interleaved": "interleaved_1f1b"}
+
+
 def pipeline_time(schedule: str, pp: int, v: int, m: int, fwd: list[float], bwd: list[float],
                   fsend: list[float], bsend: list[float], wgrad: list[float] | None = None) -> float:
     """Closed-form makespan of one step's pipeline (sends per boundary: ``fsend`` activations, ``bsend`` gradients;
     ``wgrad``: per stage, the weight-gradient seconds a zero-bubble schedule defers, 0 where it does not split)."""
     hops = sum(fsend) + sum(bsend)
-    if schedule == "zb_h1":
-        # 1F1B's order with each split backward's W moved into the warm-up and drain: the idle time per rank falls from
-        # (pp - 1)(F + B + W) to (pp - 1)(F + B - W) (pipeline/zero_bubble.py); the smallest split W bounds the gain.
+    if schedule in ZERO_BUBBLE:
+        # The base order (1F1B, interleaved 1F1B) with each split backward's W moved into the warm-up and drain: the
+        # idle time per rank falls from (pp - 1)(F + B + W) to (pp - 1)(F + B - W) per stage (chunk, interleaved) of
+        # the base's bubble (pipeline/zero_bubble.py; the simulator gives exactly this for equal chunks, tested); the
+        # smallest split W bounds the gain.
         split = [x for x in (wgrad or []) if x > 0]
         gain = 2 * (pp - 1) * min(split) if split and pp > 1 else 0.0
-        return pipeline_time("1f1b", pp, v, m, fwd, bwd, fsend, bsend) - gain
+        return pipeline_time(ZERO_BUBBLE[schedule], pp, v, m, fwd, bwd, fsend, bsend) - gain
     if v == 1 and schedule == "gpipe":
         return sum(fwd) + (m - 1) * max(fwd) + sum(bwd) + (m - 1) * max(bwd) + hops
     if v == 1:
@@ -323,15 +211,16 @@ def predict(c: Candidate, w: Workload, *, timeline: tuple[float, list[float]] | 
     # The sharded optimizer's all-gather of the parameters is waited for at the step's end: exposed whole.
     exposed = max(0.0, finish - total) + param_allgather(c, w, params_rank)
     d = w.cluster.device
-    zero = c.shard_optimizer_state and c.dp > 1
+    # The replicas are dp x cp: cp ranks hold the same parameters and reduce with the data-parallel ones.
+    zero = c.shard_optimizer_state and c.replicas > 1
     per_param = getattr(w.cost_model, "optimizer_seconds_per_parameter", None)
     if per_param:
         optimizer = max(params_rank) * per_param  # measured by the profiler
     else:
         optimizer = 2 * max(params_rank) * w.state_bytes_per_param / d.memory_bandwidth  # Adam reads and writes its state
     if zero:
-        optimizer /= c.dp  # each replica updates its 1/dp of the parameters (an element-wise optimizer)
-    state_bytes = sharded_state_bytes(w.state_bytes_per_param, c.dp) if zero else w.state_bytes_per_param
+        optimizer /= c.replicas  # each replica updates its share of the parameters (an element-wise optimizer)
+    state_bytes = sharded_state_bytes(w.state_bytes_per_param, c.replicas) if zero else w.state_bytes_per_param
     sc = sc_runs(c, w)
     memory = []
     for r, stages in enumerate(rank_stages):
@@ -373,11 +262,12 @@ def weight_grad_fraction(w: Workload) -> float:
 
 def weight_grad_seconds(c: Candidate, w: Workload, bwd: list[float]) -> list[float]:
     """Per stage, the seconds of W its schedule defers (``weight_grad_fraction`` of its backward): stages of a
-    splitting schedule (``zb_h1``) on ranks > 0 (rank 0's input gradient goes nowhere: it keeps whole backwards), else 0."""
+    splitting schedule (``zb_h1``, ``zb_interleaved``) but the first (stage 0's input gradient goes nowhere: it keeps
+    whole backwards, ``zero_bubble.defer_weights``), else 0."""
     if not schedule_spec(c.schedule).splits_backward:
         return [0.0] * len(bwd)
     frac = weight_grad_fraction(w)
-    return [frac * b if s % c.pp else 0.0 for s, b in enumerate(bwd)]
+    return [frac * b if s > 0 else 0.0 for s, b in enumerate(bwd)]
 
 
 def simulate_candidate(c: Candidate, w: Workload) -> Prediction:

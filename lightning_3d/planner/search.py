@@ -1,4 +1,4 @@
-"""The configuration search: every uniform (dp, pp, tp, micro-batch, schedule, virtual stages, compression)
+"""The configuration search: every uniform (dp, pp, cp, tp, micro-batch, schedule, virtual stages, compression)
 "skeleton", and within each the stage split and per-stage activation checkpointing.
 
 Within a skeleton: exhaustively over every split × checkpointing vector where that space is small
@@ -21,9 +21,17 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lightning_3d.context import ATTENTIONS
+from lightning_3d.pipeline.schedules import SCHEDULES
+from lightning_3d.planner import context
 from lightning_3d.planner.communication import compression_acts
 from lightning_3d.planner.confidence import check_model_error, validated_error, within_error
-from lightning_3d.planner.model import GIB, Candidate, Prediction, Workload, lower_bound_memory, predict, simulate_candidate
+from lightning_3d.planner.model import GIB, ZERO_BUBBLE, Candidate, Prediction, Workload, lower_bound_memory, predict, simulate_candidate
+
+#: The schedules the performance model prices (closed forms in model.pipeline_time, memory in costs.memory.in_flight).
+PRICED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", *ZERO_BUBBLE)
+#: Schedules with several looped stages per rank (virtual_stages >= 2, m a multiple of pp).
+INTERLEAVED = ("interleaved_1f1b", "zb_interleaved")
 
 
 @dataclass
@@ -31,7 +39,7 @@ class SearchOptions:
     """What the search may choose. ``per_stage_checkpointing=False`` keeps checkpointing uniform (all stages or
     none), for strategies without ``stage_activation_checkpointing``."""
 
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_interleaved")
     max_virtual_stages: int = 4
     microbatch_sizes: tuple[int, ...] | None = None  # default: powers of two up to 64 that divide the replica batch
     compression: tuple[bool, ...] = (False, True)
@@ -40,6 +48,10 @@ class SearchOptions:
     shard_optimizer_state: tuple[bool, ...] = (False, True)  # offered at dp > 1 (eager: not with CUDA graphs)
     tensor_parallel_sizes: tuple[int, ...] | None = None
     pipeline_parallel_sizes: tuple[int, ...] | None = None
+    # Context parallelism (planner/context.py): the cp degrees tried where the model, its data and the sequence allow
+    # them (None: every divisor of the GPUs; (1,): none), and the attentions tried at cp > 1.
+    context_parallel_sizes: tuple[int, ...] | None = None
+    context_parallel_attention: tuple[str, ...] = ATTENTIONS
     per_stage_checkpointing: bool = True
     allow_checkpointing: bool = True
     exhaustive_limit: int = 2048
@@ -50,6 +62,26 @@ class SearchOptions:
     # The model's time error (a fraction): candidates beyond the top-k within it of the best are returned too
     # (planner/confidence.py); None: the validated error documented in docs/planner.md.
     model_error: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("schedules", "context_parallel_attention"):
+            if isinstance(getattr(self, name), str):  # one name given where a tuple is expected
+                setattr(self, name, (getattr(self, name),))
+        unknown = [s for s in self.schedules if s not in PRICED_SCHEDULES]
+        if unknown:
+            registered = [s for s in unknown if s in SCHEDULES]
+            why = (f" ({', '.join(map(repr, registered))} is registered, but the performance model has no makespan or"
+                   " memory rule for it)" if registered else "")
+            raise ValueError(f"SearchOptions(schedules={self.schedules!r}): {', '.join(map(repr, unknown))} cannot be"
+                             f" searched{why}; use schedules from {PRICED_SCHEDULES}.")
+        bad = [a for a in self.context_parallel_attention if a not in ATTENTIONS]
+        if bad or not self.context_parallel_attention:
+            raise ValueError(f"SearchOptions(context_parallel_attention={self.context_parallel_attention!r}): give one or"
+                             f" more of {ATTENTIONS} (the strategy's context_parallel_attention values).")
+        sizes = self.context_parallel_sizes
+        if sizes is not None and (not sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes)):
+            raise ValueError(f"SearchOptions(context_parallel_sizes={sizes!r}): give positive integers, e.g. (1, 2, 4),"
+                             " (1,) to search without context parallelism, or None for every degree that applies.")
 
 
 @dataclass
@@ -67,12 +99,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_parallel_choices(w: Workload, num_gpus: int, tp: int, opts: SearchOptions) -> list[tuple[int, str]]:
+    """(cp, attention) pairs to try at tensor-parallel size ``tp``: (1, "ring") (no context parallelism), then every
+    cp > 1 of ``opts`` dividing the GPUs left by tp with each attention the strategy and the model accept there
+    (``context.refusal``: the recipe's rule, the zigzag layout's divisibility, Ulysses' heads)."""
+    out = [(1, "ring")] if opts.context_parallel_sizes is None or 1 in opts.context_parallel_sizes else []
+    for cp in opts.context_parallel_sizes or _divisors(num_gpus // tp):
+        if cp == 1 or (num_gpus // tp) % cp:
+            continue
+        out += [(cp, a) for a in opts.context_parallel_attention if context.refusal(w, cp, a, tp) is None]
+    return out
+
+
 def skeletons(w: Workload, num_gpus: int, opts: SearchOptions):
     """Every uniform configuration that the strategy accepts, as (dp, pp, tp, mbs, m, schedule, v, compression,
-    cuda_graphs, sequence_parallel, shard_optimizer_state). ``compression=True`` only where CB or SC would run on the
-    cluster's links (``communication.compression_acts``: elsewhere it is the exact run); ``cuda_graphs=True`` only at
-    pp = tp = 1 (the strategy's check_cuda_graphs: the planner's layouts have no context parallelism, and at pp = 1
-    the schedule is 1F1B); sequence parallelism at tp > 1; the sharded optimizer at dp > 1, eager. For each
+    cuda_graphs, sequence_parallel, shard_optimizer_state, cp, cp_attention). ``compression=True`` only where CB or SC
+    would run on the cluster's links (``communication.compression_acts``: elsewhere it is the exact run);
+    ``cuda_graphs=True`` only at pp = tp = cp = 1 (the strategy's check_cuda_graphs; at pp = 1 the schedule is 1F1B);
+    sequence parallelism at tp > 1 (with cp, where the rank's slice divides by tp); the sharded optimizer with
+    several replicas (dp x cp > 1), eager; context parallelism where ``context_parallel_choices`` allows it. For each
     (layout, micro-batching, schedule, compression) the plain variant (no graphs, sequence parallelism or sharding)
     comes first."""
     shape, cl = w.shape, w.cluster
@@ -81,42 +126,50 @@ def skeletons(w: Workload, num_gpus: int, opts: SearchOptions):
     for tp in tps:
         if num_gpus % tp or shape.num_heads % tp or shape.hidden_size % tp or shape.ffn_hidden_size % tp:
             continue
-        for pp in opts.pipeline_parallel_sizes or _divisors(num_gpus // tp):
-            if (num_gpus // tp) % pp or pp > blocks:
+        for cp, attention in context_parallel_choices(w, num_gpus, tp, opts):
+            yield from _layouts(w, num_gpus, tp, cp, attention, blocks, opts)
+
+
+def _layouts(w: Workload, num_gpus: int, tp: int, cp: int, attention: str, blocks: int, opts: SearchOptions):
+    """``skeletons`` at one (tp, cp, attention)."""
+    for pp in opts.pipeline_parallel_sizes or _divisors(num_gpus // (tp * cp)):
+        if (num_gpus // (tp * cp)) % pp or pp > blocks:
+            continue
+        dp = num_gpus // (tp * cp * pp)
+        if w.global_batch_size % dp:
+            continue
+        replica = w.global_batch_size // dp
+        sizes = opts.microbatch_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= replica]
+        for mbs in sizes:
+            if replica % mbs:
                 continue
-            dp = num_gpus // (tp * pp)
-            if w.global_batch_size % dp:
-                continue
-            replica = w.global_batch_size // dp
-            sizes = opts.microbatch_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= replica]
-            for mbs in sizes:
-                if replica % mbs:
+            m = replica // mbs
+            for schedule in opts.schedules:
+                if pp == 1 and schedule != "1f1b":
+                    continue  # one stage: every schedule runs the same order
+                if schedule in ("1f1b", "zb_h1") and m < pp:
                     continue
-                m = replica // mbs
-                for schedule in opts.schedules:
-                    if pp == 1 and schedule != "1f1b":
-                        continue  # one stage: every schedule runs the same order
-                    if schedule in ("1f1b", "zb_h1") and m < pp:
+                vs = [1]
+                if schedule in INTERLEAVED:
+                    if pp < 2 or m % pp:
                         continue
-                    if schedule == "zb_h1" and pp == 1:
-                        continue
-                    vs = [1]
-                    if schedule == "interleaved_1f1b":
-                        if pp < 2 or m % pp:
-                            continue
-                        vs = [v for v in range(2, opts.max_virtual_stages + 1) if pp * v <= blocks]
-                    for v in vs:
-                        probe = Candidate(dp, pp, tp, mbs, m, schedule, v, (), (), True)
-                        for comp in sorted(set(opts.compression)) if compression_acts(probe, w) else (False,):
-                            for graphs in sorted(set(opts.cuda_graphs)) if (pp == 1 and tp == 1) else (False,):
-                                for sp in sorted(set(opts.sequence_parallel)) if sp_fits(w, tp) else (False,):
-                                    zeros = sorted(set(opts.shard_optimizer_state)) if dp > 1 and not graphs else (False,)
-                                    for zero in zeros:
-                                        yield dp, pp, tp, mbs, m, schedule, v, comp, graphs, sp, zero
+                    vs = [v for v in range(2, opts.max_virtual_stages + 1) if pp * v <= blocks]
+                for v in vs:
+                    probe = Candidate(dp, pp, tp, mbs, m, schedule, v, (), (), True, cp=cp, cp_attention=attention)
+                    for comp in sorted(set(opts.compression)) if compression_acts(probe, w) else (False,):
+                        for graphs in sorted(set(opts.cuda_graphs)) if (pp == tp == cp == 1) else (False,):
+                            for sp in sorted(set(opts.sequence_parallel)) if sp_fits(w, tp, cp, attention) else (False,):
+                                zeros = (sorted(set(opts.shard_optimizer_state)) if dp * cp > 1 and not graphs
+                                         else (False,))
+                                for zero in zeros:
+                                    yield dp, pp, tp, mbs, m, schedule, v, comp, graphs, sp, zero, cp, attention
 
 
-def sp_fits(w: Workload, tp: int) -> bool:
-    """Whether sequence parallelism applies: tp > 1 and every sequence (and target) length divisible by tp."""
+def sp_fits(w: Workload, tp: int, cp: int = 1, attention: str = "ring") -> bool:
+    """Whether sequence parallelism applies: tp > 1 and every sequence (and target) length divisible by tp; with cp,
+    each rank's slice (the strategy's check_layout)."""
+    if cp > 1:
+        return tp > 1 and context.refusal(w, cp, attention, tp, sequence_parallel=True) is None
     return tp > 1 and w.seq_len % tp == 0 and (w.target_len is None or w.target_len % tp == 0)
 
 
@@ -136,7 +189,7 @@ class _Skeleton:
         # Per layer: max(device, host) seconds; a graphed stage's layers cost their device seconds (model.stage_terms).
         f, b = (5, 6) if base.cuda_graphs else (0, 1)
         for ckpt in (False, True):
-            blocks, emb, head = w.layer_costs(base.microbatch_size, base.tp, ckpt)
+            blocks, emb, head = w.layer_costs(base.microbatch_size, base.tp, ckpt, False, base.cp, base.cp_attention)
             # Unprofiled layers (inf) as a huge finite time: the bisection stays well defined and avoids them.
             self.pref[ckpt] = np.concatenate([[0.0], np.cumsum(np.minimum(blocks[f] + blocks[b], 1e30))])
             self.ends[ckpt] = (min(emb[f] + emb[b], 1e30), min(head[f] + head[b], 1e30))
@@ -284,16 +337,17 @@ def search(w: Workload, num_gpus: int, opts: SearchOptions | None = None) -> Sea
     truncated = False
     plain: dict[tuple, float] = {}  # each skeleton's best step time without graphs, sp or sharding, for its variants
     plain_best: dict[tuple, Prediction] = {}
-    for dp, pp, tp, mbs, m, schedule, v, comp, graphs, sp, zero in skeletons(w, num_gpus, opts):
+    for dp, pp, tp, mbs, m, schedule, v, comp, graphs, sp, zero, cp, attention in skeletons(w, num_gpus, opts):
         if time.perf_counter() - start > opts.time_budget_s:
             truncated = True
             break
         count += 1
-        if lower_bound_memory(w, tp, pp, dp if zero else 1) > w.memory_budget:
+        if lower_bound_memory(w, tp, pp, dp * cp if zero else 1) > w.memory_budget:
             continue
         S = pp * v
-        base = Candidate(dp, pp, tp, mbs, m, schedule, v, even_split(L, S), (False,) * S, comp, graphs, sp, zero)
-        key = (dp, pp, tp, mbs, m, schedule, v, comp)
+        base = Candidate(dp, pp, tp, mbs, m, schedule, v, even_split(L, S), (False,) * S, comp, graphs, sp, zero, cp,
+                         attention)
+        key = (dp, pp, tp, mbs, m, schedule, v, comp, cp, attention)
         variant = graphs or sp or zero
         done = plain_best.get(key)
         if variant and not graphs and done is not None and not any(done.candidate.stage_checkpointing):
@@ -353,18 +407,19 @@ def explain_shortfall(w: Workload, num_gpus: int, opts: SearchOptions, skeleton_
     budget = w.memory_budget
     best = None
     for tp in [t for t in _divisors(num_gpus) if t <= w.cluster.gpus_per_node and w.shape.num_heads % t == 0]:
-        for pp in _divisors(num_gpus // tp):
-            if pp > L:
-                continue
-            replica = w.global_batch_size // max(1, num_gpus // (tp * pp))
-            if replica < 1:
-                continue
-            S = pp
-            c = Candidate(num_gpus // (tp * pp), pp, tp, 1, max(replica, pp), "1f1b", 1, even_split(L, S),
-                          (opts.allow_checkpointing,) * S, False)  # eager: graphs only add memory
-            p = predict(c, w)
-            if best is None or p.peak_memory < best.peak_memory:
-                best = p
+        for cp, attention in context_parallel_choices(w, num_gpus, tp, opts):
+            for pp in _divisors(num_gpus // (tp * cp)):
+                if pp > L:
+                    continue
+                replica = w.global_batch_size // max(1, num_gpus // (tp * cp * pp))
+                if replica < 1:
+                    continue
+                S = pp
+                c = Candidate(num_gpus // (tp * cp * pp), pp, tp, 1, max(replica, pp), "1f1b", 1, even_split(L, S),
+                              (opts.allow_checkpointing,) * S, False, cp=cp, cp_attention=attention)  # eager: graphs only add memory
+                p = predict(c, w)
+                if best is None or p.peak_memory < best.peak_memory:
+                    best = p
     if best is None:
         return [f"the model's {L} layers cannot be split over any pipeline size of {num_gpus} GPUs."]
     c = best.candidate
@@ -372,7 +427,10 @@ def explain_shortfall(w: Workload, num_gpus: int, opts: SearchOptions, skeleton_
         return [f"the cost model ({best.source}) has no finite cost for sequence length {w.seq_len}"
                 + (f" / target length {w.target_len}" if w.target_len else "") + " at micro-batch size 1: a profile"
                 " covers only the shapes it measured (profile the lengths and micro-batch sizes you train)."]
-    return [f"memory per GPU is short: the leanest layout (dp={c.dp}, pp={c.pp}, tp={c.tp}, micro-batch 1, activation"
+    cp = f", cp={c.cp} {c.cp_attention}" if c.cp > 1 else ""
+    no_cp = (f" Context parallelism was not searched: {w.context_parallel_refusal}."
+             if w.context_parallel_refusal and (opts.context_parallel_sizes or (2,)) != (1,) else "")
+    return [f"memory per GPU is short: the leanest layout (dp={c.dp}, pp={c.pp}, tp={c.tp}{cp}, micro-batch 1, activation"
             f" checkpointing {'on' if c.stage_checkpointing[0] else 'off'}) needs {best.peak_memory / GIB:.2f} GiB per GPU"
             f" but {budget / GIB:.2f} GiB are usable ({w.cluster.memory_per_gpu / GIB:.2f} GiB minus"
-            f" {w.memory_reserve / GIB:.2f} GiB reserved). Use more GPUs, GPUs with more memory, or a smaller model."]
+            f" {w.memory_reserve / GIB:.2f} GiB reserved). Use more GPUs, GPUs with more memory, or a smaller model." + no_cp]

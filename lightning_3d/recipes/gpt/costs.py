@@ -41,6 +41,30 @@ def workload(model_args: dict, data_args: dict, bytes_per_element: int) -> tuple
     return shape_of(config, bytes_per_element), config.seq_length, None
 
 
+#: Data modules whose batches are whole sequences of one length (``varies_microbatch_shapes = False``): what the
+#: strategy slices over the cp ranks. The multi-task module cuts variable-length or packed micro-batches (document
+#: masks), which context-parallel attention refuses (docs/context_parallel.md).
+WHOLE_SEQUENCE_DATA = ("lightning_3d.recipes.data.CausalLMDataModule", "lightning_3d.recipes.data.causal_lm.CausalLMDataModule",
+                       "lightning_3d.recipes.data.SyntheticLMDataModule",
+                       "lightning_3d.recipes.data.synthetic.SyntheticLMDataModule")
+
+
+def context_parallel(model_args: dict, data_class_path: str | None, data_args: dict) -> str | None:
+    """Why this config cannot train with context_parallel_size > 1 (``RecipeCosts.context_parallel``), or None: the
+    GPT refuses attention dropout with cp (``GPT.enable_context_parallel``), and the strategy slices only whole
+    sequences of one length (a config without a data module brings its own loaders: taken as such)."""
+    dropout = model_args.get("dropout")
+    if dropout is None:  # the preset's (config_of reads only the shape's fields)
+        dropout = preset(model_args.get("preset_name", "tiny")).dropout
+    if dropout > 0:
+        return (f"the GPT's dropout={dropout} (attention dropout needs one mask around the ring, which context"
+                " parallelism refuses; set model.init_args.dropout: 0.0 to plan with it)")
+    if data_class_path is not None and data_class_path not in WHOLE_SEQUENCE_DATA:
+        return (f"the data module {data_class_path} is not one whose batches are whole sequences of one length"
+                f" ({', '.join(WHOLE_SEQUENCE_DATA[::2])}); context parallelism slices only those")
+    return None
+
+
 def layers(model_args: dict, data_args: dict, shape: ModelShape, device: torch.device) -> dict:
     # Positions for the longest profiled length; the vocabulary as the shape (padded) says.
     config = replace(config_of(model_args, data_args), vocab_size=shape.vocab_size)
@@ -90,4 +114,4 @@ TINY = TinyModel(dict(preset_name="tiny", vocab_size=512, seq_length=64, num_lay
                  dict(vocab_size=512, seq_length=64), build_tiny, tiny_at_depth)
 
 register_recipe(CLASS_PATHS, RecipeCosts(workload, layers, tensor_parallel, shape=shape_of, config_types=(GPTConfig,),
-                                         tiny=TINY, optimizer=adamw_arguments))
+                                         tiny=TINY, optimizer=adamw_arguments, context_parallel=context_parallel))
