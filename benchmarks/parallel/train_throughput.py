@@ -93,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch, per replica")
     p.add_argument("--num-microbatches", type=int, default=8)
     p.add_argument("--layouts", nargs="+", default="4,1,1 1,4,1 1,1,4 2,2,1 2,1,2 1,2,2".split(), help="dp,pp,tp")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
-    p.add_argument("--virtual-stages", type=int, default=None, help="interleaved schedule only")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_interleaved"))
+    p.add_argument("--virtual-stages", type=int, default=None, help="interleaved schedules only")
     p.add_argument("--pipeline-layer-split", default=None, help="layers per stage, comma-separated (default: even)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true", "32-true"))
@@ -141,8 +141,10 @@ def parse_layout(text: str) -> tuple[int, int, int]:
 
 
 def layout_schedule(args: argparse.Namespace, pp: int) -> tuple[str, int | None]:
-    """(schedule, virtual_stages) a layout runs: interleaving needs pp >= 2, so one-stage layouts run 1F1B."""
-    return ("1f1b", None) if args.schedule == "interleaved_1f1b" and pp == 1 else (args.schedule, args.virtual_stages)
+    """(schedule, virtual_stages) a layout runs: interleaving and zero bubble need pp >= 2, so one-stage layouts run
+    1F1B."""
+    one_stage = pp == 1 and args.schedule in ("interleaved_1f1b", "zb_h1", "zb_interleaved")
+    return ("1f1b", None) if one_stage else (args.schedule, args.virtual_stages)
 
 
 # ----- worker ----------------------------------------------------------------------------------------------
