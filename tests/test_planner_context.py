@@ -226,6 +226,26 @@ def test_a_cp_plan_round_trips_through_the_yaml_and_constructs_the_strategy() ->
     assert roomy.predictions[0].candidate.cp == 1 and "context_parallel_size" not in par
 
 
+def test_the_plan_command_passes_its_context_parallel_options_to_the_search(tmp_path, capsys) -> None:
+    from lightning_3d.cli import main
+
+    source, out = tmp_path / "model.yaml", tmp_path / "plan.yaml"
+    source.write_text(yaml.safe_dump(_config()))
+    common = ["plan", "--config", str(source), "--gpus", "2", "--profile", str(PROFILE), "--global-batch-size", "2",
+              "--time-budget", "30", "--top-k", "1", "--out", str(out)]
+    # Only cp = 2 with Ulysses searched: on two GPUs every candidate is one replica over a cp = 2 Ulysses group.
+    main(common + ["--context-parallel-sizes", "2", "--context-parallel-attention", "ulysses"])
+    par = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]["parallelism"]
+    assert (par["context_parallel_size"], par["context_parallel_attention"]) == (2, "ulysses")
+    # cp = 1 only: no context parallelism in the plan.
+    main(common + ["--context-parallel-sizes", "1"])
+    assert "context_parallel_size" not in yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]["parallelism"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(common + ["--context-parallel-attention", "flash"])
+    assert "context_parallel_attention=('flash',)" in capsys.readouterr().err
+
+
 def test_emit_refuses_a_cp_plan_the_strategy_would_refuse_at_fit() -> None:
     w = _workload(seq=1028)  # zigzag at cp 4 needs a multiple of 8
     p = predict(Candidate(1, 1, 1, 1, 2, "1f1b", 1, (8,), (False,), False, cp=4), _workload())

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from lightning_3d.context import ATTENTIONS
 from lightning_3d.costs import AnalyticCostModel, ClusterSpec, CostModel, ProfiledCostModel, device_spec, recipe_costs
 from lightning_3d.pipeline.schedules import schedule_spec
 from lightning_3d.planner import context
@@ -319,6 +320,16 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
     return Plan(configs, result.top, result, gpus, cluster)
 
 
+def _context_search(ns: argparse.Namespace) -> dict:
+    """The command line's context-parallel search options as ``SearchOptions`` keywords (only those given)."""
+    out: dict = {}
+    if ns.context_parallel_sizes is not None:
+        out["context_parallel_sizes"] = tuple(ns.context_parallel_sizes)
+    if ns.context_parallel_attention is not None:
+        out["context_parallel_attention"] = tuple(ns.context_parallel_attention)
+    return out
+
+
 def plan_main(argv: list[str]) -> int:
     """``lightning-3d plan --config MODEL.yaml --gpus N [--cluster FILE] [--profile FILE] --out PLAN.yaml [--verify]``."""
     parser = argparse.ArgumentParser(prog="lightning-3d plan", description="search (dp, pp, cp, tp), micro-batching,"
@@ -336,6 +347,11 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--model-error", type=float, default=None, help="the model's time error as a fraction; runner-ups"
                         " within it of the best are listed (default: the validated error, docs/planner.md)")
+    parser.add_argument("--context-parallel-sizes", type=int, nargs="+", default=None, metavar="CP",
+                        help="context-parallel degrees to search where the model and sequence allow them (default:"
+                             " every divisor of the GPUs; 1: none)")
+    parser.add_argument("--context-parallel-attention", nargs="+", default=None, metavar="ATTENTION",
+                        help=f"attentions to search at cp > 1, of {', '.join(ATTENTIONS)} (default: all)")
     parser.add_argument("--verify", action="store_true", help="run the top candidates a few steps each on this machine"
                         " and write the fastest measured")
     parser.add_argument("--verify-top", type=int, default=3, help="candidates to run with --verify")
@@ -352,7 +368,8 @@ def plan_main(argv: list[str]) -> int:
         result = plan(ns.config, ns.gpus, cluster=ns.cluster, profile=ns.profile, global_batch_size=ns.global_batch_size,
                       nodes=ns.nodes, regime=ns.regime,
                       options=SearchOptions(time_budget_s=ns.time_budget, top_k=max(ns.top_k, ns.verify_top if ns.verify
-                                                                                    else 0), model_error=ns.model_error))
+                                                                                    else 0), model_error=ns.model_error,
+                                            **_context_search(ns)))
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     if ns.verify:
