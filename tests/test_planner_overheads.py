@@ -321,6 +321,7 @@ def test_the_cpu_profile_is_version_2_with_host_times_and_overheads(tmp_path) ->
         assert all(v is not None and v >= 0 for row in block[q] for v in row)
     o = doc["overheads"]
     assert o["microbatch_seconds"] >= 0 and o["step_seconds"] >= 0 and o["microbatches"] == [1, 4]
+    assert o["in_situ_rounds"] == 1  # one round of fits on the CPU (three by default on a GPU)
     # The per-micro-batch overhead: the tiny model's measured micro-batch less its layers priced as the planner
     # prices a pass (the blocks' host at its in-situ time), from the stored seconds.
     from lightning_3d.costs.host import microbatch_overhead_from
@@ -736,3 +737,45 @@ else:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
     subprocess.run([sys.executable, str(script)], check=True, timeout=300, env=env, cwd=tmp_path)
     assert marker.read_text() == "run\n"  # the script ran once
+
+
+def test_in_situ_rounds_interleave_the_fits_and_pool_their_steps(monkeypatch) -> None:
+    from lightning_3d.planner import tiny_runs as runs
+
+    calls = []
+
+    def fake_train_tiny(tiny, model_args, data_args, device, precision, microbatches, warmup, steps, fuse,
+                        optimizer_out=None, tails_out=None, adamw=None):
+        deep = "activation_checkpointing" in model_args
+        label = ("deep", model_args["activation_checkpointing"]) if deep else ("one", None)
+        calls.append((label, optimizer_out is not None))
+        k = len(calls)  # each fit's steps tell which fit they came from
+        if tails_out is not None:
+            tails_out.setdefault(microbatches, []).append(k / 1000)
+        if optimizer_out is not None:
+            optimizer_out["step_seconds"] = 0.5
+        return {1: [k + 0.1, k + 0.2], microbatches: [k + 0.3]}
+
+    monkeypatch.setattr(runs, "train_tiny", fake_train_tiny)
+
+    class Tiny:
+        model_args, data_args = {"num_layers": 1}, {}
+
+    step_s, deep, tails = runs.tiny_runs(Tiny, {"num_layers": 4}, None, "32-true", 4, 1, 2, True, "auto", rounds=2)
+    # Interleaved: one-layer, deep, deep checkpointed, then the same again; the optimizer timed once (first deep fit).
+    assert calls == [(("one", None), False), (("deep", False), True), (("deep", True), False),
+                     (("one", None), False), (("deep", False), False), (("deep", True), False)]
+    assert step_s == {1: [1.1, 1.2, 4.1, 4.2], 4: [1.3, 4.3]}
+    assert deep == {False: {1: [2.1, 2.2, 5.1, 5.2], 4: [2.3, 5.3]}, True: {1: [3.1, 3.2, 6.1, 6.2], 4: [3.3, 6.3]}}
+    assert tails["tail_seconds"] == [0.001, 0.004] and tails["deep_optimizer_seconds"] == 0.5
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"in-situ rounds={bad!r}: give a positive integer"):
+            runs.tiny_runs(Tiny, {"num_layers": 4}, None, "32-true", 4, 1, 2, True, "auto", rounds=bad)
+
+
+def test_the_profile_command_refuses_a_bad_in_situ_rounds(capsys) -> None:
+    from lightning_3d.planner.profile import profile_main
+
+    with pytest.raises(SystemExit):
+        profile_main(["--config", "gpt_tiny", "--device", "cpu", "--in-situ-rounds", "0"])
+    assert "--in-situ-rounds=0: give a positive integer" in capsys.readouterr().err

@@ -21,12 +21,12 @@ import torch
 from lightning_3d.costs import ModelShape, recipe_costs
 from lightning_3d.costs.host import in_situ_host_layers, microbatch_overhead_from
 from lightning_3d.planner.layers import profile_layers
-from lightning_3d.planner.tiny_runs import IN_SITU_STEPS, tiny_runs
+from lightning_3d.planner.tiny_runs import IN_SITU_ROUNDS, IN_SITU_STEPS, tiny_runs
 
 
 def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precision: str, *, microbatches: int = 4,
                       warmup: int = 3, steps: int = IN_SITU_STEPS, in_situ: bool = True, fuse_gradients: bool | str = "auto",
-                      fresh_process: bool = True, log=print) -> dict:
+                      fresh_process: bool = True, in_situ_rounds: int | None = None, log=print) -> dict:
     """The per-micro-batch and per-step seconds a step spends outside the layers and the optimizer's kernels: a
     one-layer model of the same recipe (``RecipeCosts.tiny``) trains under ``Compressed3DStrategy`` (one GPU, exact: no
     compression) with 1 and then ``microbatches`` micro-batches of one sample; step(m) = step_s + optimizer_tiny
@@ -49,7 +49,10 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     time that the in-situ floor must hold when the step it predicts runs it (and not when it does not).
 
     ``fresh_process``: the tiny models train in a new Python interpreter (the state of a `lightning-3d fit` run), not
-    in this one (False: in this process, a few seconds faster)."""
+    in this one (False: in this process, a few seconds faster).
+
+    ``in_situ_rounds``: how many times the tiny models' fits run, interleaved, their timed steps pooled
+    (``tiny_runs``); None: ``IN_SITU_ROUNDS`` on a GPU, one on a CPU (profiles there are for tests)."""
     class_path = (cfg.get("model") or {}).get("class_path", "lightning_3d.recipes.GPT")
     recipe = recipe_costs(class_path)
     tiny = recipe.tiny
@@ -57,7 +60,8 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
         return {}
     deep_args = tiny.at_depth(dict(tiny.model_args), shape)
     adamw = recipe.optimizer(deep_args, device) if recipe.optimizer else None
-    args = (tiny, deep_args, device, precision, microbatches, warmup, steps, in_situ, fuse_gradients, adamw)
+    rounds = in_situ_rounds if in_situ_rounds is not None else (IN_SITU_ROUNDS if device.type == "cuda" else 1)
+    args = (tiny, deep_args, device, precision, microbatches, warmup, steps, in_situ, fuse_gradients, adamw, rounds)
     if fresh_process:
         # The loop's host seconds are what the planner predicts for `lightning-3d fit`, a fresh process. Timed inside
         # the profiler's own process, after it has built and timed every layer (its allocator's state, the objects
@@ -79,7 +83,7 @@ def measure_overheads(cfg: dict, shape: ModelShape, device: torch.device, precis
     host = _tiny_cells(tiny_doc, ("host_forward", "host_backward"))
     device_cells = _tiny_cells(tiny_doc, ("forward", "backward"))
     out = {"step_seconds": 0.0, "measured_step_seconds": [one, many], "microbatches": [1, microbatches],
-           "model": class_path, "gradient_accumulation_fusion": fuse_gradients,
+           "model": class_path, "gradient_accumulation_fusion": fuse_gradients, "in_situ_rounds": rounds,
            "tiny_fused_weights": tiny_doc["fused_weights"]}
     if in_situ:
         out.update(host_layers_in_situ(host, tiny_shape, shape, per_mb, {rc: _per_microbatch(d, microbatches)

@@ -36,7 +36,8 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
                   seq_lens=None, target_lens=None, recompute=(False, True), warmup: int = 2, repeats: int = 5,
                   collectives: bool = True, compile: bool | str = False, overheads: bool = True,
                   fuse_gradients: bool | str = "auto", compile_recompute=(False,), compile_microbatch_sizes=None,
-                  eager: bool = True, tp_layers: bool = True, tp_recompute=(False,), log=print) -> dict:
+                  eager: bool = True, tp_layers: bool = True, tp_recompute=(False,), in_situ_rounds: int | None = None,
+                  log=print) -> dict:
     """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named).
 
     Per layer kind and grid point: forward and backward seconds of one layer as it runs inside a stage. A block is
@@ -52,7 +53,8 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     plain autograd); the document records the setting and how many weights of each layer kind were fused.
     ``eager=False`` with ``compile``: only the compiled grids (to add to an eager profile's layers later).
     ``overheads``: the per-micro-batch and per-step costs outside the layers, from a few steps of a tiny model of the
-    same recipe under the strategy (``planner.overheads.measure_overheads``).
+    same recipe under the strategy (``planner.overheads.measure_overheads``; ``in_situ_rounds``: how many times those
+    fits repeat, their steps pooled; default three on a GPU).
     ``tp_layers``: with ``collectives`` on several GPUs, also the recipe's tensor-parallel layers at each degree of
     ``tp_degrees`` (``recompute`` settings ``tp_recompute``), measured across the GPUs with their collectives
     (``measure_tp_layers``); grids with ``"collectives": true`` that the planner reads instead of deriving.
@@ -69,7 +71,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     if overheads:
         try:
             doc["overheads"] = measure_overheads(cfg, shape, device, precision_of(cfg), fuse_gradients=fuse_gradients,
-                                                 log=log)
+                                                 in_situ_rounds=in_situ_rounds, log=log)
         except Exception as err:  # noqa: BLE001  the layers' profile stands without it (the terms read as 0)
             log(f"overheads not measured: {type(err).__name__}: {err}")
             doc["overheads"] = {"microbatch_seconds": 0.0, "step_seconds": 0.0, "error": f"{type(err).__name__}: {err}"[:500]}
@@ -122,7 +124,11 @@ def profile_main(argv: list[str]) -> int:
     parser.add_argument("--gradient-accumulation-fusion", default="auto", choices=("auto", "true", "false"),
                         help="the layers as RuntimeConfig(gradient_accumulation_fusion=...) trains them"
                         " (default: auto, the strategy's default)")
+    parser.add_argument("--in-situ-rounds", type=int, default=None, help="times the tiny models' fits of the"
+                        " overheads repeat, their steps pooled (default: 3 on a GPU, 1 on the CPU)")
     ns = parser.parse_args(argv)
+    if ns.in_situ_rounds is not None and ns.in_situ_rounds < 1:
+        parser.error(f"--in-situ-rounds={ns.in_situ_rounds}: give a positive integer (default 3 on a GPU)")
 
     def ints(text):
         try:
@@ -134,7 +140,7 @@ def profile_main(argv: list[str]) -> int:
         doc = profile_model(ns.config, device=ns.device, microbatch_sizes=ints(ns.microbatch_sizes), seq_lens=ints(ns.seq_lens),
                             target_lens=ints(ns.target_lens), recompute=(False,) if ns.no_recompute else (False, True),
                             warmup=ns.warmup, repeats=ns.repeats, collectives=not ns.no_collectives, compile=ns.compile,
-                            overheads=not ns.no_overheads,
+                            overheads=not ns.no_overheads, in_situ_rounds=ns.in_situ_rounds,
                             fuse_gradients={"auto": "auto", "true": True, "false": False}[ns.gradient_accumulation_fusion])
     except (RuntimeError, ValueError, FileNotFoundError) as err:
         parser.error(str(err))

@@ -20,16 +20,25 @@ from lightning_3d.planner.timing import measure_optimizer
 
 #: timed steps of each in-situ run (``tiny_runs``)
 IN_SITU_STEPS = 10
+#: rounds of the in-situ fits on a GPU (``measure_overheads``' default there; one on a CPU, where profiles are for tests)
+IN_SITU_ROUNDS = 3
 
 
 def tiny_runs(tiny: TinyModel, deep_args: dict, device: torch.device, precision: str, microbatches: int, warmup: int,
-              steps: int, in_situ: bool, fuse_gradients: bool | str, adamw: dict | None = None
+              steps: int, in_situ: bool, fuse_gradients: bool | str, adamw: dict | None = None, rounds: int = 1
               ) -> tuple[dict[int, list[float]], dict[bool, dict[int, list[float]]], dict]:
     """The tiny models' timed steps for ``measure_overheads``: the one-layer model (``tiny.model_args``) at 1 and
     ``microbatches`` micro-batches, and (``in_situ``) the tiny widths at the real depth (``deep_args``) without and
     with checkpointing; and the steps' tails (``train_tiny``'s ``tails_out``) of the one-layer model (``tail_seconds``) and of the deep ones
     (``deep_tail_seconds``), with the deep model's optimizer step (``deep_optimizer_seconds``; None without
-    ``in_situ``)."""
+    ``in_situ``).
+
+    ``rounds``: the fits repeated that many times, interleaved (one-layer, deep, deep checkpointed, then again), each
+    model's timed steps pooled over its fits. One fit's host seconds per micro-batch move by more between two fits of
+    the same model in one process than the planner's error allows (benchmarks/RESULTS.md, 2026-12-02d), so the
+    medians the overheads are read from are taken over several fits, not one."""
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"in-situ rounds={rounds!r}: give a positive integer (3 is the default on a GPU).")
     import logging
 
     # Lightning's and the strategy's start-up notes would fill the profiler's output: quiet while the tiny model trains.
@@ -40,17 +49,22 @@ def tiny_runs(tiny: TinyModel, deep_args: dict, device: torch.device, precision:
     # Lightning sets the rendezvous variables (MASTER_PORT, WORLD_SIZE, ...) in this process's environment: restored,
     # so that processes started after the profile (a benchmark's workers) do not inherit them.
     environ = dict(os.environ)
-    deep, deep_optimizer, tails, deep_tails = {}, {}, {}, {}
+    step_s: dict[int, list[float]] = {}
+    deep: dict[bool, dict[int, list[float]]] = {}
+    deep_optimizer, tails, deep_tails = {}, {}, {}
     try:
-        step_s = train_tiny(tiny, tiny.model_args, tiny.data_args, device, precision, microbatches, warmup, steps,
-                            fuse_gradients, tails_out=tails)
-        if in_situ:
-            for rc in (False, True):
-                # Ten timed steps each: the host's seconds per step vary from step to step (the medians of five
-                # differed by tens of per cent between two profiles of the same tiny model on one machine).
-                deep[rc] = train_tiny(tiny, dict(deep_args, activation_checkpointing=rc), tiny.data_args, device,
-                                      precision, microbatches, 3, IN_SITU_STEPS, fuse_gradients,
-                                      optimizer_out=None if rc else deep_optimizer, tails_out=deep_tails, adamw=adamw)
+        for r in range(rounds):
+            _pool(step_s, train_tiny(tiny, tiny.model_args, tiny.data_args, device, precision, microbatches, warmup,
+                                     steps, fuse_gradients, tails_out=tails))
+            if in_situ:
+                for rc in (False, True):
+                    # Ten timed steps each: the host's seconds per step vary from step to step (the medians of five
+                    # differed by tens of per cent between two profiles of the same tiny model on one machine).
+                    _pool(deep.setdefault(rc, {}),
+                          train_tiny(tiny, dict(deep_args, activation_checkpointing=rc), tiny.data_args, device,
+                                     precision, microbatches, 3, IN_SITU_STEPS, fuse_gradients,
+                                     optimizer_out=None if rc or r else deep_optimizer, tails_out=deep_tails,
+                                     adamw=adamw))
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -61,6 +75,12 @@ def tiny_runs(tiny: TinyModel, deep_args: dict, device: torch.device, precision:
                           "deep_optimizer_seconds": deep_optimizer.get("step_seconds")}
 
 
+
+
+def _pool(into: dict[int, list[float]], more: dict[int, list[float]]) -> None:
+    """``more``'s timed steps appended to ``into``'s, per micro-batch count."""
+    for m, seconds in more.items():
+        into.setdefault(m, []).extend(seconds)
 
 
 def train_tiny(tiny: TinyModel, model_args: Mapping, data_args: Mapping, device: torch.device, precision: str,
