@@ -5,6 +5,7 @@
 #   tp:       ours dp vs tp vs ModelParallelStrategy at 2 and 4 GPUs, a profiled sequence-parallel
 #             tp = 2 step, the transport on NCCL again
 #   lanes, lanes1: independent jobs side by side on disjoint GPUs (see each part)
+#   zb4, zb8: zero-bubble schedules (zb_h1, zb_interleaved) against 1F1B and interleaved 1F1B at (1,4,1) and (1,2,2)
 #   diagnose: the pipeline transport on NCCL, NCCL collective times (2 and 4 GPUs), a profiled tp = 2 step,
 #             tp = 4, dp = 4 with and without sharded optimizer state, context-parallel scaling at cp = 1, 2, 4
 # Usage on a 4-GPU machine: OUT=/some/dir bash benchmarks/parallel/four_gpu_suite.sh diagnose
@@ -118,6 +119,19 @@ print(json.dumps({k: d[k] for k in ('all_reduce', 'reduce_scatter', 'all_gather'
           > "$OUT/dyn_pp2.txt" 2>&1; step dyn_pp2 $? ) &
     wait
     cat "$OUT/dyn_pp2.txt" 2>/dev/null | tail -n 20
+    ;;
+  zb4|zb8)
+    # Zero-bubble schedules against 1F1B and interleaved 1F1B at (1,4,1) and (1,2,2), m = 4 (zb4) or 8 (zb8) micro-
+    # batches of 2 x 2048, compiled per block; peak memory beside each (the goal compares at equal memory). One
+    # invocation per schedule runs both layouts, each in fresh processes.
+    m=${part#zb}
+    Z="--preset 1.3b --seq-length 2048 --micro-batch-size 2 --num-microbatches $m --steps 5 --warmup 2 --compile default"
+    for sched in 1f1b zb_h1 "interleaved_1f1b --virtual-stages 2" "zb_interleaved --virtual-stages 2"; do
+      name=${sched%% *}
+      timeout 140 python benchmarks/parallel/train_throughput.py $Z --layouts 1,4,1 1,2,2 --schedule $sched --timeout 65 \
+          --out "$OUT/${part}_$name.json" > "$OUT/${part}_$name.txt" 2>&1; step "${part}_$name" $?
+    done
+    for f in "$OUT/${part}"_*.txt; do tail -n 5 "$f"; done
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
