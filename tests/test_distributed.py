@@ -21,20 +21,10 @@ import pytest
 
 from tests.conftest import clean_env
 from tests.launch import ROOT, run_scenario
+from tests.scenarios.group import run_group
 from tests.tolerance import loss_tolerance, scaled_error, t5_tolerance
 
 TOLERANCE = 1e-5
-
-
-def _group(world: int, parts: list[tuple[str, str]], folder: Path, timeout: float) -> dict[str, dict]:
-    """Run ``parts`` ((scenario, its --extra)) one after another in one process group of ``world`` ranks; each
-    part's report by name."""
-    from tests.scenarios.group import part_report
-
-    report = folder / "group.json"
-    run_scenario(world, "group", ["--world", str(world), "--extra", ";".join(f"{n}:{e}" for n, e in parts)], report,
-                 timeout=timeout)
-    return {name: json.loads(part_report(report, name).read_text()) for name, _ in parts}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +34,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("two_ranks")
     hf_dir = folder / "hf_t5"
     hf = _tiny_hf_t5(hf_dir)  # before the launch: the scenario imports it
-    reports = _group(2, [("layouts", ""), ("t5_layouts", str(hf_dir)), ("errors", "")], folder, timeout=1100)
+    reports = run_group(2, [("layouts", ""), ("t5_layouts", str(hf_dir)), ("errors", "")], folder, timeout=1100)
     return {**reports, "hf": hf}
 
 
@@ -53,7 +43,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """World 4: the layouts, Optimus-CC's compression, the features (plain module, evaluation, resume) and T5's
     layouts."""
     folder = tmp_path_factory.mktemp("four_ranks")
-    return _group(4, [("layouts", ""), ("compression", ""), ("features", ""), ("t5_layouts", str(folder / "no_hf"))],
+    return run_group(4, [("layouts", ""), ("compression", ""), ("features", ""), ("t5_layouts", str(folder / "no_hf"))],
                   folder, timeout=1100)
 
 
@@ -61,7 +51,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def eight_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """World 8: the (2,2,2) layouts and compression stack, then the resharding checkpoints saved at (2,2,2)."""
     folder = tmp_path_factory.mktemp("eight_ranks")
-    reports = _group(8, [("layouts", ""), ("reshard", f"save,{folder / 'ckpt'}")], folder, timeout=1100)
+    reports = run_group(8, [("layouts", ""), ("reshard", f"save,{folder / 'ckpt'}")], folder, timeout=1100)
     return {**reports, "ckpt": folder / "ckpt"}
 
 

@@ -20,6 +20,19 @@ def part_report(report: Path, name: str) -> Path:
     return report.with_name(f"{report.stem}.{name}.json")
 
 
+def run_group(world: int, parts: list[tuple[str, str]], folder: Path, timeout: float) -> dict[str, dict]:
+    """For tests: run ``parts`` ((scenario, its --extra)) one after another in one launch of ``world`` ranks
+    (tests/launch.py); each part's report by name."""
+    import json
+
+    from tests.launch import run_scenario
+
+    report = folder / "group.json"
+    run_scenario(world, "group", ["--world", str(world), "--extra", ";".join(f"{n}:{e}" for n, e in parts)], report,
+                 timeout=timeout)
+    return {name: json.loads(part_report(report, name).read_text()) for name, _ in parts}
+
+
 def parts(extra: str) -> list[tuple[str, str]]:
     return [(name, part_extra) for name, _, part_extra in (p.partition(":") for p in extra.split(";"))]
 
