@@ -1,4 +1,6 @@
-"""Distributed behaviour on CPU (gloo): each test starts one process group that runs many checks.
+"""Distributed behaviour on CPU (gloo): each process group runs many checks. The scenarios of one world size share
+one launch (tests/scenarios/group.py; module-scoped fixtures below): starting a group costs about as much as a
+scenario's checks. Each test still reads only its own scenario's report.
 
 Tolerances: fp32 losses and final parameters within 1e-5 relative of the single-process reference
 (see tests/scenarios/common.py for why the reference's Adam uses eps=1e-6).
@@ -6,6 +8,7 @@ Tolerances: fp32 losses and final parameters within 1e-5 relative of the single-
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import subprocess
@@ -18,9 +21,41 @@ import pytest
 
 from tests.conftest import clean_env
 from tests.launch import ROOT, run_scenario
+from tests.scenarios.group import run_group
 from tests.tolerance import loss_tolerance, scaled_error, t5_tolerance
 
 TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """World 2: the layouts, T5's layouts (with the transformers T5 they import) and the bad inputs (last: they
+    end with a healthy fit of their own, and leave nothing the others read)."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    hf_dir = folder / "hf_t5"
+    hf = _tiny_hf_t5(hf_dir)  # before the launch: the scenario imports it
+    reports = run_group(2, [("layouts", ""), ("t5_layouts", str(hf_dir)), ("errors", "")], folder, timeout=1100)
+    return {**reports, "hf": hf}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """World 4: the layouts, Optimus-CC's compression, the features (plain module, evaluation, resume) and T5's
+    layouts."""
+    folder = tmp_path_factory.mktemp("four_ranks")
+    return run_group(4, [("layouts", ""), ("compression", ""), ("features", ""), ("t5_layouts", str(folder / "no_hf"))],
+                  folder, timeout=1100)
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """World 8: the (2,2,2) layouts and compression stack, then the resharding checkpoints saved at (2,2,2)."""
+    folder = tmp_path_factory.mktemp("eight_ranks")
+    reports = run_group(8, [("layouts", ""), ("reshard", f"save,{folder / 'ckpt'}")], folder, timeout=1100)
+    return {**reports, "ckpt": folder / "ckpt"}
+
+
+GROUPED = {2: "two_ranks", 4: "four_ranks", 8: "eight_ranks"}
 
 
 def _check(results: list[dict]) -> None:
@@ -29,8 +64,12 @@ def _check(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_every_layout_and_schedule_matches_single_process_training(world: int, tmp_path: Path) -> None:
-    report = run_scenario(world, "layouts", ["--world", str(world)], tmp_path / "report.json", timeout=900)
+def test_every_layout_and_schedule_matches_single_process_training(world: int, tmp_path: Path,
+                                                                   request: pytest.FixtureRequest) -> None:
+    if world in GROUPED:
+        report = request.getfixturevalue(GROUPED[world])["layouts"]
+    else:
+        report = run_scenario(world, "layouts", ["--world", str(world)], tmp_path / "report.json", timeout=900)
     results = report["results"]
     _check(results)
     layouts = {(r["dp"], r["pp"], r["tp"]) for r in results}
@@ -79,16 +118,16 @@ def test_every_layout_and_schedule_matches_single_process_training(world: int, t
                 (2, 2.0, True), (4, 4.0, True), (4, 4.0, True)], derived
 
 
-def test_bad_inputs_raise_on_every_rank_before_any_collective(tmp_path: Path) -> None:
-    report = run_scenario(2, "errors", ["--world", "2"], tmp_path / "report.json", timeout=600)
+def test_bad_inputs_raise_on_every_rank_before_any_collective(two_ranks: dict) -> None:
+    report = two_ranks["errors"]
     failed = [c for c in report["cases"] if not c["ok"]]
     assert not failed, failed
     assert len(report["cases"]) == 12
     assert len(report["healthy_losses"]) == 2
 
 
-def test_plain_module_validation_test_and_exact_resume(tmp_path: Path) -> None:
-    report = run_scenario(4, "features", ["--world", "4"], tmp_path / "report.json", timeout=900)
+def test_plain_module_validation_test_and_exact_resume(four_ranks: dict) -> None:
+    report = four_ranks["features"]
     assert report["plain"]["param_err"] <= TOLERANCE
     evaluation = report["evaluation"]
     assert evaluation["rank_spread"] == 0.0  # every rank reports the same loss
@@ -104,12 +143,11 @@ def test_plain_module_validation_test_and_exact_resume(tmp_path: Path) -> None:
         assert run["max_param_diff"] == 0.0
 
 
-def test_checkpoint_saved_at_222_resumes_in_other_layouts(tmp_path: Path) -> None:
+def test_checkpoint_saved_at_222_resumes_in_other_layouts(tmp_path: Path, eight_ranks: dict) -> None:
     """Same next-step loss after resuming a (2,2,2) checkpoint at (1,4,2), (2,1,1) and (1,1,1), for GPT and T5:
     DTensor shards, pipeline stages, the tied head's optimizer state and the tp-dependent vocabulary padding all
     reshard; for T5 also the relative-bias tables (head-sharded) and stage cuts inside and between the two stacks."""
-    folder = tmp_path / "ckpt"
-    saved = run_scenario(8, "reshard", ["--world", "8", "--extra", f"save,{folder}"], tmp_path / "save.json", timeout=900)
+    folder, saved = eight_ranks["ckpt"], eight_ranks["reshard"]
     losses = {recipe: {"1,4,2": saved[recipe]["1,4,2"]} for recipe in ("gpt", "t5")}
     # The two resumes only read the checkpoint: side by side (3 processes; each launch has its own port and report).
     with ThreadPoolExecutor(2) as pool:
@@ -139,18 +177,16 @@ def test_torchrun_across_two_nodes(tmp_path: Path) -> None:
         nodes.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=600)[0] for p in nodes]
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-4000:] for o in outputs)
-    import json
-
     result = json.loads(report.read_text())
     assert result["nodes"] == 2
     _check(result["results"])
 
 
-def test_optimus_cc_compression(tmp_path: Path) -> None:
+def test_optimus_cc_compression(four_ranks: dict) -> None:
     """CB + LEP, FE and SC on 4 processes (see tests/scenarios/compression.py)."""
     from lightning_3d.pipeline.schedules import build_schedule
 
-    report = run_scenario(4, "compression", ["--world", "4"], tmp_path / "report.json", timeout=900)
+    report = four_ranks["compression"]
     for run in report["exact"]:  # CB at full rank, SC in warm-up, FE: the uncompressed result
         assert run["loss_err"] <= TOLERANCE and run["param_err"] <= TOLERANCE and run["compressed_sends"] > 0, run
     for run in report["epilogue"]:  # compressed sends per stage in one step of 4 stages, 8 micro-batches
@@ -248,14 +284,12 @@ T5_LOGITS_TOL = t5_tolerance(4, 4, 64)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_t5_layouts_match_single_process_training(world: int, tmp_path: Path) -> None:
+def test_t5_layouts_match_single_process_training(world: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """T5 (v1.0 tied + ReLU, v1.1 untied + gated-GELU) under the foundation layouts, every schedule, sequence
     parallelism, a stage spanning encoder and decoder, and CB + LEP / FE / SC at full rank (exact); on 2 ranks also
     export of sharded (1,2,1) / (1,1,2) checkpoints and import of a transformers T5 under (1,2,1) and (1,1,2)."""
-    hf_dir = tmp_path / "hf_t5"
-    hf = _tiny_hf_t5(hf_dir) if world == 2 else None
-    report = run_scenario(world, "t5_layouts", ["--world", str(world), "--extra", str(hf_dir)], tmp_path / "report.json",
-                          timeout=900)
+    group = request.getfixturevalue(GROUPED[world])
+    report, hf = group["t5_layouts"], group.get("hf")
     results = report["results"]
     _check(results)
     trained = [r for r in results if not r.get("pretrained")]

@@ -1,16 +1,24 @@
 """Options that used to be accepted and ignored, SC's and CB's recorded link decisions, tied names and non-finite steps
-(``tests/scenarios/robustness.py``, one group of two processes)."""
+(``tests/scenarios/robustness.py``, one group of two processes, which then runs ``tests/scenarios/late_nonfinite.py``
+too: starting a group costs about as much as either scenario's checks; tests/scenarios/group.py)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-from tests.launch import run_scenario
+import pytest
+
+from tests.scenarios.group import run_group
 
 
-def test_options_link_decision_tied_names_and_nonfinite_steps(tmp_path: Path) -> None:
-    report = run_scenario(2, "robustness", ["--world", "2"], tmp_path / "report.json", timeout=600)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = tmp_path_factory.mktemp("robustness")
+    return run_group(2, [("robustness", ""), ("late_nonfinite", "")], folder, timeout=1100)
+
+
+def test_options_link_decision_tied_names_and_nonfinite_steps(two_ranks: dict) -> None:
+    report = two_ranks["robustness"]
     failed = [c for c in report["cases"] if not c["ok"]]
     assert not failed, failed
     assert len(report["cases"]) == 6
@@ -89,10 +97,10 @@ def test_the_lazy_verdict_is_taken_only_where_the_optimizer_skips_exactly() -> N
     assert not engine.verdict_can_wait(fused, scaled=False)
 
 
-def test_a_nan_written_in_on_before_optimizer_step_is_caught(tmp_path: Path) -> None:
+def test_a_nan_written_in_on_before_optimizer_step_is_caught(two_ranks: dict) -> None:
     """The guard judges the gradients the optimizer will use: after Lightning's on_before_optimizer_step hooks (and
     clipping), on one replica only, with SC (its state restored) and with the lazy verdict's fused AdamW."""
-    report = run_scenario(2, "late_nonfinite", ["--world", "2"], tmp_path / "report.json", timeout=600)
+    report = two_ranks["late_nonfinite"]
     for name in ("sc", "lazy"):
         run = report[name]
         assert run["unchanged"] and run["params_finite"], run  # parameters and optimizer state as before the step
