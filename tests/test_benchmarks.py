@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -372,7 +373,7 @@ def test_peers_system_suffixes() -> None:
     assert make_gpt(args, parse_system("fsdp@1,1+torchsdpa", gpus=1)).config.sdpa_backends == "torch"  # FSDP's GPT
     assert make_gpt(args, parse_system("fsdp@1,1+nocudnn", gpus=1)).config.sdpa_backends == "no_cudnn"
     for bad, message in (("ours@1,1,1+whole", r"\+whole is for plain and user, not ours"),
-                         ("hf+ckpt", r"\+ckpt is for plain and ddp and fsdp and ours, not hf"),
+                         ("hf+ckpt", r"\+ckpt is for plain and ddp and fsdp and ours and megatron, not hf"),
                          ("ddp+fusedce", r"\+fusedce is for plain and ours, not ddp"),
                          ("plain+whole+compile", r"\+whole compiles the whole model; drop"),
                          ("ours@1,1,1+stage", r"\+stage sets what one compiled graph covers; add \+compile"),
@@ -660,3 +661,92 @@ def test_soak_summary_tells_a_one_time_jump_from_steady_growth() -> None:
     assert leak["rss_slope_mib_per_100"] == pytest.approx(1.0)  # ... but growing by 1 MiB per 100 steps
     assert leak["rss_slope_pct_per_100"] == pytest.approx(100 / 501)
     assert not leak["step_time_goal_met"] and leak["step_time_change_pct"] == pytest.approx(100 * 90 / 110)
+
+
+def test_peers_megatron_system_parsing_and_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron@DP,PP,TP parses as ours does (same replicas, so the same tokens per step), takes +ckpt only, is refused
+    on CPU and for T5, and a missing megatron-core fails before any launch with the install command."""
+    import argparse
+
+    from benchmarks.speed import megatron_peer
+    from benchmarks.speed.peers import parse_args, parse_system, sample_tokens, summarize
+
+    system = parse_system("megatron@2,2,1+ckpt", gpus=4)
+    assert (system["name"], system["dp"], system["pp"], system["tp"], system["world"], system["ckpt"]) == (
+        "megatron", 2, 2, 1, 4, True)
+    for bad, message in (("megatron@1,1", "megatron takes @DP,PP,TP"), ("megatron@1,1,1+compile", r"\+ckpt only"),
+                         ("megatron@1,1,1+cc", "for ours only")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse_system(bad, gpus=1)
+    args = argparse.Namespace(micro_batch_size=2, num_microbatches=3, seq_length=64, model="gpt", target_length=None)
+    ours, megatron = (summarize(args, parse_system(f"{n}@2,1,2", gpus=4), {"error": "x"}, 1.0) for n in ("ours", "megatron"))
+    assert megatron["tokens_per_step"] == ours["tokens_per_step"] == 2 * 2 * 3 * sample_tokens(args)
+
+    monkeypatch.setitem(sys.modules, "megatron", None)  # as if megatron-core were not installed
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    with pytest.raises(ImportError, match="pip install megatron-core"):
+        megatron_peer.megatron_version()
+    with pytest.raises(SystemExit):
+        parse_args(["--systems", "megatron@1,1,1"])
+    parse_args(["--systems", "plain", "ours@1,1,1"])  # no megatron system: megatron-core is never imported
+    monkeypatch.undo()
+    if importlib.util.find_spec("megatron") is not None:
+        for argv in (["--accelerator", "cpu"], ["--model", "t5"]):
+            with pytest.raises(SystemExit):
+                parse_args([*argv, "--systems", "megatron@1,1,1"])
+
+
+MEGATRON_MODEL = r"""
+import argparse, json, torch, torch.distributed as dist
+from benchmarks.speed.megatron_peer import MISSING, build_gpt, megatron_version, transformer_config
+from benchmarks.speed.peers import table
+dist.init_process_group("gloo", init_method="file://" + __import__("sys").argv[1], rank=0, world_size=1)
+from megatron.core import parallel_state
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+args = argparse.Namespace(preset="tiny", vocab_size=int(__import__("sys").argv[2]), seq_length=64)
+system = {"dp": 1, "pp": 1, "tp": 1, "ckpt": False}
+from megatron.core.transformer.module import Float16Module
+config = transformer_config(args, system, cpu_init=True)
+model = build_gpt(args, system, config)
+wrapped = Float16Module(config, model)  # as the worker wraps it: bf16 throughout
+layer = model.decoder.layers[0]
+row = {"label": "megatron@1,1,1", "world": 1, "tokens_per_s": 1.0, "tflops_per_gpu": 0.0, "mfu": None,
+       "step_ms": dict(median=1.0, p10=1.0, p90=1.0, min=1.0, max=1.0), "peak_mem_gb": 0.0, "first_loss": 6.2,
+       "megatron_core": megatron_version(), "megatron_missing": MISSING}
+print(json.dumps({
+    "parameters": sum(p.numel() for p in model.parameters()),
+    "dtypes": sorted({str(p.dtype) for p in wrapped.parameters()}),
+    "vocab_rows": model.embedding.word_embeddings.weight.shape[0],
+    "tied": model.share_embeddings_and_output_weights and model.output_layer.weight is None,
+    "classes": [type(m).__name__ for m in (layer.self_attention.linear_qkv, layer.self_attention.core_attention,
+                                           layer.input_layernorm, layer.mlp.linear_fc1)],
+    "activation": str(model.config.activation_func), "version": megatron_version(), "table": table([row], "h")}))
+parallel_state.destroy_model_parallel()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("vocab", [512, 500])
+def test_megatron_peer_builds_the_presets_shape_from_the_local_spec(tmp_path: Path, vocab: int) -> None:
+    """The megatron peer's model is our tiny preset's shape in Megatron's local (TransformerEngine-free) layers: our
+    parameter count with the key bias Megatron's QKV carries, the vocabulary padded to 128 as ours, tied embeddings,
+    bf16, the tanh GELU; the table names the version and what the missing TE/apex rules out. Megatron-core's forward,
+    DDP, optimizer and schedules allocate on CUDA (megatron_peer.py), so the CPU test stops at the built model."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install --no-deps megatron-core)")
+    from lightning_3d.recipes.gpt.config import preset
+
+    out = subprocess.run([sys.executable, "-c", MEGATRON_MODEL, str(tmp_path / "store"), str(vocab)], check=True,
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    built = json.loads(out.strip().splitlines()[-1])
+    ours = preset("tiny", vocab_size=vocab, seq_length=64)
+    padding = (ours.padded_vocab_size(1) - vocab) * ours.hidden_size
+    assert built["vocab_rows"] == ours.padded_vocab_size(1) == 512
+    assert built["parameters"] == preset("tiny", vocab_size=vocab, seq_length=64, key_bias=True).num_parameters() + padding
+    assert built["parameters"] - ours.num_parameters() - padding == ours.num_layers * ours.hidden_size  # the key bias
+    assert built["tied"] and built["dtypes"] == ["torch.bfloat16"]
+    assert built["classes"] == ["ColumnParallelLinear", "DotProductAttention", "LayerNorm", "ColumnParallelLinear"]
+    assert "approximate='tanh'" in built["activation"]
+    footnote = built["table"].splitlines()[-1]
+    assert footnote.startswith(f"megatron: megatron-core {built['version']}, without TransformerEngine and apex")
+    assert "no fused Adam" in footnote and "fused attention" in footnote

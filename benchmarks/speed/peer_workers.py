@@ -76,6 +76,10 @@ def run_worker(args: argparse.Namespace, system: dict) -> None:
             CLOCKS.append(ClockSampler(torch.cuda.current_device()))
     if system["name"] in ("plain", "hf", "user"):
         result = plain_loop(args, system, torch.device("cuda") if cuda else torch.device("cpu"))
+    elif system["name"] == "megatron":
+        from benchmarks.speed.megatron_peer import megatron_loop  # megatron-core only when a megatron system runs
+
+        result = megatron_loop(args, system)
     else:
         result = lightning_fit(args, system)
     if int(os.environ.get("RANK", 0)) == 0:

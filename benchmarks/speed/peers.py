@@ -9,6 +9,15 @@ Systems (each in fresh processes started by torchrun, same model, same initial w
   ddp            Lightning ``DDPStrategy`` on all GPUs of the run
   fsdp@DP,TP     Lightning ``ModelParallelStrategy``: FSDP2 (bf16 params, fp32 reduce) over DP, DTensor TP over TP
   ours@DP,PP,TP  ``Compressed3DStrategy`` (compression off unless ``+cc``)
+  megatron@DP,PP,TP  Megatron-core from the registry (``megatron-core``, no TransformerEngine, no apex): GPTModel with
+                 the local layer spec, Float16Module bf16, its DDP, optimizer and pipeline schedule, the preset's shape
+                 with Megatron's own initial weights (benchmarks/speed/megatron_peer.py says what differs from ours
+                 and what the missing TE/apex rules out); GPUs only, ``+ckpt`` (full recompute per layer) its only
+                 suffix. Install on this machine with ``pip install --no-deps megatron-core`` (it needs only torch,
+                 numpy and packaging; --no-deps keeps the installed torch); for a GPU machine that reaches no
+                 registry, fetch the wheel here with ``pip download --no-deps --only-binary=:all: --python-version
+                 3.12 -d .whl megatron-core`` (``.whl/`` is git-ignored; carry it by path) and install it there with
+                 ``pip install --no-deps .whl/megatron_core-*.whl``
 Suffixes: ``+compile`` (per-block torch.compile, and the loss; hf: the whole model and loss), ``+autotune`` (compile
 with "max-autotune-no-cudagraphs"; with +whole, the whole model's compile in that mode), ``+whole`` (plain only:
 ``torch.compile`` of the whole model with its loss, as a user compiles a plain model), ``+ckpt`` (activation
@@ -36,6 +45,7 @@ step (gradient accumulation for the peers).
 
     python benchmarks/speed/peers.py --preset 1.3b --seq-length 2048 --systems plain plain+compile ours@1,1,1 ours@1,1,1+compile
     python benchmarks/speed/peers.py --preset 1.3b --gpus 2 --systems ddp fsdp@2,1 fsdp@1,2 ours@2,1,1 ours@1,2,1 ours@1,1,2
+    python benchmarks/speed/peers.py --preset 1.3b --gpus 2 --num-microbatches 4 --systems ours@1,2,1 megatron@1,2,1
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.parallel.train_throughput import ALWAYS_ENV, FLOPS_FORMULA, PEAK_TFLOPS, REGIMES, T5_FLOPS_FORMULA, environment  # noqa: E402
 from benchmarks.tools.processes import kill_launch  # noqa: E402
 
-SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours", "user")
+SYSTEMS = ("plain", "hf", "ddp", "fsdp", "ours", "user", "megatron")
 SUFFIXES = ("compile", "autotune", "ckpt", "cc", "fp32res", "nofuse", "fuse", "whole", "fusedce", "stage", "explicit",
             "cudagraphs", "torchsdpa", "nocudnn", "pygc", "gc1", "nocheck", "ourinit", "torchinit")
 OURS_ONLY = ("cc", "nofuse", "fuse", "pygc", "gc1", "nocheck")
@@ -65,7 +75,7 @@ OURS_ONLY = ("cc", "nofuse", "fuse", "pygc", "gc1", "nocheck")
 ONLY_FOR = {"cc": ("ours",), "nofuse": ("ours",), "fuse": ("ours",), "pygc": ("ours",), "gc1": ("ours",), "nocheck": ("ours",),
             "stage": ("ours",), "whole": ("plain", "user"), "ourinit": ("user",), "torchinit": ("user",), "fusedce": ("plain", "ours"),
             "explicit": ("plain", "ours"), "cudagraphs": ("plain", "ours"),
-            "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours"),
+            "autotune": ("plain", "ddp", "fsdp", "ours"), "ckpt": ("plain", "ddp", "fsdp", "ours", "megatron"),
             "fp32res": ("plain", "ddp", "fsdp", "ours"), "torchsdpa": ("plain", "ddp", "fsdp", "ours"),
             "nocudnn": ("plain", "ddp", "fsdp", "ours")}
 MODEL_DEFAULTS = {"gpt": dict(preset="1.3b", vocab_size=50257), "t5": dict(preset="770m", vocab_size=32128)}
@@ -108,6 +118,9 @@ def parse_system(text: str, gpus: int) -> dict:
     if name == "user" and (set(suffixes) - {"whole", "ourinit", "torchinit"} or sizes):
         raise argparse.ArgumentTypeError(f"{text!r}: user runs on one GPU and takes +whole, +ourinit and +torchinit"
                                          " only (it is written as a user writes it, with none of the recipe's options)")
+    if name == "megatron" and set(suffixes) - {"ckpt"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: megatron takes +ckpt only (Megatron-core's own model and loop,"
+                                         " none of the recipes' options)")
     if "ourinit" in suffixes and "torchinit" in suffixes:
         raise argparse.ArgumentTypeError(f"{text!r}: +ourinit and +torchinit are two initialisations; pick one")
     numbers = [int(x) for x in sizes.split(",")] if sizes else []
@@ -121,7 +134,7 @@ def parse_system(text: str, gpus: int) -> dict:
         dp, pp, tp = numbers[0], 1, numbers[1]
     else:
         if len(numbers) != 3:
-            raise argparse.ArgumentTypeError(f"{text!r}: ours takes @DP,PP,TP")
+            raise argparse.ArgumentTypeError(f"{text!r}: {name} takes @DP,PP,TP")
         dp, pp, tp = numbers
     return dict(name=name, dp=dp, pp=pp, tp=tp, world=dp * pp * tp, label=text,
                 **{s: s in suffixes for s in SUFFIXES})
@@ -170,6 +183,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.model == "t5" and args.target_length is None:
         args.target_length = 128
     args.parsed = [parse_system(s, args.gpus) for s in args.systems]
+    if any(s["name"] == "megatron" for s in args.parsed):  # before any launch: a missing package fails here, once
+        from benchmarks.speed.megatron_peer import megatron_version
+
+        try:
+            megatron_version()
+        except ImportError as error:
+            p.error(str(error))
     for s in args.parsed:
         if s["world"] > args.gpus:
             p.error(f"{s['label']} needs {s['world']} GPUs; the run has --gpus {args.gpus}")
@@ -180,6 +200,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"{s['label']}: user is a GPT; --model t5 runs plain, hf, ddp and ours")
         if args.model == "t5" and (s["name"] == "fsdp" or s["fusedce"] or s["fp32res"]):
             p.error(f"{s['label']}: --model t5 runs plain, hf, ddp and ours, without +fusedce or +fp32res")
+        if s["name"] == "megatron" and (args.model != "gpt" or args.accelerator != "gpu"):
+            p.error(f"{s['label']}: the megatron peer is a GPT on GPUs (megatron-core allocates on CUDA throughout)")
         if s["name"] == "ours" and args.schedule != "gpipe" and args.num_microbatches < s["pp"]:
             p.error(f"{s['label']} with --schedule {args.schedule} needs --num-microbatches >= pp = {s['pp']}"
                     f" (got {args.num_microbatches})")
@@ -259,6 +281,9 @@ def table(rows: list[dict], header: str) -> str:
                      f" {rel:.2f}x | {r['step_ms']['median']:.1f} [{r['step_ms']['p10']:.1f}-{r['step_ms']['p90']:.1f}]"
                      f" {{{r['step_ms']['min']:.1f}-{r['step_ms']['max']:.1f}}}"
                      f" | {r['peak_mem_gb']:.1f} | {r['first_loss']:.4f} | {_gc_text(r.get('gc'))}{_clock_text(r)}")
+    megatron = next((r for r in rows if r.get("megatron_core")), None)
+    if megatron is not None:
+        lines.append(f"megatron: megatron-core {megatron['megatron_core']}, {megatron['megatron_missing']}")
     return "\n".join(lines)
 
 
