@@ -43,12 +43,18 @@ ADAPTIVE_CHOICES = {
 }
 
 
-def check_adaptive(value: object, schedule: str) -> str:
-    """``value`` if it is an ``adaptive_schedule`` choice the named schedule allows; else a ValueError naming the
-    choices and the fix."""
+def check_adaptive_choice(value: object) -> str:
+    """``value`` if it is one of ``ADAPTIVE_CHOICES``; else a ValueError naming them."""
     if value not in ADAPTIVE_CHOICES:
         choices = "; ".join(f"{k!r}: {v}" for k, v in ADAPTIVE_CHOICES.items())
         raise ValueError(f"adaptive_schedule={value!r} is not a choice ({choices}).")
+    return str(value)
+
+
+def check_adaptive(value: object, schedule: str) -> str:
+    """``value`` if it is an ``adaptive_schedule`` choice the named schedule allows; else a ValueError naming the
+    choices and the fix."""
+    check_adaptive_choice(value)
     if value == "only" and not supports_adaptive(schedule):
         raise ValueError(f"adaptive_schedule='only' with schedule={schedule!r}: the adaptive schedule runs whole "
                          "backwards, while this schedule splits them into input and weight gradients (W actions). Use a"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lightning_3d.context import ATTENTIONS
-from lightning_3d.pipeline.schedules import SCHEDULES
+from lightning_3d.pipeline.schedules import SCHEDULES, schedule_spec
 from lightning_3d.planner import context
 from lightning_3d.planner.communication import compression_acts
 from lightning_3d.planner.confidence import check_model_error, validated_error, within_error
@@ -30,8 +30,6 @@ from lightning_3d.planner.model import GIB, ZERO_BUBBLE, Candidate, Prediction, 
 
 #: The schedules the performance model prices (closed forms in model.pipeline_time, memory in costs.memory.in_flight).
 PRICED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", *ZERO_BUBBLE)
-#: Schedules with several looped stages per rank (virtual_stages >= 2, m a multiple of pp).
-INTERLEAVED = ("interleaved_1f1b", "zb_interleaved")
 
 
 @dataclass
@@ -150,7 +148,7 @@ def _layouts(w: Workload, num_gpus: int, tp: int, cp: int, attention: str, block
                 if schedule in ("1f1b", "zb_h1") and m < pp:
                     continue
                 vs = [1]
-                if schedule in INTERLEAVED:
+                if schedule_spec(schedule).interleaved:  # several looped stages per rank, m a multiple of pp
                     if pp < 2 or m % pp:
                         continue
                     vs = [v for v in range(2, opts.max_virtual_stages + 1) if pp * v <= blocks]

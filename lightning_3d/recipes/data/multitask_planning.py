@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lightning_3d.costs import ProfiledCostModel
 from lightning_3d.costs.model import ModelShape
-from lightning_3d.dynamic.adaptive import ADAPTIVE_CHOICES
+from lightning_3d.dynamic.adaptive import check_adaptive_choice
 from lightning_3d.recipes.data.multitask_batching import PLANNED
 
 
@@ -40,9 +40,7 @@ def load_cost_profile(path: object, microbatching: str) -> ProfiledCostModel | N
 
 def check_adaptive_option(value: object, microbatching: str) -> str:
     """``adaptive_schedule`` if it is one of the choices (and, when not the default, the micro-batching plans)."""
-    if value not in ADAPTIVE_CHOICES:
-        choices = "; ".join(f"{k!r}: {v}" for k, v in ADAPTIVE_CHOICES.items())
-        raise ValueError(f"adaptive_schedule={value!r} is not a choice ({choices}).")
+    check_adaptive_choice(value)
     if value != "auto" and microbatching not in PLANNED:
         raise ValueError(f"adaptive_schedule={value!r} applies to planned micro-batching only ({', '.join(PLANNED)}),"
                          f" not microbatching={microbatching!r}: the fixed ones run the strategy's named schedule.")
