@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -661,6 +662,37 @@ def test_soak_summary_tells_a_one_time_jump_from_steady_growth() -> None:
     assert leak["rss_slope_mib_per_100"] == pytest.approx(1.0)  # ... but growing by 1 MiB per 100 steps
     assert leak["rss_slope_pct_per_100"] == pytest.approx(100 / 501)
     assert not leak["step_time_goal_met"] and leak["step_time_change_pct"] == pytest.approx(100 * 90 / 110)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU time is read from Linux's /proc")
+def test_soak_thread_cpu_counts_the_busy_thread() -> None:
+    """soak.py --threads: a thread that spun for 0.3 s of CPU shows with at least half of it (clock ticks of 10 ms or
+    less), the idle main thread with less than it, and an ended thread is gone."""
+    import threading
+
+    from benchmarks.tools.soak import _thread_cpu
+
+    main = threading.get_native_id()
+    before = _thread_cpu()
+    assert main in before and isinstance(before[main][0], str)
+    spun, release = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait()
+
+    busy = threading.Thread(target=spin)
+    busy.start()
+    assert spun.wait(timeout=60)
+    found = _thread_cpu()  # read while it is alive: an ended thread leaves /proc
+    release.set()
+    busy.join()
+    assert found[busy.native_id][1] >= 0.15, found[busy.native_id]
+    assert found[main][1] - before[main][1] < 0.3
+    assert busy.native_id not in _thread_cpu()
 
 
 def test_peers_megatron_system_parsing_and_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -28,6 +29,26 @@ def test_lightning_distributed_helpers_keep_their_signatures() -> None:
     assert _params(compat.sync_ddp_if_available) == ["result", "group", "reduce_op"]
     assert compat.default_process_group_backend(torch.device("cpu")) == "gloo"
     assert compat.distributed_is_initialized() is False
+
+
+def test_set_num_threads_if_needed_shares_the_cores_unless_the_user_chose(monkeypatch) -> None:
+    """Lightning's rule the strategy applies in every rank: cores // local processes when OMP_NUM_THREADS is unset
+    (torch's intra-op threads and the variable, for processes started later), nothing when it is set."""
+    import lightning.fabric.utilities.distributed as fabric_distributed
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(fabric_distributed, "_num_cpus_available", lambda: 8)
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        compat.set_num_threads_if_needed(num_processes=3)
+        assert torch.get_num_threads() == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+        compat.set_num_threads_if_needed(num_processes=16)  # set now: the user's (or an earlier rank's) choice stays
+        assert torch.get_num_threads() == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        compat.set_num_threads_if_needed(num_processes=16)  # never below one thread
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_subprocess_launcher_takes_environment_processes_nodes() -> None:

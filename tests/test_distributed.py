@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -221,13 +222,18 @@ def test_optimus_cc_compression(four_ranks: dict) -> None:
 
 @pytest.mark.parametrize("fail_rank", [0, 1])
 def test_a_failure_on_one_rank_ends_the_job_on_all_ranks(fail_rank: int) -> None:
-    """Lightning's launcher starts the second process; whichever rank fails, nobody is left hanging."""
-    env = clean_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    """Lightning's launcher starts the second process; whichever rank fails, nobody is left hanging. Without
+    OMP_NUM_THREADS, each rank (the launched one too) takes its share of the cores, as Lightning's DDP ranks do."""
+    env = clean_env(PYTHONPATH=str(ROOT))
+    env.pop("OMP_NUM_THREADS", None)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "tests/scenarios/crash_job.py", "--fail-rank", str(fail_rank)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode != 0
     assert f"simulated failure on rank {fail_rank}" in proc.stdout + proc.stderr
+    share = max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else max(1, os.cpu_count() // 2)
+    for rank in range(2):
+        assert f"rank {rank} intra-op threads {share} OMP_NUM_THREADS {share}" in proc.stdout, proc.stdout[-3000:]
     assert time.monotonic() - start < 450  # a hang would run into the timeout; ~20 s on an idle 2-core machine
 
 

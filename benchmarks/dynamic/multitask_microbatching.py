@@ -13,7 +13,9 @@ plain causal kernel: causality already hides the padding behind each sample, so 
 
 ``--engine direct`` (one GPU, pp = 1): one model, built once; every variant's micro-batches are collated by the data
 module's own collators before the timed steps, then trained (fp32 weights, bf16 autocast, AdamW) with the recipe's
-forward and loss. Collation and planning are not timed for any variant (the dynamic planner runs ahead of training
+forward and loss, its linear layers' weight gradients accumulated as the strategy accumulates them
+(``--gradient-accumulation-fusion``, default the strategy's "auto": the GEMM adds into the fp32 gradient; the cost
+model's profile times the layers that way, so an unfused model runs the casts and adds the prediction leaves out). Collation and planning are not timed for any variant (the dynamic planner runs ahead of training
 in DataLoader workers: ``benchmarks/dynamic/dynamic_gpu.py`` measures that no step waits for it).
 
 ``--engine lightning``: ``Trainer.fit`` with ``Compressed3DStrategy(pipeline_parallel_size=--pp)`` on ``--devices``
@@ -222,9 +224,47 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attn", "flex", "triton_tem")), ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma")),
+                ("optimizer", ("multi_tensor", "adam")), ("copy", ("memcpy", "memset", "copy")))
+
+
+def kernel_table(run_step) -> dict:
+    """One more step under torch.profiler: the device time of its kernels by kind (attention, GEMM, optimizer,
+    copies, the rest) and the ten largest by name, against the step's wall time: tells a step that waits for the
+    host (kernels well below the wall) from kernels slower than the cost model's profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    by_kind: dict[str, float] = {}
+    names: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = event.device_time / 1e3  # torch reports microseconds
+        low = event.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
+        entry = names.setdefault(event.name[:90], [0.0, 0])
+        entry[0] += ms
+        entry[1] += 1
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:10]
+    # the same total as torch's table counts it (self device time of every op), a cross-check of the event walk
+    table_ms = sum(a.self_device_time_total for a in prof.key_averages()) / 1e3
+    return {"wall_ms": round(1e3 * wall, 1), "kernels_ms": round(sum(by_kind.values()), 1),
+            "kernels_ms_table": round(table_ms, 1),
+            "by_kind_ms": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top": [[name, round(ms, 2), n] for name, (ms, n) in top]}
+
+
 # ----- direct engine: one model, every variant on the same batches ----------------------------------------------
 def direct(args) -> list[dict]:
     from lightning_3d.costs import model_shape
+    from lightning_3d.distributed.wgrad_fusion import fuse_standalone
     from lightning_3d.dynamic import default_cost_model
     from lightning_3d.recipes.t5.model import run_stage
 
@@ -235,6 +275,8 @@ def direct(args) -> list[dict]:
     module = build_model(args, data)
     module.configure_model()
     model = module.model.to(device).train()
+    fusion = {"auto": "auto", "true": True, "false": False}[args.gradient_accumulation_fusion]
+    fused = fuse_standalone(model, fusion, "--gradient-accumulation-fusion")  # on its device first (slots are keyed by address)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
 
     def loss_of(mb: dict) -> torch.Tensor:
@@ -279,7 +321,7 @@ def direct(args) -> list[dict]:
     for sdpa, text in [(o, v) for o in args.sdpa for v in args.variants]:
         name, size = parse_variant(text)
         attention = packed_attention_of(text)
-        row = {"variant": text, "sdpa": sdpa, "error": None,
+        row = {"variant": text, "sdpa": sdpa, "error": None, "fused_linears": len(fused),
                "attention": attention_label(args.model, name, attention, device, module.config.dropout,
                                             module.config.head_dim)}
         backend_order = contextlib.ExitStack()
@@ -359,6 +401,8 @@ def direct(args) -> list[dict]:
                 means = {c: float(np.mean([p[c] for p in candidates[timed]])) for c in candidates[0]}
                 # None: refused in some timed step (over the memory budget, or outside the profile's grid)
                 row["candidates_predicted_s"] = {c: round(m, 4) if np.isfinite(m) else None for c, m in means.items()}
+            if args.kernel_table and cuda:
+                row["kernels"] = kernel_table(lambda: step(steps[min(args.warmup, len(steps) - 1)]))
             if args.repeat:
                 # The same steps again: every shape has run once, so what the first pass paid per new shape is gone.
                 again = sum(timed_pass()[timed])
@@ -881,6 +925,11 @@ def main() -> None:
                              " --steps/--warmup)")
     parser.add_argument("--table", nargs="+", type=Path, metavar="JSON",
                         help="print the lightning rows of these result files as one table (no run)")
+    parser.add_argument("--gradient-accumulation-fusion", choices=("auto", "true", "false"), default="auto",
+                        help="direct engine: the strategy's gradient_accumulation_fusion for the model's linears")
+    parser.add_argument("--kernel-table", action="store_true",
+                        help="direct engine on a GPU: profile one more step per variant, its kernels' device time by"
+                             " kind and name beside the step's wall time (row 'kernels')")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "multitask_microbatching.json")

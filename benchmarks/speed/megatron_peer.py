@@ -149,7 +149,8 @@ def megatron_loop(args: argparse.Namespace, system: dict) -> dict:
 
     def loss_func(mask: torch.Tensor, output: torch.Tensor):
         loss = (output.float() * mask).sum() / mask.sum()  # the schedule divides by the micro-batch count
-        return loss, {"loss": loss.detach()}
+        # a copy: the schedule divides the returned loss in place by the micro-batch count (legacy averaging)
+        return loss, {"loss": loss.detach().clone()}
 
     def forward_step(iterator, model):
         if first or last:  # middle stages read no tokens: their input comes from the previous stage

@@ -15,7 +15,9 @@ Diagnostics for a growth (each costs time, so none is on by default):
 rank's, printed by rank 0; ``--gc-types N`` the N types whose count of tracked objects grew most (objects frozen by
 the strategy's ``gc_freeze`` are not counted there, see the frozen count); ``--malloc-trim`` returns the allocator's
 free memory to the system before each reading (``malloc_trim(0)``): growth that disappears with it is the allocator
-keeping freed memory, not a leak. ``MALLOC_ARENA_MAX=2`` in the environment tests arena fragmentation the same way.
+keeping freed memory, not a leak. ``MALLOC_ARENA_MAX=2`` in the environment tests arena fragmentation the same way. ``--threads N`` the N threads of
+each rank that used the most CPU time in the window, by name (Linux ``/proc``): which pool is busy when the CPU time
+per step jumps (intra-op threads carry the process's name; torch names its autograd and gloo threads).
 
     python benchmarks/tools/soak.py                      # 1,000 steps, 2 CPU processes
     python benchmarks/tools/soak.py --steps 300 --every 50 --json soak.json
@@ -75,6 +77,27 @@ def _libc():
         return None
 
 
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every thread of this process, by thread id, with the thread's name; empty where
+    ``/proc`` is missing."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        name = stat[stat.index("(") + 1: stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()  # fields from the state on: utime and stime are 12th and 13th
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / ticks)
+    return out
+
+
 def _rss_parts() -> dict[str, float]:
     """RSS split as Linux counts it: anonymous memory (the heaps: what a leak grows) and file-backed pages (shared
     libraries and memory-mapped files as far as they were touched, which the kernel can drop). Empty elsewhere."""
@@ -94,8 +117,10 @@ class Soak(pl.Callback):
     """Per window of ``every`` steps, every rank's memory and step time (and the optional diagnostics), printed by
     rank 0."""
 
-    def __init__(self, every: int, tracemalloc_top: int = 0, gc_types_top: int = 0, malloc_trim: bool = False) -> None:
-        self.every, self.rows = every, []
+    def __init__(self, every: int, tracemalloc_top: int = 0, gc_types_top: int = 0, malloc_trim: bool = False,
+                 threads_top: int = 0) -> None:
+        self.every, self.rows, self.threads_top = every, [], threads_top
+        self._thread_cpu: dict[int, tuple[str, float]] = {}
         self.tracemalloc_top, self.gc_types_top, self.malloc_trim = tracemalloc_top, gc_types_top, malloc_trim
         self.process = psutil.Process()
         self.libc = _libc()
@@ -111,6 +136,8 @@ class Soak(pl.Callback):
             self._snapshot = tracemalloc.take_snapshot()
         if self.gc_types_top:
             self._types = self._count_types()
+        if self.threads_top:
+            self._thread_cpu = _thread_cpu()
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         # A window ends after its last step's validation and checkpoint (both run after on_train_batch_end): here, at
@@ -144,6 +171,14 @@ class Soak(pl.Callback):
             # In use: small blocks in the arenas plus mmapped large blocks; free: what the arenas keep for reuse.
             mine["heap_used_mib"] = (info.uordblks + info.hblkhd) / 2**20
             mine["heap_free_mib"] = info.fordblks / 2**20
+        mine["torch_threads"] = torch.get_num_threads()
+        if self.threads_top:
+            now = _thread_cpu()
+            used = sorted(((cpu - self._thread_cpu.get(tid, (name, 0.0))[1], name, tid)
+                           for tid, (name, cpu) in now.items()), reverse=True)
+            self._thread_cpu = now
+            mine["threads"] = len(now)
+            mine["thread_cpu"] = [f"{1e3 * s:9.0f} ms  {name} ({tid})" for s, name, tid in used[: self.threads_top]]
         mine["gc_tracked"] = len(gc.get_objects())
         mine["gc_frozen"] = gc.get_freeze_count()
         if self.tracemalloc_top and tracemalloc.is_tracing():
@@ -164,7 +199,10 @@ class Soak(pl.Callback):
         if trainer.is_global_zero:
             print(f"step {step:5d}  " + "  ".join(_short(r) for r in every), flush=True)
             for r in every:
-                for line in r.get("top_growth", []) + r.get("types_growth", []):
+                if "thread_cpu" in r:
+                    print(f"    rank {r['rank']}: {r['threads']} threads, torch {r['torch_threads']} intra-op;"
+                          " busiest in the window:", flush=True)
+                for line in r.get("top_growth", []) + r.get("types_growth", []) + r.get("thread_cpu", []):
                     print(f"    rank {r['rank']}: {line}", flush=True)
 
     def on_train_end(self, trainer, module) -> None:  # before the strategy's teardown
@@ -248,6 +286,8 @@ def main() -> int:
                         help="flush subnormal floats to zero on this CPU (torch.set_flush_denormal) in every rank:"
                              " tells a phase of subnormal arithmetic (many times slower on x86) from the library's own"
                              " step time")
+    parser.add_argument("--threads", type=int, default=0, metavar="N",
+                        help="print each rank's N threads of most CPU time per window, by name (Linux /proc)")
     parser.add_argument("--malloc-trim", action="store_true",
                         help="malloc_trim(0) before each RSS reading (glibc): tells allocator caching from a leak")
     args = parser.parse_args()
@@ -261,7 +301,7 @@ def main() -> int:
     data = CausalLMDataModule(seq_length=args.seq_length, batch_size=args.batch_size, cache_dir=str(workdir / "cache"),
                               data_files=[str(p.resolve()) for p in args.train_files] if args.train_files else None)
     model = GPT("tiny", vocab_size=data.vocab_size, seq_length=args.seq_length)
-    soak = Soak(args.every, args.tracemalloc, args.gc_types, args.malloc_trim)
+    soak = Soak(args.every, args.tracemalloc, args.gc_types, args.malloc_trim, args.threads)
     strategy = Compressed3DStrategy(parallelism=ParallelismConfig(pipeline_parallel_size=args.devices),
                                     pipeline=PipelineConfig(num_microbatches=args.num_microbatches))
     trainer = pl.Trainer(
@@ -278,7 +318,8 @@ def main() -> int:
             "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                      "torch": torch.__version__, "lightning": pl.__version__,
-                     "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX")},
+                     "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX"),
+                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
             "fit_s": time.perf_counter() - started,
             "args": {k: str(v) for k, v in vars(args).items()}, "windows": soak.rows, "summary": summary(soak.rows),
         }

@@ -60,6 +60,7 @@ from lightning_3d.utils.compat import (
     distributed_is_initialized,
     init_dist_connection,
     set_device_mesh,
+    set_num_threads_if_needed,
     sync_ddp_if_available,
 )
 from lightning_3d.utils.orphans import exit_with_launcher, mark_launcher
@@ -178,6 +179,11 @@ class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy)
     def setup_environment(self) -> None:
         # Everything that can be wrong with the configuration is checked before the first collective.
         exit_with_launcher()  # a rank Lightning's launcher started: end with it, not at the next collective's timeout
+        # Each local rank takes its share of the cores (Lightning's rule). Lightning's launcher sets it only in the rank
+        # that launches, after starting the others, and this strategy gives the started ranks no launcher: without this
+        # they run torch's default, every core each, and the ranks' spinning intra-op threads oversubscribe the CPU
+        # (README.md, Guarantees).
+        set_num_threads_if_needed(num_processes=self.num_processes)
         precision = getattr(self.precision_plugin, "precision", "32-true")
         check_run(self.lightning_module, precision, self.runtime.process_group_backend, self.root_device)
         world_size = self.num_nodes * self.num_processes

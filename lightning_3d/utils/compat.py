@@ -16,6 +16,7 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -30,6 +31,9 @@ distributed_is_initialized = _distributed_is_initialized
 default_process_group_backend = _get_default_process_group_backend_for_device
 init_dist_connection = _init_dist_connection
 sync_ddp_if_available = _sync_ddp_if_available
+# Lightning's share of the CPU for each of n local processes: without OMP_NUM_THREADS set, torch.set_num_threads and
+# OMP_NUM_THREADS become the available cores // n (at least 1); with it set, nothing changes.
+set_num_threads_if_needed = _set_num_threads_if_needed
 
 # The launcher Lightning's DDP strategy uses for script runs (one process per device, the script started again).
 SubprocessScriptLauncher = _SubprocessScriptLauncher

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_3d import Compressed3DStrategy
 from tests.scenarios.common import TestData, make_model
@@ -13,6 +15,11 @@ from tests.scenarios.common import TestData, make_model
 class FailOnRank(pl.Callback):
     def __init__(self, rank: int) -> None:
         self.rank = rank
+
+    def on_train_start(self, trainer, module) -> None:
+        # each rank's share of the cores (the strategy's setup; the test runs this job without OMP_NUM_THREADS)
+        print(f"rank {trainer.global_rank} intra-op threads {torch.get_num_threads()}"
+              f" OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS')}", flush=True)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if batch_idx == 2 and trainer.global_rank == self.rank:
