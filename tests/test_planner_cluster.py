@@ -92,3 +92,4 @@ def test_cli_plan_nodes_and_regime(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--config", str(source), "--gpus", "16", "--regime", "wifi", "--out", str(out)])
     assert "argument --regime: invalid choice: 'wifi'" in capsys.readouterr().err
+

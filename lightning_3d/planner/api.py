@@ -15,6 +15,7 @@ import argparse
 import copy
 import json
 import sys
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -205,9 +206,10 @@ def eager_only(cfg: dict, cost_model: CostModel | None = None) -> str | None:
 
 
 def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_batch_size: int,
-         w: Workload | None = None) -> dict:
+         w: Workload | None = None, set_compile: bool = False) -> dict:
     """The training config for prediction ``p``, checked by the strategy's constructor (and, with cp, by the context
-    checks the strategy runs later: ``check_context_parallel``, given the workload ``w``)."""
+    checks the strategy runs later: ``check_context_parallel``, given the workload ``w``). ``set_compile``: the search
+    chose the model's ``compile`` (the profile had both grids): written as ``p`` has it; else the config's stays."""
     c = p.candidate
     out = copy.deepcopy(cfg)
     trainer = out.setdefault("trainer", {})
@@ -234,6 +236,8 @@ def emit(cfg: dict, p: Prediction, cluster: ClusterSpec, num_gpus: int, global_b
         init["pipeline_layer_split"] = list(c.layer_split)
     ckpt = list(c.stage_checkpointing)
     model_args = out.setdefault("model", {}).setdefault("init_args", {})
+    if set_compile:
+        model_args["compile"] = c.compile
     if all(ckpt) or not any(ckpt):
         model_args["activation_checkpointing"] = bool(all(ckpt))
     else:
@@ -280,8 +284,9 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
                          " nodes/regime (--nodes/--regime), not both.")
     check_regime(regime)
     cfg = load_config(config)
-    if profile is not None and cost_model is None:
-        cost_model = ProfiledCostModel(profile, derive_tp=True)
+    opts = options or SearchOptions()
+    models, chosen = compile_cost_models(cfg, profile, cost_model, opts)
+    cost_model = models.get(False, models.get(True))  # the cluster and shape checks read either (same profile)
     if cluster is None:
         # The profiled GPU (its bus bandwidth where the profile measured one), else H100s: one node of eight at most
         # unless nodes says otherwise.
@@ -297,12 +302,12 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
         raise ValueError(f"gpus={gpus} but the cluster has {cluster.num_gpus} ({cluster.nodes} x {cluster.gpus_per_node}).")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
         raise ValueError(f"gpus={gpus} must fill whole nodes of {cluster.gpus_per_node} GPUs.")
-    w = workload_from_config(cfg, cluster, cost_model, global_batch_size)
+    workloads = {flag: workload_from_config(cfg, cluster, m, global_batch_size) for flag, m in models.items()}
+    w = next(iter(workloads.values()))
     measured = getattr(cost_model, "shape", None)
     if measured is not None and measured != w.shape:
         raise ValueError(f"The profile ({getattr(cost_model, 'source', '?')}) was measured for {measured}, but the config"
                          f" describes {w.shape}. Profile this config's model (`lightning-3d profile --config ...`).")
-    opts = options or SearchOptions()
     if opts.per_stage_checkpointing and not strategy_supports_stage_checkpointing():
         from dataclasses import replace
 
@@ -311,13 +316,71 @@ def plan(config: str | Path | dict, gpus: int, *, cluster: ClusterSpec | str | P
         from dataclasses import replace
 
         opts = replace(opts, cuda_graphs=(False,))
-    result = search(w, gpus, opts)
+    result = search_compile(workloads, gpus, opts)
     if not result.top:
         raise ValueError(f"No configuration of {w.shape.family.upper()} ({len(w.block_kinds())} layers, hidden"
                          f" {w.shape.hidden_size}, global batch {w.global_batch_size} x {w.seq_len} tokens) fits {gpus}"
                          f" GPUs: " + " ".join(result.shortfall))
-    configs = [emit(cfg, p, cluster, gpus, w.global_batch_size, w) for p in result.top]
+    configs = [emit(cfg, p, cluster, gpus, w.global_batch_size, workloads[p.candidate.compile], set_compile=chosen)
+               for p in result.top]
     return Plan(configs, result.top, result, gpus, cluster)
+
+
+def model_options(cfg: dict) -> dict:
+    """The config's ``model.init_args``."""
+    return (cfg.get("model") or {}).get("init_args") or {}
+
+
+def compile_cost_models(cfg: dict, profile: str | Path | None, cost_model: CostModel | None,
+                        opts: SearchOptions) -> tuple[dict[bool, CostModel | None], bool]:
+    """The cost model for each value of the model's ``compile`` the search tries, and whether the plan sets
+    ``compile`` (True where the profile has compiled grids, so the search chose it). From a profile: its eager grids
+    (False) and its compiled grids (True) where it has them, as ``opts.compile`` allows (None: both where there are
+    compiled grids); a given cost model (or none: the analytic one) prices one kind of block, the config's."""
+    asked = bool(model_options(cfg).get("compile", False))
+    if profile is None or cost_model is not None:
+        flag = bool(getattr(cost_model, "compiled", asked)) if cost_model is not None else asked
+        if opts.compile is not None and flag not in opts.compile:
+            raise ValueError(f"SearchOptions(compile={opts.compile!r}): the cost model given prices compile={flag}"
+                             " blocks only; pass a profile (with compiled grids: `lightning-3d profile --compile`).")
+        return {flag: cost_model}, False
+    eager = ProfiledCostModel(profile, derive_tp=True)
+    try:
+        compiled, why = ProfiledCostModel(profile, derive_tp=True, compiled=True), None
+    except ValueError as err:
+        compiled, why = None, str(err)
+    wanted = opts.compile if opts.compile is not None else ((False, True) if compiled is not None else (False,))
+    if True in wanted and compiled is None:
+        raise ValueError(f"SearchOptions(compile={opts.compile!r}) needs the profile's compiled grids: {why}")
+    if asked and compiled is None:
+        warnings.warn(f"The config compiles its model (compile={model_options(cfg).get('compile')!r}), but the profile"
+                      f" has no compiled grids: the plan prices eager blocks ({why})", stacklevel=3)
+    return {flag: (compiled if flag else eager) for flag in sorted(set(wanted))}, compiled is not None
+
+
+def search_compile(workloads: dict[bool, Workload], gpus: int, opts: SearchOptions) -> SearchResult:
+    """``search`` once per compile value (each workload with its cost model, the time budget shared), the candidates
+    tagged with their value and merged: the top-k by predicted step time, and every further one within the model's
+    error of the best (as ``search`` keeps them)."""
+    from dataclasses import replace
+
+    from lightning_3d.planner.confidence import within_error
+
+    if len(workloads) == 1:
+        (flag, w), = workloads.items()
+        result = search(w, gpus, opts)
+        result.top = [replace(p, candidate=replace(p.candidate, compile=flag)) for p in result.top]
+        return result
+    share = replace(opts, time_budget_s=opts.time_budget_s / len(workloads))
+    results = {flag: search(w, gpus, share) for flag, w in workloads.items()}
+    tagged = sorted((replace(p, candidate=replace(p.candidate, compile=flag))
+                     for flag, r in results.items() for p in r.top), key=lambda p: p.step_time)
+    error = next(iter(results.values())).model_error
+    top = tagged[: opts.top_k] + [p for p in tagged[opts.top_k:] if within_error(tagged[0].step_time, p.step_time, error)]
+    shortfall = [] if top else [line for r in results.values() for line in r.shortfall]
+    return SearchResult(top, sum(r.skeletons for r in results.values()), sum(r.evaluated for r in results.values()),
+                        sum(r.seconds for r in results.values()), any(r.truncated for r in results.values()),
+                        list(dict.fromkeys(shortfall)), error)
 
 
 def _context_search(ns: argparse.Namespace) -> dict:
@@ -400,6 +463,7 @@ def print_plan(result: Plan) -> None:
                 + "".join(f" {k}=True" for k in ("sequence_parallel", "shard_optimizer_state") if s[k])
                 + (f" cp={s['context_parallel_size']} {s['context_parallel_attention']}" if s["context_parallel_size"] > 1
                    else "")
+                + (" compile=True" if s["compile"] else "")
                 + f": {s['step_time_s'] * 1e3:.1f} ms,"
                 f" {s['peak_memory_gib']:.2f} GiB")
         if k in result.measured:

@@ -79,7 +79,7 @@ def describe(c: Candidate) -> dict[str, object]:
 def option_flags(c: Candidate) -> dict[str, object]:
     """The on/off options beyond the layout (compression, graphs, ...), as ``describe`` shows them."""
     return {"compression": c.compression, "cuda_graphs": c.cuda_graphs, "sequence_parallel": c.sequence_parallel,
-            "shard_optimizer_state": c.shard_optimizer_state}
+            "shard_optimizer_state": c.shard_optimizer_state, "compile": c.compile}
 
 
 def label(c: Candidate) -> str:

@@ -77,7 +77,8 @@ class Prediction:
             "stage_checkpointing": list(c.stage_checkpointing), "compression": c.compression,
             "cuda_graphs": c.cuda_graphs, "sequence_parallel": c.sequence_parallel,
             "shard_optimizer_state": c.shard_optimizer_state, "context_parallel_size": c.cp,
-            "context_parallel_attention": c.cp_attention if c.cp > 1 else None, "costs": self.source,
+            "context_parallel_attention": c.cp_attention if c.cp > 1 else None, "compile": c.compile,
+            "costs": self.source,
         }
 
 

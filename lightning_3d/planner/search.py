@@ -50,6 +50,9 @@ class SearchOptions:
     # them (None: every divisor of the GPUs; (1,): none), and the attentions tried at cp > 1.
     context_parallel_sizes: tuple[int, ...] | None = None
     context_parallel_attention: tuple[str, ...] = ATTENTIONS
+    # The model's compile (api.plan searches each value with its own cost model): None offers both where the profile
+    # has compiled grids, eager alone where it has none; (True,) needs compiled grids.
+    compile: tuple[bool, ...] | None = None
     per_stage_checkpointing: bool = True
     allow_checkpointing: bool = True
     exhaustive_limit: int = 2048
@@ -76,6 +79,9 @@ class SearchOptions:
         if bad or not self.context_parallel_attention:
             raise ValueError(f"SearchOptions(context_parallel_attention={self.context_parallel_attention!r}): give one or"
                              f" more of {ATTENTIONS} (the strategy's context_parallel_attention values).")
+        if self.compile is not None and (not self.compile or any(not isinstance(x, bool) for x in self.compile)):
+            raise ValueError(f"SearchOptions(compile={self.compile!r}): give (False,), (True,), (False, True) or None"
+                             " (both where the profile has compiled grids).")
         sizes = self.context_parallel_sizes
         if sizes is not None and (not sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes)):
             raise ValueError(f"SearchOptions(context_parallel_sizes={sizes!r}): give positive integers, e.g. (1, 2, 4),"

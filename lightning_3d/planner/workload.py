@@ -23,7 +23,7 @@ class Candidate:
     ``cuda_graphs``: the strategy's ``cuda_graphs=True`` (pp = tp = cp = 1 only; docs/planner.md, "CUDA graphs");
     ``sequence_parallel`` and ``shard_optimizer_state`` are the strategy's options of those names; ``cp`` and
     ``cp_attention`` its ``context_parallel_size`` and ``context_parallel_attention`` (the layout is always zigzag:
-    ``planner/context.py``). The world is dp × pp × cp × tp."""
+    ``planner/context.py``); ``compile`` the model's ``compile``. The world is dp × pp × cp × tp."""
 
     dp: int
     pp: int
@@ -40,6 +40,9 @@ class Candidate:
     shard_optimizer_state: bool = False  # dp x cp > 1 only: ZeRO-1 (docs/sharded_optimizer.md)
     cp: int = 1
     cp_attention: str = "ring"
+    # The recipe's ``compile`` (blocks compiled with torch.compile): priced by the profile's compiled grids. The search
+    # offers it where the profile has them (api.plan); a workload's cost model is either eager or compiled.
+    compile: bool = False
 
     @property
     def num_stages(self) -> int:
