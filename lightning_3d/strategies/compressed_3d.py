@@ -182,8 +182,9 @@ class Compressed3DStrategy(StrategyAccessors, CheckpointHooks, ParallelStrategy)
         # Each local rank takes its share of the cores (Lightning's rule). Lightning's launcher sets it only in the rank
         # that launches, after starting the others, and this strategy gives the started ranks no launcher: without this
         # they run torch's default, every core each, and the ranks' spinning intra-op threads oversubscribe the CPU
-        # (README.md, Guarantees).
-        set_num_threads_if_needed(num_processes=self.num_processes)
+        # (README.md, Guarantees). One process keeps torch's own default, as it would without the strategy.
+        if self.num_processes > 1:
+            set_num_threads_if_needed(num_processes=self.num_processes)
         precision = getattr(self.precision_plugin, "precision", "32-true")
         check_run(self.lightning_module, precision, self.runtime.process_group_backend, self.root_device)
         world_size = self.num_nodes * self.num_processes
