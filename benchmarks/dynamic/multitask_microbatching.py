@@ -15,8 +15,9 @@ plain causal kernel: causality already hides the padding behind each sample, so 
 module's own collators before the timed steps, then trained (fp32 weights, bf16 autocast, AdamW) with the recipe's
 forward and loss, its linear layers' weight gradients accumulated as the strategy accumulates them
 (``--gradient-accumulation-fusion``, default the strategy's "auto": the GEMM adds into the fp32 gradient; the cost
-model's profile times the layers that way, so an unfused model runs the casts and adds the prediction leaves out). Collation and planning are not timed for any variant (the dynamic planner runs ahead of training
-in DataLoader workers: ``benchmarks/dynamic/dynamic_gpu.py`` measures that no step waits for it).
+model's profile times the layers that way, so an unfused model runs the casts and adds the prediction leaves out).
+Collation and planning are not timed for any variant (the dynamic planner runs ahead of training in DataLoader
+workers: ``benchmarks/dynamic/dynamic_gpu.py`` measures that no step waits for it).
 
 ``--engine lightning``: ``Trainer.fit`` with ``Compressed3DStrategy(pipeline_parallel_size=--pp)`` on ``--devices``
 processes per variant (start it with torchrun for several GPUs; rank 0 prints), the data module with

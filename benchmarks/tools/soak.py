@@ -15,9 +15,10 @@ Diagnostics for a growth (each costs time, so none is on by default):
 rank's, printed by rank 0; ``--gc-types N`` the N types whose count of tracked objects grew most (objects frozen by
 the strategy's ``gc_freeze`` are not counted there, see the frozen count); ``--malloc-trim`` returns the allocator's
 free memory to the system before each reading (``malloc_trim(0)``): growth that disappears with it is the allocator
-keeping freed memory, not a leak. ``MALLOC_ARENA_MAX=2`` in the environment tests arena fragmentation the same way. ``--threads N`` the N threads of
-each rank that used the most CPU time in the window, by name (Linux ``/proc``): which pool is busy when the CPU time
-per step jumps (intra-op threads carry the process's name; torch names its autograd and gloo threads).
+keeping freed memory, not a leak. ``MALLOC_ARENA_MAX=2`` in the environment tests arena fragmentation the same way.
+``--threads N`` the N threads of each rank that used the most CPU time in the window, by name (Linux ``/proc``): which
+pool is busy when the CPU time per step jumps (intra-op threads carry the process's name; torch names its autograd and
+gloo threads).
 
     python benchmarks/tools/soak.py                      # 1,000 steps, 2 CPU processes
     python benchmarks/tools/soak.py --steps 300 --every 50 --json soak.json
