@@ -36,6 +36,8 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerSta
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_3d.utils.compat import set_num_threads_if_needed
+
 # ModelCheckpoint's attributes a notebook reads after fit (ckpt_path="best" / "last" resolves through them).
 _CHECKPOINT_FIELDS = ("dirpath", "best_model_path", "best_model_score", "last_model_path", "kth_best_model_path",
                       "kth_value", "best_k_models")
@@ -145,10 +147,7 @@ class ForkLauncher:
     def _worker(self, index: int, n: int, port: int, trainer: pl.Trainer | None, function: Callable, args: Any,
                 kwargs: Any, out_dir: str) -> None:
         os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"] = str(index), str(port)
-        if "OMP_NUM_THREADS" not in os.environ:  # n workers on the kernel's cores, not n x all cores each
-            threads = max(1, (os.cpu_count() or 1) // n)
-            torch.set_num_threads(threads)
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+        set_num_threads_if_needed(num_processes=n)  # n workers on the kernel's cores, not n x all cores each
         results = function(*args, **kwargs)
         if index == 0:
             torch.save(_collect(trainer, results), os.path.join(out_dir, "rank0.pt"))
