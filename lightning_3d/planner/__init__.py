@@ -5,14 +5,16 @@ Python API; ``lightning-3d plan`` and ``lightning-3d profile`` the commands. doc
 profile and the search.
 
 The names below are the planner's public surface; code outside ``lightning_3d.planner`` (the CLI, benchmarks,
-notebooks) uses only them. Its modules, by job: ``api`` (configs in and out, ``plan``), ``workload`` (what is priced:
-candidates and per-layer costs), ``model`` (the performance model), ``communication`` and ``context`` (its
+notebooks) uses only them. Its modules, by job: ``api`` (configs in and out, ``plan``), ``command``
+(``lightning-3d plan``), ``workload`` (what is priced: candidates and per-layer costs), ``model`` (the performance
+model), ``communication`` and ``context`` (its
 collectives' and context parallelism's terms), ``search``; the profiler: ``profile`` (the command), ``layers`` (the
 layers' grids), ``timing`` (measuring primitives), ``overheads`` and ``tiny_runs`` (the step's costs outside the
 layers), ``multi_gpu`` (collectives and tensor-parallel layers across GPUs).
 """
 
-from lightning_3d.planner.api import Plan, load_config, plan, plan_main, workload_from_config
+from lightning_3d.planner.api import Plan, load_config, plan, workload_from_config
+from lightning_3d.planner.command import plan_main
 from lightning_3d.planner.model import Candidate, Prediction, Workload, layer_terms, predict, simulate_candidate
 from lightning_3d.planner.multi_gpu import measure_collectives, measure_tp_layers, tp_degrees
 from lightning_3d.planner.overheads import host_layers_in_situ, measure_overheads, step_seconds_at_depth
