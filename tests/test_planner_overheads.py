@@ -403,6 +403,16 @@ def test_validation_summary_mape_rank_correlation_and_choice() -> None:
     assert s["choice_vs_best_measured"] == pytest.approx(1.0 / 1.25)
 
 
+def test_validation_summary_prices_the_rows_at_the_burst_clock_beside() -> None:
+    v = _validate_module()
+    rows = [{"config": "a", "predicted_step_s": 1.1, "burst_step_s": 1.0, "step_s": 1.2, "time_error": 1.1 / 1.2 - 1},
+            {"config": "b", "predicted_step_s": 2.0, "step_s": 2.0, "time_error": 0.0}]  # no section: its prediction
+    s = v.summarize(rows)
+    assert s["burst_time_mape"] == pytest.approx((0.2 / 1.2 + 0.0) / 2)
+    assert s["time_mape"] == pytest.approx((0.1 / 1.2) / 2)
+    assert v.burst_prediction(None, None, {"layers": {}}, None) is None  # a profile without the term: none
+
+
 def test_validation_suites_are_the_sizes_the_issue_asks() -> None:
     v = _validate_module()
     one = [c for m in v.ONE.values() for c in m.configs]

@@ -5,9 +5,14 @@ ways, with the GPU's SM clock, power and throttle reasons sampled through NVML (
   behind a spin kernel that keeps the GPU busy but draws little power);
 - ``sustained``: the same pass back to back for about three seconds (the power a training step draws), median of the
   second half; a pass whose host is slower than its kernels times the host here, not the kernels;
-- ``isolated_after_warm``: ``measure`` right after the sustained loop (the clock the power cap left).
+- ``isolated_after_warm``: ``measure`` right after the sustained loop (the clock the power cap left);
+- ``graphed``: the profiler's sustained-clock measurement (``planner.clocks.sustained_ratio``: one forward and
+  backward as a CUDA graph, replayed in isolation and back to back; no host in the way at any size).
 
     python benchmarks/tools/layer_clocks.py --preset 1.3b --seq-length 1024 --micro-batch-size 4 --json clocks.json
+
+``--add-to PROFILE --out NEW``: instead, the profile's ``sustained`` section measured for a profile written without it
+(``planner.layers.add_sustained``; the model's preset, vocabulary and lengths as given here), the grids kept.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import lightning_3d.recipes  # noqa: E402,F401  (registers the recipes' costs)
 from benchmarks.tools.gpu_clocks import ClockSampler  # noqa: E402
 from lightning_3d.costs import recipe_costs  # noqa: E402
 from lightning_3d.distributed.wgrad_fusion import fuse_standalone  # noqa: E402
-from lightning_3d.planner.layers import grid_lengths  # noqa: E402
+from lightning_3d.planner.clocks import sustained_ratio  # noqa: E402
+from lightning_3d.planner.layers import add_sustained, grid_lengths  # noqa: E402
 from lightning_3d.planner.timing import measure  # noqa: E402
 
 
@@ -40,13 +46,23 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["block", "head"])
     p.add_argument("--seconds", type=float, default=3.0, help="length of the sustained loop")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--add-to", type=Path, default=None, metavar="PROFILE", help="measure the sustained section of this"
+                   " profile (of a GPT with --preset, --vocab-size, --seq-length) and write it with --out")
+    p.add_argument("--out", type=Path, default=None, help="with --add-to: the profile with its sustained section")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("this measures a GPU; none is visible")
+    if (args.add_to is None) != (args.out is None):
+        p.error("--add-to and --out go together")
     cfg = {"trainer": {"precision": "bf16-mixed"},
            "model": {"class_path": "lightning_3d.recipes.GPT",
                      "init_args": {"preset_name": args.preset, "vocab_size": args.vocab_size}},
            "data": {"init_args": {"seq_length": args.seq_length}}}
+    if args.add_to is not None:
+        doc = add_sustained(json.loads(args.add_to.read_text()), cfg, seconds=args.seconds)
+        args.out.write_text(json.dumps(doc, allow_nan=False))
+        print(f"wrote {args.out}")
+        return
     dev, seq, mbs = torch.device("cuda", 0), args.seq_length, args.micro_batch_size
     shape, _, _ = grid_lengths(cfg)
     layers = recipe_costs("lightning_3d.recipes.GPT").layers(dict(cfg["model"]["init_args"]),
@@ -98,7 +114,12 @@ def main() -> None:
         m, clocks = timed(lambda: measure(module, inputs, run, **kw))
         res["isolated_after_warm"] = {"forward_ms": m["forward"] * 1e3, "backward_ms": m["backward"] * 1e3,
                                       "clocks": clocks}
+        g, clocks = timed(lambda: sustained_ratio(module, inputs, run, device=dev, dtype=torch.bfloat16, seconds=args.seconds))
         out[kind] = res
+        out[kind + "_graphed"] = dict(g, clocks=clocks)
+        print(f"{kind:6s} graphed pass: isolated {g['isolated_seconds'] * 1e3:7.3f} ms  sustained"
+              f" {g['sustained_seconds'] * 1e3:7.3f} ms  ratio {g['ratio']:.3f}  SM {clocks and clocks.get('sm_mhz_median')} MHz"
+              f"  {clocks and clocks.get('power_w_median')} W", flush=True)
         for way, r in res.items():
             c = r["clocks"] or {}
             print(f"{kind:6s} {way:20s} forward {r['forward_ms']:7.3f} ms  backward {r['backward_ms']:7.3f} ms  "

@@ -35,6 +35,9 @@ QUANTITIES = ("forward", "backward", "stored", "peak")
 #: optional per-grid quantities (version 2): the host's (CPU) seconds to issue a layer's forward / backward
 HOST_QUANTITIES = ("host_forward", "host_backward")
 BLOCK_KINDS = ("block", "encoder_block", "decoder_block")
+#: kinds whose work runs over the target sequence where the profile has a target axis (T5): their ``sustained``
+#: ratios are indexed by micro-batch size x target length (``planner.clocks`` measures them so)
+TARGET_KINDS = ("decoder_block", "head")
 
 
 #: the grids' seconds, made non-decreasing in micro-batch size when read (``monotone_in_microbatch``)
@@ -122,7 +125,7 @@ class ProfiledCostModel:
     """``CostModel`` from a profile file (see the module docstring)."""
 
     def __init__(self, profile: str | Path | dict, *, derive_tp: bool = False, tp_link_bandwidth: float | None = None,
-                 tp_latency: float = 10e-6, compiled: bool = False) -> None:
+                 tp_latency: float = 10e-6, compiled: bool = False, sustained_clock: bool = True) -> None:
         if isinstance(profile, dict):
             data, where = profile, "profile"
             digest = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()[:12]
@@ -186,6 +189,31 @@ class ProfiledCostModel:
                 raise ValueError(f"{where} has no compiled grid for {missing}: profile with `lightning-3d profile"
                                  f" --compile` (or read it with compiled=False for eager costs).")
         self._analytic = AnalyticCostModel(self.shape, self.device) if derive_tp else None
+        #: per layer kind, (log tokens, ratio) of the profile's ``sustained`` section: the slow-down of the layer's
+        #: kernels at the clock a busy GPU's power limit leaves (``planner.clocks``); empty where the profile has none
+        #: or ``sustained_clock=False`` (the grids' burst times stand)
+        self.sustained: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if sustained_clock:
+            for kind, entry in ((data.get("sustained") or {}).get("kinds") or {}).items():
+                if entry.get("tokens"):
+                    order = np.argsort(entry["tokens"])
+                    self.sustained[kind] = (np.log(np.asarray(entry["tokens"], dtype=float)[order]),
+                                            np.maximum(np.asarray(entry["ratio"], dtype=float)[order], 1.0))
+
+    def clock_ratio(self, kind: str, microbatch_size: ArrayLike, seq_len: ArrayLike,
+                    target_len: ArrayLike | None = None) -> np.ndarray:
+        """The factor on ``kind``'s grid seconds at the sustained clock: the profile's ratios interpolated linearly in
+        log tokens (micro-batch size x sequence length; x target length for T5's decoder and head), the nearest
+        measured ratio outside them, and at least 1 (a busy GPU does not run faster than the burst); 1 for kinds
+        without a measurement. Applied to every micro-batch alike: a step whose GPU idles waiting for the host runs
+        cooler, but its time is the host's then (``costs.host``), and the larger device term stays below it."""
+        b, s = np.asarray(microbatch_size, dtype=float), np.asarray(seq_len, dtype=float)
+        curve = self.sustained.get(kind)
+        if curve is None:
+            return np.ones(np.broadcast_shapes(b.shape, s.shape))
+        length = np.asarray(target_len, dtype=float) if kind in TARGET_KINDS and target_len is not None else s
+        tokens = np.maximum(b * length, 1.0)
+        return np.interp(np.log(tokens), curve[0], curve[1])
 
     def kinds(self) -> set[str]:
         return {k for k, _, _ in self._grids}
@@ -229,8 +257,9 @@ class ProfiledCostModel:
     def layer_time(self, kind: LayerKind, microbatch_size: ArrayLike, seq_len: ArrayLike, *,
                    target_len: ArrayLike | None = None, recompute: bool = False, tp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
-        fwd = self._lookup(kind, recompute, tp, "forward", p)
-        bwd = self._lookup(kind, recompute, tp, "backward", p)
+        ratio = self.clock_ratio(kind, microbatch_size, seq_len, target_len)
+        fwd = self._lookup(kind, recompute, tp, "forward", p) * ratio
+        bwd = self._lookup(kind, recompute, tp, "backward", p) * ratio
         if tp > 1 and self.tp_link_bandwidth and not self.includes_tp_collectives(kind, recompute, tp):
             h, e = self.shape.hidden_size, self.shape.bytes_per_element
             b, s = np.asarray(microbatch_size, dtype=float), np.asarray(seq_len, dtype=float)
@@ -323,6 +352,7 @@ def check_profile(data: object, where: str = "profile") -> None:
                 raise ValueError(f"{where}: layers.{kind}[{i}] lacks {sorted(missing)}.")
             if (entry.get("host_forward") is None) != (entry.get("host_backward") is None):
                 raise ValueError(f"{where}: layers.{kind}[{i}] has one of host_forward/host_backward without the other.")
+    _check_sustained(data.get("sustained"), where)
     overheads = data.get("overheads")
     if overheads is not None:
         if not isinstance(overheads, dict) or any(
@@ -350,6 +380,30 @@ def check_profile(data: object, where: str = "profile") -> None:
                 k not in BLOCK_KINDS or not isinstance(n, int) or n < 1 for k, n in tiny.items())):
             raise ValueError(f"{where}: 'overheads.host_tiny_blocks' must map block kinds {list(BLOCK_KINDS)} to"
                              f" positive block counts (got {tiny!r}); re-run `lightning-3d profile`.")
+
+
+def _check_sustained(section: object, where: str) -> None:
+    """The ``sustained`` section (``planner.clocks``): per layer kind, equally long lists of positive tokens and
+    positive finite ratios, or the error that kept the kind from being measured."""
+    if section is None:
+        return
+    kinds = section.get("kinds") if isinstance(section, dict) else None
+    if not isinstance(kinds, dict):
+        raise ValueError(f"{where}: 'sustained' must hold 'kinds', a mapping of layer kinds to their measured ratios.")
+    for kind, entry in kinds.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: sustained.kinds.{kind} must be a mapping (got {entry!r}).")
+        if "error" in entry and "tokens" not in entry:
+            continue
+        tokens, ratio = entry.get("tokens"), entry.get("ratio")
+        good = (isinstance(tokens, list) and isinstance(ratio, list) and len(tokens) == len(ratio)
+                and all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in tokens)
+                and all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0
+                        for r in ratio))
+        if not good:
+            raise ValueError(f"{where}: sustained.kinds.{kind} must hold 'tokens' (positive counts) and 'ratio' (positive"
+                             f" finite factors) of one length (got tokens={tokens!r}, ratio={ratio!r}); re-run"
+                             " `lightning-3d profile`.")
 
 
 def _check_in_situ(situ: object, field: str, where: str) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from lightning_3d.costs import ClusterSpec, DeviceSpec, ModelShape, device_spec, new_profile, recipe_costs
 from lightning_3d.distributed.wgrad_fusion import check_fusion_mode, fuse_standalone, unfuse_gradient_accumulation
 from lightning_3d.planner.api import BYTES, workload_from_config
+from lightning_3d.planner.clocks import measure_sustained
 from lightning_3d.planner.timing import QUANTITIES, grid_get, grid_indices, grid_set, measure_optimizer, model_tensors, nested, time_point
 
 
@@ -60,11 +61,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def profile_layers(cfg: dict, device: torch.device, *, microbatch_sizes=(1, 2, 4, 8), seq_lens=None, target_lens=None,
                    recompute=(False, True), warmup: int = 2, repeats: int = 5, compile: bool | str = False,
                    fuse_gradients: bool | str = "auto", compile_recompute=(False,), compile_microbatch_sizes=None,
-                   eager: bool = True, log=print) -> dict:
+                   eager: bool = True, sustained_seconds: float = 0.0, log=print) -> dict:
     """A profile document of ``cfg``'s model on ``device`` holding its layers (``layers``, ``call_overhead``), the
-    fusion they were timed under (``gradient_accumulation_fusion``, ``fused_weights``) and the optimizer's step
-    (``optimizer``); ``planner.profile.profile_model`` documents the arguments. The layers are released (unfused,
-    back on the CPU) when it returns."""
+    fusion they were timed under (``gradient_accumulation_fusion``, ``fused_weights``), the optimizer's step
+    (``optimizer``) and, on a GPU with ``sustained_seconds`` > 0, the layers' slow-down at the sustained clock
+    (``sustained``: ``planner.clocks``); ``planner.profile.profile_model`` documents the arguments. The layers are
+    released (unfused, back on the CPU) when it returns."""
     check_fusion_mode(fuse_gradients, "fuse_gradients")
     started = time.perf_counter()
     shape, seq_lens, targets = grid_lengths(cfg, seq_lens, target_lens)
@@ -111,6 +113,11 @@ def profile_layers(cfg: dict, device: torch.device, *, microbatch_sizes=(1, 2, 4
             log(f"profiled {kind} recompute={rc}{' compiled' if compiled else ''}"
                 f" ({time.perf_counter() - started:.1f} s)")
     _finish_profile_layers(doc, calls, single)
+    if sustained_seconds > 0 and device.type == "cuda":
+        # The embedding's lookup and gather are a small, memory-bound share of a step: left at its grid's times.
+        doc["sustained"] = measure_sustained(layers, [k for k in layers if k != "embedding"], microbatch_sizes,
+                                             seq_lens, targets, device=device, dtype=dtype, seconds=sustained_seconds,
+                                             log=log)
     doc["gradient_accumulation_fusion"] = fuse_gradients
     doc["fused_weights"] = {kind: len(weights) for kind, weights in fused.items()}
     doc["optimizer"] = _time_optimizer(recipe.optimizer(dict(model.get("init_args") or {}), device)
@@ -120,6 +127,36 @@ def profile_layers(cfg: dict, device: torch.device, *, microbatch_sizes=(1, 2, 4
         unfuse_gradient_accumulation(weights)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return doc
+
+
+def add_sustained(doc: dict, cfg: dict, device: torch.device | str | None = None, *, seconds: float = 1.0,
+                  log=print) -> dict:
+    """``doc`` (a profile of ``cfg``'s model, written without the sustained clock) with its ``sustained`` section
+    measured now on ``device`` (default: the current GPU) over the micro-batch sizes and lengths of its grids, the
+    layers fused as the profile records (``gradient_accumulation_fusion``); ``doc`` is changed in place and
+    returned. For profiles measured before the term: the grids stand, only the clock's factor is added."""
+    device = resolve_device(device)
+    if device.type != "cuda":
+        raise ValueError(f"the sustained clock is a GPU's (device {device}); the CPU profile has none.")
+    shape, _, _ = grid_lengths(cfg)
+    model = cfg.get("model") or {}
+    layers = recipe_costs(model.get("class_path", "lightning_3d.recipes.GPT")).layers(
+        dict(model.get("init_args") or {}), dict((cfg.get("data") or {}).get("init_args") or {}), shape, device)
+    grid = next(e for e in doc["layers"].get("block", doc["layers"].get("encoder_block", [])) if e["tp"] == 1)
+    decoder = [e for e in doc["layers"].get("decoder_block", []) if e["tp"] == 1]
+    targets = decoder[0]["target_len"] if decoder else None
+    fusion = doc.get("gradient_accumulation_fusion", "auto")
+    fused = {}
+    for kind, (module, _, _) in layers.items():
+        module.to(device)
+        fused[kind] = fuse_standalone(module, fusion, "fuse_gradients")
+    dtype = torch.bfloat16 if BYTES.get(precision_of(cfg), 4) == 2 else None
+    doc["sustained"] = measure_sustained(layers, [k for k in layers if k != "embedding"], grid["microbatch_size"],
+                                         grid["seq_len"], targets, device=device, dtype=dtype, seconds=seconds, log=log)
+    for weights in fused.values():
+        unfuse_gradient_accumulation(weights)
+    torch.cuda.empty_cache()
     return doc
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
                   collectives: bool = True, compile: bool | str = False, overheads: bool = True,
                   fuse_gradients: bool | str = "auto", compile_recompute=(False,), compile_microbatch_sizes=None,
                   eager: bool = True, tp_layers: bool = True, tp_recompute=(False,), in_situ_rounds: int | None = None,
-                  log=print) -> dict:
+                  sustained_seconds: float = 1.0, log=print) -> dict:
     """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named).
 
     Per layer kind and grid point: forward and backward seconds of one layer as it runs inside a stage. A block is
@@ -55,18 +56,25 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     ``overheads``: the per-micro-batch and per-step costs outside the layers, from a few steps of a tiny model of the
     same recipe under the strategy (``planner.overheads.measure_overheads``; ``in_situ_rounds``: how many times those
     fits repeat, their steps pooled; default three on a GPU).
+    ``sustained_seconds``: on a GPU, each layer kind but the embedding is also held busy back to back this long at a
+    few token counts, for its slow-down at the clock a busy GPU's power limit leaves (``planner.clocks``; the section
+    ``sustained``, which ``ProfiledCostModel`` applies); 0 leaves it out.
     ``tp_layers``: with ``collectives`` on several GPUs, also the recipe's tensor-parallel layers at each degree of
     ``tp_degrees`` (``recompute`` settings ``tp_recompute``), measured across the GPUs with their collectives
     (``measure_tp_layers``); grids with ``"collectives": true`` that the planner reads instead of deriving.
     """
     check_fusion_mode(fuse_gradients, "fuse_gradients")
+    if not (isinstance(sustained_seconds, (int, float)) and math.isfinite(sustained_seconds) and sustained_seconds >= 0):
+        raise ValueError(f"sustained_seconds={sustained_seconds!r}: give the seconds each sustained-clock point runs"
+                         " (default 1.0), or 0 to leave the measurement out.")
     device = resolve_device(device)
     cfg = load_config(config)
     started = time.perf_counter()
     doc = profile_layers(cfg, device, microbatch_sizes=microbatch_sizes, seq_lens=seq_lens, target_lens=target_lens,
                          recompute=recompute, warmup=warmup, repeats=repeats, compile=compile,
                          fuse_gradients=fuse_gradients, compile_recompute=compile_recompute,
-                         compile_microbatch_sizes=compile_microbatch_sizes, eager=eager, log=log)
+                         compile_microbatch_sizes=compile_microbatch_sizes, eager=eager,
+                         sustained_seconds=sustained_seconds if eager else 0.0, log=log)
     shape, seqs, _ = grid_lengths(cfg, seq_lens, target_lens)
     if overheads:
         try:
@@ -126,7 +134,13 @@ def profile_main(argv: list[str]) -> int:
                         " (default: auto, the strategy's default)")
     parser.add_argument("--in-situ-rounds", type=int, default=None, help="times the tiny models' fits of the"
                         " overheads repeat, their steps pooled (default: 3 on a GPU, 1 on the CPU)")
+    parser.add_argument("--sustained-seconds", type=float, default=1.0, help="seconds each layer kind is held busy"
+                        " at a few token counts to measure its slow-down at the clock a busy GPU's power limit leaves"
+                        " (default 1.0; 0: not measured, the grids' times stand)")
     ns = parser.parse_args(argv)
+    if not (math.isfinite(ns.sustained_seconds) and ns.sustained_seconds >= 0):
+        parser.error(f"--sustained-seconds={ns.sustained_seconds}: give non-negative seconds (default 1.0; 0 leaves the"
+                     " measurement out)")
     if ns.in_situ_rounds is not None and ns.in_situ_rounds < 1:
         parser.error(f"--in-situ-rounds={ns.in_situ_rounds}: give a positive integer (default 3 on a GPU)")
 
@@ -141,6 +155,7 @@ def profile_main(argv: list[str]) -> int:
                             target_lens=ints(ns.target_lens), recompute=(False,) if ns.no_recompute else (False, True),
                             warmup=ns.warmup, repeats=ns.repeats, collectives=not ns.no_collectives, compile=ns.compile,
                             overheads=not ns.no_overheads, in_situ_rounds=ns.in_situ_rounds,
+                            sustained_seconds=ns.sustained_seconds,
                             fuse_gradients={"auto": "auto", "true": True, "false": False}[ns.gradient_accumulation_fusion])
     except (RuntimeError, ValueError, FileNotFoundError) as err:
         parser.error(str(err))
