@@ -664,6 +664,21 @@ def test_soak_summary_tells_a_one_time_jump_from_steady_growth() -> None:
     assert not leak["step_time_goal_met"] and leak["step_time_change_pct"] == pytest.approx(100 * 90 / 110)
 
 
+def test_soak_hides_the_hosts_gpus_from_its_cpu_ranks_unless_kept() -> None:
+    """soak.py: the CPU ranks see no GPU (torch.distributed.checkpoint's first save would load the CUDA driver into
+    each of them on a GPU host), unless --keep-gpus."""
+    from benchmarks.tools.soak import hide_gpus
+
+    env = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    hide_gpus(True, env)
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    hide_gpus(False, env)
+    assert env == {"CUDA_VISIBLE_DEVICES": ""}
+    fresh: dict = {}
+    hide_gpus(False, fresh)
+    assert fresh == {"CUDA_VISIBLE_DEVICES": ""}
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU time is read from Linux's /proc")
 def test_soak_thread_cpu_counts_the_busy_thread() -> None:
     """soak.py --threads: a thread that spun for 0.3 s of CPU shows with at least half of it (clock ticks of 10 ms or
