@@ -158,3 +158,41 @@ def test_adding_the_clock_to_an_older_profile_is_refused_off_a_gpu() -> None:
 
     with pytest.raises(ValueError, match=r"the sustained clock is a GPU's \(device cpu\); the CPU profile has none"):
         add_sustained(_doc(None), {"model": {"class_path": "lightning_3d.recipes.GPT"}}, device="cpu")
+
+
+def test_a_point_out_of_memory_is_left_out_and_a_failed_capture_names_its_error(monkeypatch) -> None:
+    """``measure_sustained``'s bookkeeping, with the GPU's measurement replaced: the points and tokens it records, a
+    point that runs out of memory left out, a kind whose capture fails recorded with its error, and the section read
+    back by the cost model (the failed kind at its grid's times)."""
+    from lightning_3d.planner import clocks
+
+    def fake(module, inputs, run, *, device, dtype, seconds):
+        tokens = inputs[0].shape[0] * inputs[0].shape[1]
+        if module.name == "head":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        if tokens > 4096:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"ratio": 1.0 + tokens / 1e5, "isolated_seconds": 1e-3, "sustained_seconds": 1e-3 * (1 + tokens / 1e5)}
+
+    monkeypatch.setattr(clocks, "sustained_ratio", fake)
+
+    def layer(name):
+        module = torch.nn.Linear(2, 2)
+        module.name = name
+        return module, lambda b, s, t, dtype: (torch.zeros(b, s),), None
+
+    logs: list[str] = []
+    section = clocks.measure_sustained({"block": layer("block"), "head": layer("head")}, ["block", "head"], SIZES,
+                                       LENGTHS, None, device=torch.device("cpu"), dtype=None, seconds=0.1,
+                                       log=logs.append)
+    block = section["kinds"]["block"]
+    chosen = [(b, s) for b, s in pick_points(SIZES, LENGTHS) if b * s <= 4096]
+    assert block["shape"] == [[b, s, s] for b, s in chosen] and block["tokens"] == [b * s for b, s in chosen]
+    assert block["ratio"] == [pytest.approx(1 + t / 1e5) for t in block["tokens"]]
+    assert section["kinds"]["head"] == {"error": "RuntimeError: operation not permitted when stream is capturing"}
+    assert any("out of memory, left out" in m for m in logs) and any("head not measured" in m for m in logs)
+    doc = _doc(None)
+    doc["sustained"] = section
+    m = ProfiledCostModel(doc)
+    assert set(m.sustained) == {"block"}
+    np.testing.assert_allclose(m.clock_ratio("block", 8, 1024), 1 + block["tokens"][-1] / 1e5)  # beyond: the last

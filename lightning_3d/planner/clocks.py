@@ -115,8 +115,9 @@ def measure_sustained(layers: dict, kinds, microbatch_sizes, seq_lens, targets, 
                       dtype: torch.dtype | None, seconds: float, log=print) -> dict:
     """The profile's ``sustained`` section: per layer kind of ``kinds`` (the recipe's ``layers``), the points
     ``pick_points`` chooses, each with its tokens (micro-batch size x sequence length; x target length for
-    ``TARGET_KINDS`` where there are ``targets``, at the longest sequence) and ratio; a kind whose capture fails gets
-    its error instead (the cost model then leaves it at its grid's times)."""
+    ``TARGET_KINDS`` where there are ``targets``, at the longest sequence) and ratio; a point that runs out of memory is
+    left out, and a kind whose capture fails gets its error instead (the cost model then leaves it at its grid's
+    times)."""
     section: dict = {"seconds": seconds, "kinds": {}}
     for kind in kinds:
         module, make, run = layers[kind]
@@ -127,8 +128,15 @@ def measure_sustained(layers: dict, kinds, microbatch_sizes, seq_lens, targets, 
         try:
             for b, s in pick_points(microbatch_sizes, lengths):
                 seq, target = (seq_lens[-1], s) if on_target else (s, targets[-1] if targets else s)
-                point = sustained_ratio(module, make(b, seq, target, dtype or torch.float32), run, device=device,
-                                        dtype=dtype, seconds=seconds)
+                try:
+                    point = sustained_ratio(module, make(b, seq, target, dtype or torch.float32), run, device=device,
+                                            dtype=dtype, seconds=seconds)
+                except torch.OutOfMemoryError:
+                    # The graph's pool holds the pass's activations and gradients at once, like the grid's largest
+                    # points: a point that does not fit is left out, the kind's other points stand.
+                    log(f"sustained clock of {kind} at {b} x {s}: out of memory, left out")
+                    torch.cuda.empty_cache()
+                    continue
                 entry["shape"].append([b, seq, target])  # micro-batch size, sequence and target length
                 entry["tokens"].append(b * s)
                 for q in ("ratio", "isolated_seconds", "sustained_seconds"):
@@ -139,7 +147,12 @@ def measure_sustained(layers: dict, kinds, microbatch_sizes, seq_lens, targets, 
             entry = {"error": f"{type(err).__name__}: {err}"[:500]}
             torch.cuda.empty_cache()
         else:
-            log(f"sustained clock of {kind}: " + ", ".join(f"{t} tokens x{r:.3f}" for t, r in zip(entry["tokens"], entry["ratio"])))
+            if entry["tokens"]:
+                log(f"sustained clock of {kind}: "
+                    + ", ".join(f"{t} tokens x{r:.3f}" for t, r in zip(entry["tokens"], entry["ratio"])))
+            else:
+                entry = {"error": "every point ran out of memory"}
+                log(f"sustained clock of {kind} not measured: every point ran out of memory")
         section["kinds"][kind] = entry
         for p in module.parameters():
             p.grad = None
