@@ -126,3 +126,20 @@ def test_predicted_pipeline_time_is_the_simulated_1f1b():
     # is done and rank 0's second forward has arrived; rank 0's first backward waits for rank 1's first backward.
     start = max(f0 + f1 + b1, 2 * f0)
     assert two == [pytest.approx(start + b0 + max(b0, f1 + b1), rel=1e-12)] * 2
+
+
+def test_compile_builds_compiling_models_for_the_lightning_engine_only(monkeypatch, capsys):
+    """--compile: the recipes' models are built with compile=True (they compile their blocks when the Trainer calls
+    configure_model, which only the lightning engine does), and the direct engine refuses it with the reason."""
+    import sys
+
+    from benchmarks.dynamic import multitask_microbatching as bench
+
+    data = argparse.Namespace(vocab_size=256, pad_token_id=0, eos_token_id=1)
+    for model in ("gpt", "t5"):
+        for flag in (False, True):
+            built = bench.build_model(argparse.Namespace(model=model, preset="tiny", seq_length=64, compile=flag), data)
+            assert built.hparams.compile is flag
+    monkeypatch.setattr(sys, "argv", ["multitask_microbatching.py", "--engine", "direct", "--compile"])
+    with pytest.raises(SystemExit, match="--compile runs with --engine lightning only"):
+        bench.main()

@@ -114,3 +114,35 @@ def test_the_adaptive_schedule_option_reaches_the_plans_and_bad_values_are_refus
     dm.trainer = SimpleNamespace(lightning_module=model, strategy=strategy, precision="32-true")
     with pytest.raises(ValueError, match="schedule='zb_h1': the adaptive schedule runs whole backwards"):
         dm.collator(1, 0)
+
+
+def test_a_compiled_model_is_priced_by_the_profiles_compiled_grids_or_warned_about_them(tmp_path: Path) -> None:
+    """A model that compiles its blocks runs the compiled kernels: the planner prices its micro-batches with the
+    profile's compiled block grids (here half the eager cost per token), an eager model with the eager ones; a
+    profile without compiled grids prices the compiled model with its eager grids and says so, with the fix."""
+    dm0 = module(tmp_path, microbatching="dynamic", memory_budget_gb=1.0)
+    eager_model = GPT("tiny", vocab_size=dm0.vocab_size, seq_length=256)
+    compiled_model = GPT("tiny", vocab_size=dm0.vocab_size, seq_length=256, compile=True)
+    shape = model_shape(eager_model.config, bytes_per_element=4)
+    plain = write_profile(tmp_path / "eager.json", shape)
+    doc = json.loads(plain.read_text())
+    fast = {**doc["layers"]["block"][0], "compiled": True}
+    fast["forward"] = (np.asarray(fast["forward"]) / 2).tolist()
+    fast["backward"] = (np.asarray(fast["backward"]) / 2).tolist()
+    doc["layers"]["block"].append(fast)
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps(doc))
+    dm = module(tmp_path, microbatching="dynamic", memory_budget_gb=1.0, cost_profile=str(both))
+
+    def block_seconds(model) -> float:
+        cost_model = planner(dm, model).options["cost_model"]
+        return float(sum(cost_model.layer_time("block", 4, 128)))
+
+    assert block_seconds(compiled_model) == pytest.approx(block_seconds(eager_model) / 2, rel=1e-12)
+    assert planner(dm, compiled_model).options["cost_model"].compiled
+    assert not planner(dm, eager_model).options["cost_model"].compiled
+    eager_only = module(tmp_path, microbatching="dynamic", memory_budget_gb=1.0, cost_profile=str(plain))
+    with pytest.warns(UserWarning, match=rf"cost_profile='{plain}' has no compiled grids, and the model compiles its"
+                                         r" blocks: .* `lightning-3d profile --config <your training config> --compile`"):
+        chosen = planner(eager_only, compiled_model).options["cost_model"]
+    assert chosen is eager_only.cost_model

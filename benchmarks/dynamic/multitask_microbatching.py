@@ -181,9 +181,13 @@ def data_module(args, microbatching: str = "padding", size: int | None = None, *
 
 
 def build_model(args, data: MultiTaskDataModule, packed_attention: str = "auto"):
+    # --compile (lightning engine): the recipes compile their blocks in configure_model, which the Trainer calls.
+    compile_ = bool(getattr(args, "compile", False))
     if args.model == "gpt":
-        return GPT(args.preset, vocab_size=data.vocab_size, seq_length=args.seq_length, packed_attention=packed_attention)
-    return T5(args.preset, vocab_size=data.vocab_size, pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id)
+        return GPT(args.preset, vocab_size=data.vocab_size, seq_length=args.seq_length, packed_attention=packed_attention,
+                   compile=compile_)
+    return T5(args.preset, vocab_size=data.vocab_size, pad_token_id=data.pad_token_id, eos_token_id=data.eos_token_id,
+              compile=compile_)
 
 
 def cost_model_for(args, module, shape):
@@ -700,6 +704,11 @@ def lightning(args) -> list[dict]:
     shape = model_shape(build_model(args, probe).config, bytes_per_element=4 if "32" in args.precision else 2)
     analytic = default_cost_model(shape)
     cost_model = ProfiledCostModel(args.profile) if args.profile not in ("none", "measure") else analytic
+    if args.compile and cost_model is not analytic:
+        # Priced as the data module's planner prices a compiled model: the profile's compiled grids where it has them.
+        from lightning_3d.recipes.data.multitask_planning import priced_as_trained
+
+        cost_model = priced_as_trained(cost_model, args.profile, True)
     results = []
     for text in args.variants:
         name, size = parse_variant(text)
@@ -897,6 +906,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--devices", type=int, default=1, help="lightning engine: processes (torchrun's count)")
     parser.add_argument("--pp", type=int, default=1, help="lightning engine: pipeline stages")
+    parser.add_argument("--compile", action="store_true", help="lightning engine: the recipe compiles its blocks"
+                        " (compile=True); planned variants and predictions use the profile's compiled grids where it"
+                        " has them (`lightning-3d profile --compile`)")
     parser.add_argument("--num-workers", type=int, default=2, help="lightning engine: DataLoader workers")
     parser.add_argument("--sdpa", nargs="+", choices=SDPA_CHOICES, default=[DIRECT_SDPA],
                         help="direct engine: the recipe's sdpa_backends (no_cudnn, the default, or torch) and/or"
@@ -938,6 +950,9 @@ def main() -> None:
     if args.table:
         print(lightning_table(args.table), flush=True)
         return
+    if args.compile and args.engine != "lightning":
+        raise SystemExit("--compile runs with --engine lightning only (the direct engine builds its model outside a"
+                         " Trainer, which is where the recipes compile their blocks)")
     if args.engine == "lightning" and args.profile == "measure":
         raise SystemExit("--profile measure runs with --engine direct only: measure the profile there (or with"
                          " `lightning-3d profile`) and pass its file to --engine lightning as --profile FILE")

@@ -36,7 +36,7 @@ from lightning_3d.recipes.data.multitask_batching import (
     sample_target_length,
 )
 from lightning_3d.recipes.data.multitask_mix import TASKS, iter_offline_mix, read_flan_jsonl
-from lightning_3d.recipes.data.multitask_planning import check_adaptive_option, check_profile_shape, load_cost_profile
+from lightning_3d.recipes.data.multitask_planning import check_adaptive_option, check_profile_shape, load_cost_profile, priced_as_trained
 from lightning_3d.recipes.data.packing import resolve_data_files
 from lightning_3d.recipes.data.span_corruption import Seq2SeqVocab
 from lightning_3d.recipes.data.tokenizer import (
@@ -392,8 +392,10 @@ class MultiTaskDataModule(L.LightningDataModule):
         shape = model_shape(config, bytes_per_element=2 if half else 4, tensor_parallel_size=tp)
         if self.cost_model is not None:
             check_profile_shape(self.cost_model, shape, hp.cost_profile)
+        hparams = getattr(trainer.lightning_module, "hparams", None) or {}
+        cost_model = priced_as_trained(self.cost_model, hp.cost_profile, bool(hparams.get("compile", False)))
         return DynamicMicroBatcher(
-            collator.collate, shape=shape, cost_model=self.cost_model, adaptive_schedule=hp.adaptive_schedule,
+            collator.collate, shape=shape, cost_model=cost_model, adaptive_schedule=hp.adaptive_schedule,
             dp=dp, pp=pp, dp_rank=rank, memory_budget=budget_gb * 2**30, tp=tp, seed=hp.seed,
             virtual_stages=getattr(strategy, "virtual_stages", 1) or 1, schedule=getattr(strategy, "schedule", "1f1b"),
             layer_split=getattr(strategy, "pipeline_layer_split", None), max_seq_len=hp.seq_length,

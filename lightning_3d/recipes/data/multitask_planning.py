@@ -7,6 +7,7 @@ checked field by field), so a file a user hands in is data and never runs code.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +37,22 @@ def load_cost_profile(path: object, microbatching: str) -> ProfiledCostModel | N
     except (ValueError, TypeError, KeyError, OSError) as err:
         raise ValueError(f"cost_profile={str(path)!r} is not a usable profile: {err} Re-run `lightning-3d profile` to"
                          " write it again, or drop cost_profile to plan with the analytic cost model.") from None
+
+
+def priced_as_trained(cost_model: ProfiledCostModel | None, path: object, compiled: bool) -> ProfiledCostModel | None:
+    """The cost model that prices the trained model's micro-batches: for a model that compiles its blocks (the
+    recipes' ``compile``), the profile's compiled grids (``lightning-3d profile --compile``), which time the fused
+    kernels it runs; where the profile has none, its eager grids with a warning that names the fix (a compiled block
+    runs faster than they say, so the plans lean towards smaller micro-batches than it would choose)."""
+    if cost_model is None or not compiled or cost_model.compiled:
+        return cost_model
+    try:
+        return ProfiledCostModel(Path(str(path)).expanduser(), compiled=True)
+    except ValueError:
+        warnings.warn(f"cost_profile={str(path)!r} has no compiled grids, and the model compiles its blocks: the"
+                      " planner prices them with the eager grids. Profile with `lightning-3d profile --config <your"
+                      " training config> --compile` for plans priced as the model runs.", stacklevel=2)
+        return cost_model
 
 
 def check_adaptive_option(value: object, microbatching: str) -> str:
