@@ -22,8 +22,8 @@ gloo threads).
 
 The host's GPUs are hidden from the ranks (``CUDA_VISIBLE_DEVICES=""``; ``--keep-gpus`` leaves them): the fit runs on
 the CPU, and torch.distributed.checkpoint's file writer asks ``torch.cuda.is_available()`` on its first save, which on
-a GPU host initialises the CUDA driver in every rank once (its libraries' file-backed pages and its threads: about
-100 MiB and 15 threads per rank on an H200 host) — a one-time step in RSS that belongs to the host, not to the job.
+a GPU host initialises the CUDA driver in every rank once (its libraries' file-backed pages and its threads;
+benchmarks/RESULTS.md, 2026-12-02f) — a one-time step in RSS that belongs to the host, not to the job.
 
     python benchmarks/tools/soak.py                      # 1,000 steps, 2 CPU processes
     python benchmarks/tools/soak.py --steps 300 --every 50 --json soak.json

@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from lightning_3d.costs.profiled import TARGET_KINDS  # kinds measured by target tokens, as the cost model reads them
 from lightning_3d.utils.compat import device_busy_for
 
 #: at most this many token counts per layer kind, spread evenly in log tokens over the grid's
@@ -29,9 +30,6 @@ POINTS = 5
 MAX_TOKENS = 65536
 #: isolated replays per point (median), and the least back-to-back replays the sustained loop runs
 ISOLATED_REPEATS, MIN_SUSTAINED = 5, 8
-#: kinds whose tokens are the target's (T5's decoder and head run over the target sequence), where a grid has a
-#: target axis; the cost model reads the same rule (``costs.profiled``)
-TARGET_KINDS = ("decoder_block", "head")
 
 
 def pick_points(microbatch_sizes, seq_lens, points: int = POINTS, max_tokens: int = MAX_TOKENS) -> list[tuple[int, int]]:
