@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import lightning_3d.recipes  # noqa: E402,F401  (registers the GPT and T5 recipes with the planner)
 from lightning_3d.costs import ClusterSpec, ModelShape, ProfiledCostModel, recipe_costs  # noqa: E402
-from lightning_3d.planner import Candidate, Workload, measure_tp_layers, predict, profile_model, simulate_candidate  # noqa: E402
+from lightning_3d.planner import Candidate, Workload, add_compiled, measure_tp_layers, predict, profile_model, simulate_candidate  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -382,16 +382,10 @@ def run_suite(models: dict[str, Model], gpus: int, ns, log_dir: Path) -> dict:
                 print(f"  {name:9s} {row['config']:34s} {row['error']}", flush=True)
                 continue
             t0 = time.monotonic()
-            sizes = m.profile_sizes()[1]
-            extra = profile_model(config_dict(m, cpu), device=ns.device, microbatch_sizes=sizes, seq_lens=[m.seq],
-                                  target_lens=[m.target] if m.target else None, repeats=ns.repeats, warmup=2,
-                                  collectives=False, overheads=False, compile=True, compile_microbatch_sizes=sizes,
-                                  eager=False, log=lambda *a: None)
+            add_compiled(docs[name], config_dict(m, cpu), device=ns.device, microbatch_sizes=m.profile_sizes()[1],
+                         seq_lens=[m.seq], target_lens=[m.target] if m.target else None, repeats=ns.repeats,
+                         warmup=2, log=lambda *a: None)
             _release(cpu)
-            for kind, entries in extra["layers"].items():
-                docs[name]["layers"].setdefault(kind, []).extend(e for e in entries if e.get("compiled"))
-            if extra.get("compile_errors"):
-                docs[name]["compile_errors"] = extra["compile_errors"]
             report["models"][name]["compile_profile_seconds"] = round(time.monotonic() - t0, 1)
             _save_profile(ns, name, docs[name])
             print(f"{name}: compiled grids profiled in {time.monotonic() - t0:.1f} s", flush=True)

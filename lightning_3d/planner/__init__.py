@@ -18,12 +18,12 @@ from lightning_3d.planner.command import plan_main
 from lightning_3d.planner.model import Candidate, Prediction, Workload, layer_terms, predict, simulate_candidate
 from lightning_3d.planner.multi_gpu import measure_collectives, measure_tp_layers, tp_degrees
 from lightning_3d.planner.overheads import host_layers_in_situ, measure_overheads, step_seconds_at_depth
-from lightning_3d.planner.profile import profile_main, profile_model
+from lightning_3d.planner.profile import add_compiled, profile_main, profile_model
 from lightning_3d.planner.search import SearchOptions, SearchResult, search
 from lightning_3d.planner.tiny_runs import train_tiny
 
 __all__ = [
-    "Candidate", "Plan", "Prediction", "SearchOptions", "SearchResult", "Workload", "host_layers_in_situ",
+    "Candidate", "Plan", "Prediction", "SearchOptions", "SearchResult", "Workload", "add_compiled", "host_layers_in_situ",
     "layer_terms", "load_config", "measure_collectives", "measure_overheads", "measure_tp_layers", "plan", "plan_main",
     "predict", "profile_main", "profile_model", "search", "simulate_candidate", "step_seconds_at_depth",
     "tp_degrees", "train_tiny", "workload_from_config",

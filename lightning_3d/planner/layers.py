@@ -191,27 +191,91 @@ def _profile_variant(doc, layers, kind, rc, compiled, compile, fuse_gradients, g
     axes = [list(sizes), grids["seq_lens"]] + ([with_target] if with_target else [])
     grid = {q: nested(axes) for q in QUANTITIES}
     kw = dict(recompute=rc, device=grids["device"], dtype=dtype, warmup=grids["warmup"], repeats=grids["repeats"])
-    for idx in grid_indices(axes):
+    fixed_at: dict[tuple, tuple | None] = {}  # per point: its chain's fixed cost, None where it holds a single timing
+
+    def measure_at(idx):
         b, s = axes[0][idx[0]], axes[1][idx[1]]
         t = axes[2][idx[2]] if with_target else (targets[-1] if targets else s)
-        smaller_failed = idx[0] > 0 and grid_get(grid["forward"], (idx[0] - 1, *idx[1:])) is None
-        one, fixed = (None, None) if smaller_failed else time_point(
-            module, lambda: make(b, s, t, dtype or torch.float32), run, chained=kind not in ("embedding", "head"), **kw)
-        if fixed is not None and not rc:  # samples of the call's fixed cost, eager and compiled apart
-            calls.append((compiled, *fixed))
+        one, fixed = time_point(module, lambda: make(b, s, t, dtype or torch.float32), run,
+                                chained=kind not in ("embedding", "head"), **kw)
         for q in QUANTITIES:
             grid_set(grid[q], idx, None if one is None else one[q])
-        if one is not None and fixed is None:
+        if one is None:  # out of memory (measured again, it may be: the grid then has no time there)
+            fixed_at.pop(idx, None)
+        else:
+            fixed_at[idx] = fixed
+
+    for idx in grid_indices(axes):
+        if idx[0] > 0 and grid_get(grid["forward"], (idx[0] - 1, *idx[1:])) is None:
+            continue  # a smaller micro-batch of these lengths ran out of memory: so would this one
+        measure_at(idx)
+    remeasured = remeasure_outliers(grid, axes, measure_at)
+    for idx, fixed in fixed_at.items():
+        if fixed is not None and not rc:  # samples of the call's fixed cost, eager and compiled apart
+            calls.append((compiled, *fixed))
+        elif fixed is None:
             single.append((grid, idx))
     entry = {"tp": 1, "recompute": rc, "microbatch_size": axes[0], "seq_len": axes[1],
              "target_len": axes[2] if with_target else None, **grid}
+    if remeasured:
+        entry["remeasured"] = remeasured
     if compiled:
         entry["compiled"] = True
     doc["layers"][kind].append(entry)
     if compiled and module is not base:
         unfuse_gradient_accumulation(list(module.parameters()))  # the copy's slots, out of the registry
-    del module
+    module = None  # the compiled copy released before the next kind (measure_at is done with it)
     base.to("cpu")
+
+
+#: a grid point whose forward or backward seconds are below this share of a point with less work (one step smaller
+#: along one axis, the others equal) is a failed timing, measured again (``remeasure_outliers``)
+OUTLIER_SHARE = 0.9
+#: ... and by more than this many seconds: below it, a launch-bound layer's timings wander by themselves (the
+#: embedding's gather at small shapes), which the cost model's monotone read pools; a failed timing is far larger
+OUTLIER_FLOOR_S = 50e-6
+#: times an outlying pair of points is measured again before the grid keeps what it has
+REMEASURE_ROUNDS = 2
+
+
+def _outliers(grid: dict, axes: list) -> list[tuple[tuple, tuple]]:
+    """Pairs (point, its smaller neighbour) where the point's forward or backward time is below ``OUTLIER_SHARE`` of
+    the neighbour's and by more than ``OUTLIER_FLOOR_S``, though it does strictly more of the same work."""
+    pairs = []
+    for idx in grid_indices(axes):
+        for d in range(len(axes)):
+            if idx[d] == 0:
+                continue
+            smaller = (*idx[:d], idx[d] - 1, *idx[d + 1:])
+            for q in ("forward", "backward"):
+                big, small = grid_get(grid[q], idx), grid_get(grid[q], smaller)
+                if big is not None and small is not None and big < OUTLIER_SHARE * small and small - big > OUTLIER_FLOOR_S:
+                    pairs.append((idx, smaller))
+                    break
+    return pairs
+
+
+def remeasure_outliers(grid: dict, axes: list, measure_at) -> list[dict]:
+    """Measure again both points of each pair where a layer's time falls though its work grows (``_outliers``), up to
+    ``REMEASURE_ROUNDS`` times; returns what was measured again, before and after, for the profile's record.
+
+    More tokens or rows of one layer cannot take less time: such a pair holds one failed timing, low or high. Seen on
+    an H200: every point of one token count of a compiled grid timed far below its neighbours in one process and
+    right in the next (benchmarks/RESULTS.md#2026-12-02g-compiled), which would have priced those micro-batches far
+    below their cost. Measuring both points again finds either failure; an ordering that persists is kept (the cost
+    model's monotone fit pools it when read) and marked as persisting in the record."""
+    record: dict[tuple, dict] = {}
+    for _ in range(REMEASURE_ROUNDS):
+        pairs = _outliers(grid, axes)
+        if not pairs:
+            break
+        for idx in sorted({p for pair in pairs for p in pair}):
+            entry = record.setdefault(idx, {"point": list(idx), "before": {q: grid_get(grid[q], idx)
+                                                                        for q in ("forward", "backward")}})
+            measure_at(idx)
+            entry["after"] = {q: grid_get(grid[q], idx) for q in ("forward", "backward")}
+    persisting = {p for pair in _outliers(grid, axes) for p in pair}
+    return [{**entry, "persists": idx in persisting} for idx, entry in sorted(record.items())]
 
 
 def _finish_profile_layers(doc, calls, single) -> None:

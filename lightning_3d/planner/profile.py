@@ -19,6 +19,7 @@ job: ``planner.layers`` (the layers and the optimizer, on ``planner.timing``'s p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -90,6 +91,37 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
                       warmup=warmup, repeats=repeats)
         _add_multi_gpu(doc, tp, log)
     doc["seconds"] = round(time.perf_counter() - started, 2)
+    return doc
+
+
+def add_compiled(doc: dict, config: str | Path | dict, *, microbatch_sizes, seq_lens, target_lens=None,
+                 device: str | torch.device | None = None, warmup: int = 1, repeats: int = 2, log=print) -> dict:
+    """``doc`` (a profile of ``config``'s model) with compiled grids of its layers measured now (``profile_model``
+    with ``compile=True, eager=False`` over ``microbatch_sizes`` x ``seq_lens`` (x ``target_lens``): the blocks and the
+    head as the recipes compile them), for plans of a model that compiles its blocks (``ProfiledCostModel(
+    compiled=True)``, the data module's planner for ``compile=True``). The eager grids, overheads and sustained
+    section stay; compiled grids ``doc`` already had are replaced; a compile that fails is recorded in
+    ``compile_errors`` (those kinds then have no compiled grid, which the cost model names). Changes ``doc`` in place
+    and returns it. Refuses a profile of another model than ``config``'s (the grids would mix two models)."""
+    cfg = load_config(config)
+    shape, _, _ = grid_lengths(cfg, seq_lens, target_lens)
+    # The vocabulary may differ by the tensor-parallel padding, and tied embeddings do not change a layer's cost.
+    loose = ("vocab_size", "tied_embeddings")
+    measured = {k: v for k, v in (doc.get("model") or {}).items() if k not in loose}
+    if measured != {k: v for k, v in dataclasses.asdict(shape).items() if k not in loose}:
+        raise ValueError(f"the profile measured {doc.get('model')}, but the config's model is {shape}: add compiled"
+                         " grids to a profile of the same model (or profile it whole with `lightning-3d profile"
+                         " --compile`).")
+    extra = profile_model(cfg, device=device, microbatch_sizes=microbatch_sizes, seq_lens=seq_lens,
+                          target_lens=target_lens, recompute=(False,), warmup=warmup, repeats=repeats,
+                          collectives=False, overheads=False, compile=True, compile_microbatch_sizes=microbatch_sizes,
+                          eager=False, fuse_gradients=doc.get("gradient_accumulation_fusion", "auto"), log=log)
+    for kind, entries in extra["layers"].items():
+        compiled = [e for e in entries if e.get("compiled")]
+        if compiled:
+            doc["layers"][kind] = [e for e in doc["layers"].get(kind, []) if not e.get("compiled")] + compiled
+    if extra.get("compile_errors"):
+        doc["compile_errors"] = extra["compile_errors"]
     return doc
 
 

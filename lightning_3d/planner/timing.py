@@ -39,6 +39,10 @@ class _Timer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        #: after a span with a lead: whether the GPU was still in the lead when the host had issued the span's work
+        self.lead_held = True
+        #: after ``measure``'s pass: ``lead_held`` of its forward and its backward span
+        self.held = (True, True)
 
     def span(self, fn, lead: float = 0.0):
         if self.cuda:
@@ -49,6 +53,9 @@ class _Timer:
             t0 = time.perf_counter()
             out = fn()
             host = time.perf_counter() - t0
+            # The lead held if the GPU had not yet reached the span's start when the host had issued all of it;
+            # otherwise the GPU may have waited for the host inside the span (``lead_held``).
+            self.lead_held = lead <= 0 or not start.query()
             end.record()
             return out, (start, end), host
         t0 = time.perf_counter()
@@ -66,6 +73,12 @@ class _Timer:
 #: ``LEAD_FLOOR`` seconds (a lead shorter than the host's time lets the GPU catch up and idle inside the span)
 LEAD_FACTOR, LEAD_FLOOR = 2.0, 1e-3
 
+
+#: a device pass whose lead ran out before the host had issued it (``_Timer.lead_held``) is run again with this many
+#: times the lead, up to ``LEAD_RETRIES`` times; the last run stands
+LEAD_GROWTH, LEAD_RETRIES = 4.0, 3
+#: device passes measured and those run again for a lead that ran out, in this process (a profile's diagnostics)
+LEAD_RERUNS: Counter = Counter()
 
 #: layers applied this many times in a row for the per-layer (marginal) time: see ``time_point``
 CHAIN = 3
@@ -105,6 +118,7 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         out, f_mark, f_host = timer.span(forward, lead_f)
+        forward_held = timer.lead_held
         if cuda:
             after = torch.cuda.memory_allocated(device)
         grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
@@ -112,6 +126,7 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
             # The gradient's random numbers are not the layer's work: done before the backward's span starts.
             torch.cuda.synchronize(device)
         _, b_mark, b_host = timer.span(lambda out=out, grad=grad: out.backward(grad), lead_b)
+        timer.held = (forward_held, timer.lead_held)
         stored = peak = 0
         if cuda:
             torch.cuda.synchronize(device)
@@ -131,7 +146,17 @@ def measure(module: nn.Module, inputs: tuple, run, *, recompute: bool, device: t
             # span is the host's time: one pass.
             f_dev, b_dev, f_host, b_host, stored, peak = one_pass(0.0, 0.0)
             if cuda:
-                f_dev, b_dev, *_ = one_pass(LEAD_FACTOR * f_host + LEAD_FLOOR, LEAD_FACTOR * b_host + LEAD_FLOOR)
+                lead_f, lead_b = LEAD_FACTOR * f_host + LEAD_FLOOR, LEAD_FACTOR * b_host + LEAD_FLOOR
+                f_dev, b_dev, *_ = one_pass(lead_f, lead_b)
+                LEAD_RERUNS["passes"] += 1
+                # A host that issued this pass slower than the idle pass (a collection, another process on its
+                # cores, a compiled graph's guards) can outrun the lead: the span would then hold the GPU's wait.
+                for _ in range(LEAD_RETRIES):
+                    if timer.held == (True, True):
+                        break
+                    lead_f, lead_b = lead_f * LEAD_GROWTH, lead_b * LEAD_GROWTH
+                    f_dev, b_dev, *_ = one_pass(lead_f, lead_b)
+                    LEAD_RERUNS["reruns"] += 1
             if i >= warmup:
                 rows["forward"].append(f_dev)
                 rows["backward"].append(b_dev)

@@ -279,19 +279,27 @@ def device_busy_for(seconds: float, device: torch.device) -> None:
     spin of a given number of GPU clock cycles, calibrated once per device). The profiler queues one before a timed
     span so that the host has issued the whole span's kernels before the GPU reaches them: the span's CUDA events then
     time the kernels alone, not the GPU waiting for a host-bound layer's launches (docs/planner.md, "Device and host
-    times")."""
+    times").
+
+    The spin counts SM clock cycles, so its length in seconds follows the clock: calibrated on an idle GPU that has
+    not yet raised its clock, the rate would be low and every later spin (at the top clock) shorter than asked. The
+    calibration therefore spins first to raise the clock and keeps the fastest of three probes: a spin then lasts at
+    least ``seconds`` at any clock. The profiler also checks that the lead held (``planner.timing``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     rate = _CYCLES_PER_SECOND.get(index)
     if rate is None:
         with torch.cuda.device(index):
             probe = 10_000_000
-            torch.cuda._sleep(probe)  # first call: module load, not timed
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(probe)
-            end.record()
-            end.synchronize()
-            rate = _CYCLES_PER_SECOND[index] = probe / max(start.elapsed_time(end) / 1e3, 1e-6)
+            torch.cuda._sleep(20 * probe)  # module load and the clock's ramp, not timed
+            rates = []
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(probe)
+                end.record()
+                end.synchronize()
+                rates.append(probe / max(start.elapsed_time(end) / 1e3, 1e-6))
+            rate = _CYCLES_PER_SECOND[index] = max(rates)
     with torch.cuda.device(index):
         torch.cuda._sleep(int(rate * seconds))
 

@@ -1,0 +1,99 @@
+"""``planner.add_compiled`` (and ``benchmarks/tools/compiled_grids.py``): compiled grids added to a profile that lacks
+them, the eager grids and other sections kept, older compiled grids replaced, another model's profile refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+
+import lightning_3d.planner.profile as profile_mod
+import lightning_3d.recipes  # noqa: F401  (registers the recipes)
+from lightning_3d.planner import add_compiled
+
+CFG = {"model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "seq_length": 32}},
+       "data": {"init_args": {"seq_length": 32}}, "trainer": {"precision": "32-true"}}
+
+
+def _entry(value: float, compiled: bool) -> dict:
+    grid = [[value]]
+    return {"tp": 1, "recompute": False, "microbatch_size": [1], "seq_len": [32], "target_len": None,
+            **{q: grid for q in ("forward", "backward", "host_forward", "host_backward", "stored", "peak")},
+            **({"compiled": True} if compiled else {})}
+
+
+@pytest.fixture
+def eager_doc() -> dict:
+    from lightning_3d.planner.layers import grid_lengths
+
+    shape, _, _ = grid_lengths(CFG, [32], None)
+    import dataclasses
+
+    return {"model": dataclasses.asdict(shape), "layers": {k: [_entry(1.0, False)] for k in ("embedding", "block", "head")},
+            "overheads": {"microbatch_seconds": 0.5}, "sustained": {"kinds": {}}, "gradient_accumulation_fusion": "auto"}
+
+
+@pytest.fixture
+def fake_profile(monkeypatch):
+    calls = []
+
+    def fake(cfg, **kw):
+        calls.append(kw)
+        return {"layers": {"block": [_entry(0.5, True)], "head": [_entry(0.25, True)]},
+                **({"compile_errors": ["head: boom"]} if kw.get("fail") else {})}
+
+    monkeypatch.setattr(profile_mod, "profile_model", fake)
+    return calls
+
+
+def test_compiled_grids_join_the_eager_ones_and_replace_older_compiled(eager_doc, fake_profile) -> None:
+    before = copy.deepcopy(eager_doc)
+    eager_doc["layers"]["block"].append(_entry(9.0, True))  # an older compiled grid: replaced
+    doc = add_compiled(eager_doc, CFG, microbatch_sizes=[1, 2], seq_lens=[16, 32])
+    assert doc is eager_doc
+    assert doc["layers"]["block"] == [_entry(1.0, False), _entry(0.5, True)]
+    assert doc["layers"]["head"] == [_entry(1.0, False), _entry(0.25, True)]
+    assert doc["layers"]["embedding"] == before["layers"]["embedding"]
+    assert doc["overheads"] == before["overheads"] and doc["sustained"] == before["sustained"]
+    (kw,) = fake_profile
+    # Only compiled grids, on the sizes given, with the fusion the profile's eager grids were measured under.
+    assert kw["compile"] is True and kw["eager"] is False and kw["compile_microbatch_sizes"] == [1, 2]
+    assert kw["seq_lens"] == [16, 32] and kw["fuse_gradients"] == "auto" and kw["overheads"] is False
+
+
+def test_another_models_profile_is_refused_before_any_measurement(eager_doc, fake_profile) -> None:
+    eager_doc["model"]["hidden_size"] *= 2
+    with pytest.raises(ValueError, match="add compiled grids to a profile of the same model"):
+        add_compiled(eager_doc, CFG, microbatch_sizes=[1], seq_lens=[32])
+    assert fake_profile == []
+
+
+def test_the_tool_refuses_bad_grids_and_a_missing_gpu(tmp_path, monkeypatch, capsys) -> None:
+    from benchmarks.tools import compiled_grids
+
+    src = tmp_path / "p.json"
+    src.write_text(json.dumps({"layers": {}}))
+    base = ["--add-to", str(src), "--out", str(tmp_path / "o.json"), "--seq-length", "2048"]
+    with pytest.raises(SystemExit, match=r"--sizes '4,2': give increasing positive integers"):
+        compiled_grids.main([*base, "--sizes", "4,2"])
+    with pytest.raises(SystemExit, match="4096 is longer than --seq-length 2048"):
+        compiled_grids.main([*base, "--lens", "1024,4096"])
+    monkeypatch.setattr(compiled_grids.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no GPU is visible"):
+        compiled_grids.main(base)
+
+
+def test_the_tool_writes_the_profile_with_its_compiled_grids(tmp_path, eager_doc, fake_profile, monkeypatch) -> None:
+    from benchmarks.tools import compiled_grids
+
+    src, out = tmp_path / "p.json", tmp_path / "o.json"
+    src.write_text(json.dumps(eager_doc))
+    monkeypatch.setattr(sys, "argv", ["compiled_grids.py"])
+    compiled_grids.main(["--add-to", str(src), "--out", str(out), "--preset", "tiny", "--seq-length", "32",
+                         "--vocab-size", str(eager_doc["model"]["vocab_size"]), "--sizes", "1,2", "--lens", "16,32",
+                         "--device", "cpu"])
+    doc = json.loads(out.read_text())
+    assert [e.get("compiled", False) for e in doc["layers"]["block"]] == [False, True]
+    assert fake_profile[0]["device"] == "cpu"
