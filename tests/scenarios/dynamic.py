@@ -8,8 +8,8 @@ their own lengths, padded per micro-batch with an encoder attention mask): (1,2,
 single-process reference of tests/scenarios/t5_layouts.py (the same pairs, padded to the longest). On 2 ranks, an
 empty sample raises the planner's error on every rank, and a rank given a different schedule than its pipeline peer
 makes every rank raise the strategy's plan-mismatch error before any pipeline send. World 4 also trains the multi-task
-data module's planned micro-batchings at (2,2,1) against single-process training (tests/scenarios/multitask.py's
-``planned_fits``: GPT with ``"packed_dynamic"``, T5 with ``"auto"``). One process group per world.
+data module's planned micro-batchings (``"packed_dynamic"``, ``"auto"``) at every 4-process layout but pp = 4
+against single-process training (tests/scenarios/multitask.py's ``planned_fits``). One process group per world.
 """
 
 from __future__ import annotations

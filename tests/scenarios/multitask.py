@@ -12,8 +12,9 @@ Planned micro-batching against the same single-process references (GPT, and T5 t
 plans the whole global batch and keeps its share. The two pipelined ones (1,2,1) run the adaptive schedule
 (``adaptive_schedule="only"``, lightning_3d/dynamic/adaptive.py) wherever a planner's candidate runs, so its
 per-step orders train exactly like one process too; each run reports the schedule of every step. The 4-process
-layouts, (2,2,1) with compressed backpropagation (at full rank) and the sharded optimizer state on, run in
-tests/scenarios/dynamic.py (its world-4 process group) through :func:`planned_fits`.
+layouts, (2,2,1) with compressed backpropagation (at full rank) and the sharded optimizer state on, and (1,2,2), (2,1,2),
+(4,1,1), (1,1,4), run in tests/scenarios/dynamic.py (its world-4 process group) through :func:`planned_fits`; at 2
+processes also (1,1,2).
 """
 
 from __future__ import annotations
@@ -145,21 +146,31 @@ def compare(run: tuple, ref: tuple) -> dict:
 
 
 def planned_fits(world: int, cache: Path, gpt_ref: tuple) -> dict:
-    """Planned micro-batching against single-process training: 2 processes (1,2,1) and (2,1,1), 4 processes
-    (2,2,1) (module docstring)."""
+    """Planned micro-batching against single-process training at every 2-process layout, (1,2,1), (2,1,1) and
+    (1,1,2), and at the 4-process ones but pp = 4 (the tiny references have two blocks): (2,2,1), (1,2,2), (2,1,2)
+    for GPT and T5, (4,1,1) for GPT, (1,1,4) for T5 (module docstring). Names: model, dp pp tp, micro-batching."""
     t5_ref = reference(cache, "t5")
     budget = dict(memory_budget_gb=BUDGET_GB)
+    t5_auto = dict(auto_candidates=T5_AUTO, **budget)
+    adaptive = dict(adaptive_schedule="only")  # at pp = 2 (module docstring)
     if world == 2:
-        adaptive = dict(adaptive_schedule="only")  # at pp = 2 (module docstring)
         return {"gpt_121_auto": compare(fit("gpt", "auto", 2, 1, cache, **adaptive, **budget), gpt_ref),
                 "gpt_211_packed_dynamic": compare(fit("gpt", "packed_dynamic", 1, 1, cache, **budget), gpt_ref),
+                "gpt_112_packed_dynamic": compare(fit("gpt", "packed_dynamic", 1, 2, cache, **budget), gpt_ref),
                 "t5_121_packed_dynamic": compare(fit("t5", "packed_dynamic", 2, 1, cache, **adaptive, **budget),
                                                  t5_ref),
-                "t5_211_auto": compare(fit("t5", "auto", 1, 1, cache, auto_candidates=T5_AUTO, **budget), t5_ref)}
+                "t5_211_auto": compare(fit("t5", "auto", 1, 1, cache, **t5_auto), t5_ref),
+                "t5_112_auto": compare(fit("t5", "auto", 1, 2, cache, **t5_auto), t5_ref)}
     # With compression (CB) and the sharded optimizer state on at the same time (2 replicas, 2 stages).
     both = dict(compression=EXACT_CB, shard_optimizer_state=True)
     return {"gpt_221_packed_dynamic": compare(fit("gpt", "packed_dynamic", 2, 1, cache, **both, **budget), gpt_ref),
-            "t5_221_auto": compare(fit("t5", "auto", 2, 1, cache, auto_candidates=T5_AUTO, **both, **budget), t5_ref)}
+            "t5_221_auto": compare(fit("t5", "auto", 2, 1, cache, **both, **t5_auto), t5_ref),
+            "gpt_122_packed_dynamic": compare(fit("gpt", "packed_dynamic", 2, 2, cache, **adaptive, **budget), gpt_ref),
+            "t5_122_auto": compare(fit("t5", "auto", 2, 2, cache, **adaptive, **t5_auto), t5_ref),
+            "gpt_212_auto": compare(fit("gpt", "auto", 1, 2, cache, **budget), gpt_ref),
+            "t5_212_packed_dynamic": compare(fit("t5", "packed_dynamic", 1, 2, cache, **budget), t5_ref),
+            "gpt_411_packed_dynamic": compare(fit("gpt", "packed_dynamic", 1, 1, cache, **budget), gpt_ref),
+            "t5_114_packed_dynamic": compare(fit("t5", "packed_dynamic", 1, 4, cache, **budget), t5_ref)}
 
 
 def main() -> None:
