@@ -262,8 +262,10 @@ def remeasure_outliers(grid: dict, axes: list, measure_at) -> list[dict]:
     More tokens or rows of one layer cannot take less time: such a pair holds one failed timing, low or high. Seen on
     an H200: every point of one token count of a compiled grid timed far below its neighbours in one process and
     right in the next (benchmarks/RESULTS.md#2026-12-02g-compiled), which would have priced those micro-batches far
-    below their cost. Measuring both points again finds either failure; an ordering that persists is kept (the cost
-    model's monotone fit pools it when read) and marked as persisting in the record."""
+    below their cost; that one was the lead's spin ending early (``compat.device_busy_for``, calibrated at the top
+    clock since), and this check stays for whatever else makes a timing fail. Measuring both points again finds
+    either failure; an ordering that persists is kept (the cost model's monotone fit pools it when read) and marked
+    as persisting in the record."""
     record: dict[tuple, dict] = {}
     for _ in range(REMEASURE_ROUNDS):
         pairs = _outliers(grid, axes)
