@@ -2,9 +2,9 @@
 training on the same global batches (tests/scenarios/dynamic.py), with replicas holding different numbers of
 micro-batches and tokens, and every step running its own planned schedule. GPT and T5 (whose inputs and targets
 are padded per micro-batch to their own planned lengths). Ranks that planned differently raise before any send. At
-4 processes also the multi-task data module's ``packed_dynamic`` and ``auto`` micro-batching at every layout but
-pp = 4 (tests/scenarios/multitask.py ``planned_fits``), at (2,2,1) with compressed backpropagation (full rank) and
-the sharded optimizer state on."""
+4 processes also the multi-task data module's ``packed_dynamic`` and ``auto`` micro-batching (tests/scenarios/
+multitask.py ``planned_fits``: (2,2,1), (1,2,2), (2,1,2) for GPT and T5, (4,1,1) GPT, (1,1,4) T5), at (2,2,1) with
+compressed backpropagation (full rank) and the sharded optimizer state on."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_dynamic_microbatching_matches_single_process_training(world: int, tmp_p
             assert any(len(set(t)) > 1 for t in r["tokens"]) and any(len(set(c)) > 1 for c in r["counts"]), r
     if world == 4:
         assert any(r["schedule"] == "interleaved_1f1b" for r in results)
-        # the multi-task data module's packed dynamic and auto micro-batching at every 4-process layout but pp = 4
+        # the multi-task data module's packed dynamic and auto micro-batching at the 4-process layouts but pp = 4
         planned = report["multitask"]
         assert set(planned) == {"gpt_221_packed_dynamic", "t5_221_auto", "gpt_122_packed_dynamic", "t5_122_auto",
                                 "gpt_212_auto", "t5_212_packed_dynamic", "gpt_411_packed_dynamic",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 
 import pytest
 
@@ -41,8 +40,9 @@ def fake_profile(monkeypatch):
 
     def fake(cfg, **kw):
         calls.append(kw)
-        return {"layers": {"block": [_entry(0.5, True)], "head": [_entry(0.25, True)]},
-                **({"compile_errors": ["head: boom"]} if kw.get("fail") else {})}
+        if calls[0].get("fail_head"):  # the head's compile failed: no compiled head grid, the error recorded
+            return {"layers": {"block": [_entry(0.5, True)], "head": []}, "compile_errors": ["head: boom"]}
+        return {"layers": {"block": [_entry(0.5, True)], "head": [_entry(0.25, True)]}}
 
     monkeypatch.setattr(profile_mod, "profile_model", fake)
     return calls
@@ -63,11 +63,24 @@ def test_compiled_grids_join_the_eager_ones_and_replace_older_compiled(eager_doc
     assert kw["seq_lens"] == [16, 32] and kw["fuse_gradients"] == "auto" and kw["overheads"] is False
 
 
-def test_another_models_profile_is_refused_before_any_measurement(eager_doc, fake_profile) -> None:
-    eager_doc["model"]["hidden_size"] *= 2
+@pytest.mark.parametrize("field", ["hidden_size", "vocab_size"])
+def test_another_models_profile_is_refused_before_any_measurement(eager_doc, fake_profile, field) -> None:
+    eager_doc["model"][field] *= 2  # the vocabulary too: the head's grid is timed at the config's
     with pytest.raises(ValueError, match="add compiled grids to a profile of the same model"):
         add_compiled(eager_doc, CFG, microbatch_sizes=[1], seq_lens=[32])
     assert fake_profile == []
+
+
+def test_a_failed_compile_leaves_no_older_compiled_grid_and_says_so(eager_doc, monkeypatch) -> None:
+    eager_doc["layers"]["head"].append(_entry(9.0, True))  # of older code: must not stand in for the failed one
+    eager_doc["compile_errors"] = ["block: from an older run"]
+    monkeypatch.setattr(profile_mod, "profile_model", lambda cfg, **kw: {
+        "layers": {"block": [_entry(0.5, True)], "head": []}, "compile_errors": ["head: boom"]})
+    doc = add_compiled(eager_doc, CFG, microbatch_sizes=[1], seq_lens=[32])
+    assert doc["layers"]["head"] == [_entry(1.0, False)] and doc["compile_errors"] == ["head: boom"]
+    monkeypatch.setattr(profile_mod, "profile_model", lambda cfg, **kw: {
+        "layers": {"block": [_entry(0.5, True)], "head": [_entry(0.25, True)]}})
+    assert "compile_errors" not in add_compiled(doc, CFG, microbatch_sizes=[1], seq_lens=[32])
 
 
 def test_the_tool_refuses_bad_grids_and_a_missing_gpu(tmp_path, monkeypatch, capsys) -> None:
@@ -80,20 +93,21 @@ def test_the_tool_refuses_bad_grids_and_a_missing_gpu(tmp_path, monkeypatch, cap
         compiled_grids.main([*base, "--sizes", "4,2"])
     with pytest.raises(SystemExit, match="4096 is longer than --seq-length 2048"):
         compiled_grids.main([*base, "--lens", "1024,4096"])
+    with pytest.raises(SystemExit, match="--repeats 0: give a warm-up of 0 or more and at least one repeat"):
+        compiled_grids.main([*base, "--repeats", "0"])
     monkeypatch.setattr(compiled_grids.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no GPU is visible"):
         compiled_grids.main(base)
 
 
-def test_the_tool_writes_the_profile_with_its_compiled_grids(tmp_path, eager_doc, fake_profile, monkeypatch) -> None:
+def test_the_tool_writes_the_profile_with_its_compiled_grids(tmp_path, eager_doc, fake_profile) -> None:
     from benchmarks.tools import compiled_grids
 
     src, out = tmp_path / "p.json", tmp_path / "o.json"
     src.write_text(json.dumps(eager_doc))
-    monkeypatch.setattr(sys, "argv", ["compiled_grids.py"])
+    # No --vocab-size: the profile's own (the model check would refuse another).
     compiled_grids.main(["--add-to", str(src), "--out", str(out), "--preset", "tiny", "--seq-length", "32",
-                         "--vocab-size", str(eager_doc["model"]["vocab_size"]), "--sizes", "1,2", "--lens", "16,32",
-                         "--device", "cpu"])
+                         "--sizes", "1,2", "--lens", "16,32", "--device", "cpu"])
     doc = json.loads(out.read_text())
     assert [e.get("compiled", False) for e in doc["layers"]["block"]] == [False, True]
     assert fake_profile[0]["device"] == "cpu"

@@ -137,3 +137,32 @@ def test_the_profile_records_the_points_measured_again(monkeypatch) -> None:
 
     cm = ProfiledCostModel(doc, sustained_clock=False)
     assert cm.layer_time("block", 2, 32)[1] == pytest.approx(_true(2, 32)["backward"])
+
+
+def test_a_remeasurement_out_of_memory_keeps_the_first_timing(monkeypatch) -> None:
+    # (2, 32)'s first timing is low and flagged; measured again it runs out of memory (another point's memory left
+    # behind): the grid keeps a time there rather than a hole that would price every larger micro-batch as infinite.
+    seen: dict = {}
+
+    def fake_time_point(module, make_inputs, run, *, chained, **kw):
+        x = make_inputs()[0]
+        key = (chained, x.shape[0], x.shape[1])
+        seen[key] = seen.get(key, 0) + 1
+        if key == (True, 2, 32):
+            if seen[key] > 1:
+                return None, None
+            return {**_true(2, 32), "backward": _true(2, 32)["backward"] / 4}, (1e-5, 1e-5)
+        return _true(*key[1:]), ((1e-5, 1e-5) if chained else None)
+
+    monkeypatch.setattr(layers_mod, "time_point", fake_time_point)
+    monkeypatch.setattr(layers_mod, "_time_optimizer", lambda *a, **k: None)
+    import lightning_3d.recipes  # noqa: F401  (registers the recipes)
+
+    cfg = {"model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "seq_length": 32}},
+           "data": {"init_args": {"seq_length": 32}}, "trainer": {"precision": "32-true"}}
+    doc = profile_layers(cfg, torch.device("cpu"), microbatch_sizes=[1, 2], seq_lens=[16, 32], recompute=(False,),
+                         warmup=0, repeats=1, log=lambda *a: None)
+    block = doc["layers"]["block"][0]
+    assert block["backward"][1][1] == pytest.approx(_true(2, 32)["backward"] / 4)
+    assert block["forward"][1][1] == pytest.approx(_true(2, 32)["forward"])
+    assert [r["persists"] for r in block["remeasured"] if r["point"] == [1, 1]] == [True]

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                    " --preset, --vocab-size, --seq-length) to add compiled grids to")
     p.add_argument("--out", type=Path, required=True, help="the profile with its compiled grids")
     p.add_argument("--preset", default="1.3b")
-    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--vocab-size", type=int, default=None, help="default: the profile's")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--sizes", default="1,2,4,8,16,32", help="micro-batch sizes, comma-separated")
     p.add_argument("--lens", default="256,512,1024,2048", help="sequence lengths, comma-separated (at most"
@@ -54,14 +54,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default=None, help="default: the current GPU ('cpu' for tests only)")
     args = p.parse_args(argv)
     sizes, lens = _ints(args.sizes, "sizes"), _ints(args.lens, "lens")
+    if args.warmup < 0 or args.repeats < 1:
+        raise SystemExit(f"--warmup {args.warmup} / --repeats {args.repeats}: give a warm-up of 0 or more and at least"
+                         " one repeat (each point's time is the median of its repeats)")
     if lens[-1] > args.seq_length:
         raise SystemExit(f"--lens {args.lens}: {lens[-1]} is longer than --seq-length {args.seq_length}")
     if args.device is None and not torch.cuda.is_available():
         raise SystemExit("no GPU is visible: compiled grids time the GPU's kernels (--device cpu for tests only)")
     doc = json.loads(args.add_to.read_text())
+    vocab = args.vocab_size if args.vocab_size is not None else (doc.get("model") or {}).get("vocab_size")
     cfg = {"trainer": {"precision": "bf16-mixed" if args.device != "cpu" else "32-true"},
            "model": {"class_path": "lightning_3d.recipes.GPT",
-                     "init_args": {"preset_name": args.preset, "vocab_size": args.vocab_size,
+                     "init_args": {"preset_name": args.preset, "vocab_size": vocab,
                                    "seq_length": args.seq_length}},
            "data": {"init_args": {"seq_length": args.seq_length}}}
     started = time.monotonic()

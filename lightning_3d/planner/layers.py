@@ -198,11 +198,11 @@ def _profile_variant(doc, layers, kind, rc, compiled, compile, fuse_gradients, g
         t = axes[2][idx[2]] if with_target else (targets[-1] if targets else s)
         one, fixed = time_point(module, lambda: make(b, s, t, dtype or torch.float32), run,
                                 chained=kind not in ("embedding", "head"), **kw)
+        if one is None and idx in fixed_at:
+            return  # out of memory when measured again (memory another point left behind): the first timing stays
         for q in QUANTITIES:
             grid_set(grid[q], idx, None if one is None else one[q])
-        if one is None:  # out of memory (measured again, it may be: the grid then has no time there)
-            fixed_at.pop(idx, None)
-        else:
+        if one is not None:
             fixed_at[idx] = fixed
 
     for idx in grid_indices(axes):

@@ -100,15 +100,14 @@ def add_compiled(doc: dict, config: str | Path | dict, *, microbatch_sizes, seq_
     with ``compile=True, eager=False`` over ``microbatch_sizes`` x ``seq_lens`` (x ``target_lens``): the blocks and the
     head as the recipes compile them), for plans of a model that compiles its blocks (``ProfiledCostModel(
     compiled=True)``, the data module's planner for ``compile=True``). The eager grids, overheads and sustained
-    section stay; compiled grids ``doc`` already had are replaced; a compile that fails is recorded in
+    section stay; compiled grids ``doc`` already had are removed first; a compile that fails is recorded in
     ``compile_errors`` (those kinds then have no compiled grid, which the cost model names). Changes ``doc`` in place
     and returns it. Refuses a profile of another model than ``config``'s (the grids would mix two models)."""
     cfg = load_config(config)
     shape, _, _ = grid_lengths(cfg, seq_lens, target_lens)
-    # The vocabulary may differ by the tensor-parallel padding, and tied embeddings do not change a layer's cost.
-    loose = ("vocab_size", "tied_embeddings")
-    measured = {k: v for k, v in (doc.get("model") or {}).items() if k not in loose}
-    if measured != {k: v for k, v in dataclasses.asdict(shape).items() if k not in loose}:
+    # Tied embeddings do not change a layer's cost; every other field (the vocabulary too: the head's grid) must match.
+    measured = {k: v for k, v in (doc.get("model") or {}).items() if k != "tied_embeddings"}
+    if measured != {k: v for k, v in dataclasses.asdict(shape).items() if k != "tied_embeddings"}:
         raise ValueError(f"the profile measured {doc.get('model')}, but the config's model is {shape}: add compiled"
                          " grids to a profile of the same model (or profile it whole with `lightning-3d profile"
                          " --compile`).")
@@ -116,10 +115,12 @@ def add_compiled(doc: dict, config: str | Path | dict, *, microbatch_sizes, seq_
                           target_lens=target_lens, recompute=(False,), warmup=warmup, repeats=repeats,
                           collectives=False, overheads=False, compile=True, compile_microbatch_sizes=microbatch_sizes,
                           eager=False, fuse_gradients=doc.get("gradient_accumulation_fusion", "auto"), log=log)
+    # Every kind's older compiled grids go, also where this compile failed (a grid of other code would stay behind).
+    for kind in doc["layers"]:
+        doc["layers"][kind] = [e for e in doc["layers"][kind] if not e.get("compiled")]
     for kind, entries in extra["layers"].items():
-        compiled = [e for e in entries if e.get("compiled")]
-        if compiled:
-            doc["layers"][kind] = [e for e in doc["layers"].get(kind, []) if not e.get("compiled")] + compiled
+        doc["layers"].setdefault(kind, []).extend(e for e in entries if e.get("compiled"))
+    doc.pop("compile_errors", None)
     if extra.get("compile_errors"):
         doc["compile_errors"] = extra["compile_errors"]
     return doc

@@ -3,13 +3,13 @@ variable-length samples, plans it with ``DynamicMicroBatcher`` and trains on its
 shapes and token counts per replica, each step with its own schedule); the reference trains one process on the
 whole global batch, padded, with the token mean over its labels.
 
-World 2: (1,2,1) with 1F1B. World 4: (2,2,1) 1F1B, (2,1,2), (1,2,2) interleaved 1F1B. T5 (inputs and targets of
-their own lengths, padded per micro-batch with an encoder attention mask): (1,2,1) and (2,2,1), against the
+World 2: (1,2,1) with 1F1B. World 4: (2,2,1) 1F1B, (2,1,2) 1F1B, (1,2,2) interleaved 1F1B. T5 (inputs and targets
+of their own lengths, padded per micro-batch with an encoder attention mask): the same layouts, against the
 single-process reference of tests/scenarios/t5_layouts.py (the same pairs, padded to the longest). On 2 ranks, an
 empty sample raises the planner's error on every rank, and a rank given a different schedule than its pipeline peer
 makes every rank raise the strategy's plan-mismatch error before any pipeline send. World 4 also trains the multi-task
-data module's planned micro-batchings (``"packed_dynamic"``, ``"auto"``) at every 4-process layout but pp = 4
-against single-process training (tests/scenarios/multitask.py's ``planned_fits``). One process group per world.
+data module's planned micro-batchings against single-process training (tests/scenarios/multitask.py's
+``planned_fits``: (2,2,1), (1,2,2), (2,1,2) for GPT and T5, (4,1,1) GPT, (1,1,4) T5). One process group per world.
 """
 
 from __future__ import annotations
