@@ -106,19 +106,22 @@ def test_a_small_layers_wander_below_the_floor_is_left_alone() -> None:
     assert remeasure_outliers(grid, axes, measure_at) == [] and len(calls) == 6
 
 
-def test_the_profile_records_the_points_measured_again(monkeypatch) -> None:
-    # The real profiler's loop with time_point replaced: the tiny GPT's block grid on the CPU, one failed timing.
+def _profile_tiny_gpt(monkeypatch, remeasured_point) -> dict:
+    """The real profiler's loop (``profile_layers``) on the tiny GPT's grid with ``time_point`` replaced: every point
+    times as ``_true`` says, but the block at (2, 32) first times its backward at a quarter (flagged), then, measured
+    again, ``remeasured_point`` (a timing, or None: out of memory)."""
     seen: dict = {}
 
     def fake_time_point(module, make_inputs, run, *, chained, **kw):
         x = make_inputs()[0]
-        b, s = x.shape[0], x.shape[1]
-        key = (chained, b, s)  # the embedding (not chained) sees the same shapes first
+        key = (chained, x.shape[0], x.shape[1])  # the embedding (not chained) sees the same shapes first
         seen[key] = seen.get(key, 0) + 1
-        one = _true(b, s)
+        fixed = (1e-5, 1e-5) if chained else None
         if key == (True, 2, 32) and seen[key] == 1:
-            one = {**one, "backward": one["backward"] / 4}
-        return one, ((1e-5, 1e-5) if chained else None)
+            return {**_true(2, 32), "backward": _true(2, 32)["backward"] / 4}, fixed
+        if key == (True, 2, 32):
+            return (remeasured_point, fixed if remeasured_point is not None else None)
+        return _true(*key[1:]), fixed
 
     monkeypatch.setattr(layers_mod, "time_point", fake_time_point)
     monkeypatch.setattr(layers_mod, "_time_optimizer", lambda *a, **k: None)
@@ -126,8 +129,12 @@ def test_the_profile_records_the_points_measured_again(monkeypatch) -> None:
 
     cfg = {"model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "seq_length": 32}},
            "data": {"init_args": {"seq_length": 32}}, "trainer": {"precision": "32-true"}}
-    doc = profile_layers(cfg, torch.device("cpu"), microbatch_sizes=[1, 2], seq_lens=[16, 32], recompute=(False,),
-                         warmup=0, repeats=1, log=lambda *a: None)
+    return profile_layers(cfg, torch.device("cpu"), microbatch_sizes=[1, 2], seq_lens=[16, 32], recompute=(False,),
+                          warmup=0, repeats=1, log=lambda *a: None)
+
+
+def test_the_profile_records_the_points_measured_again(monkeypatch) -> None:
+    doc = _profile_tiny_gpt(monkeypatch, _true(2, 32))
     block = doc["layers"]["block"][0]
     assert block["backward"][1][1] == pytest.approx(_true(2, 32)["backward"])
     assert [r["point"] for r in block["remeasured"]] == [[0, 1], [1, 0], [1, 1]]
@@ -140,29 +147,9 @@ def test_the_profile_records_the_points_measured_again(monkeypatch) -> None:
 
 
 def test_a_remeasurement_out_of_memory_keeps_the_first_timing(monkeypatch) -> None:
-    # (2, 32)'s first timing is low and flagged; measured again it runs out of memory (another point's memory left
-    # behind): the grid keeps a time there rather than a hole that would price every larger micro-batch as infinite.
-    seen: dict = {}
-
-    def fake_time_point(module, make_inputs, run, *, chained, **kw):
-        x = make_inputs()[0]
-        key = (chained, x.shape[0], x.shape[1])
-        seen[key] = seen.get(key, 0) + 1
-        if key == (True, 2, 32):
-            if seen[key] > 1:
-                return None, None
-            return {**_true(2, 32), "backward": _true(2, 32)["backward"] / 4}, (1e-5, 1e-5)
-        return _true(*key[1:]), ((1e-5, 1e-5) if chained else None)
-
-    monkeypatch.setattr(layers_mod, "time_point", fake_time_point)
-    monkeypatch.setattr(layers_mod, "_time_optimizer", lambda *a, **k: None)
-    import lightning_3d.recipes  # noqa: F401  (registers the recipes)
-
-    cfg = {"model": {"class_path": "lightning_3d.recipes.GPT", "init_args": {"preset_name": "tiny", "seq_length": 32}},
-           "data": {"init_args": {"seq_length": 32}}, "trainer": {"precision": "32-true"}}
-    doc = profile_layers(cfg, torch.device("cpu"), microbatch_sizes=[1, 2], seq_lens=[16, 32], recompute=(False,),
-                         warmup=0, repeats=1, log=lambda *a: None)
-    block = doc["layers"]["block"][0]
+    # Measured again, (2, 32) runs out of memory (another point's memory left behind): the grid keeps a time there
+    # rather than a hole that would price every larger micro-batch as infinite.
+    block = _profile_tiny_gpt(monkeypatch, None)["layers"]["block"][0]
     assert block["backward"][1][1] == pytest.approx(_true(2, 32)["backward"] / 4)
     assert block["forward"][1][1] == pytest.approx(_true(2, 32)["forward"])
     assert [r["persists"] for r in block["remeasured"] if r["point"] == [1, 1]] == [True]
