@@ -92,9 +92,11 @@ def packed_attention_of(text: str) -> str:
 
 
 def attention_label(model_type: str, name: str, attention: str, device: str, dropout: float, head_dim: int) -> str:
-    """What a variant's attention runs, for the table: GPT packing's resolved packed attention, else the mask kind."""
+    """What a variant's attention runs, for the table: GPT packing's resolved packed attention, else the mask kind.
+    For T5 ``attention`` is the recipe's ``attention`` ("explicit" or "sdpa"), the same for every variant."""
     if model_type == "t5":
-        packed_label, plain = "sdpa+doc mask", "sdpa+pad mask"  # T5 masks encoder padding, packing: pairs
+        # T5 masks encoder padding, packing also pairs of documents
+        packed_label, plain = f"{attention}+doc mask", f"{attention}+pad mask"
     else:
         packed_label = "flex block mask" if resolve_packed_attention(attention, torch.device(device), dropout,
                                                                      head_dim) == "flex" else "sdpa dense mask"
@@ -318,7 +320,9 @@ def direct(args) -> list[dict]:
     shape = model_shape(module.config, bytes_per_element=2 if cuda else 4)
     # Every variant but padding gets the cost model's prediction beside its measurement (auto compares the same).
     cost_model = cost_model_for(args, module, shape)
-    analytic = default_cost_model(shape)
+    # Only for @analytic variants: built otherwise, its warning (costs not measured) would stand in the output of a
+    # run whose plans all used the profile.
+    analytic = default_cost_model(shape) if any(v.endswith("@analytic") for v in args.variants) else None
     packed = packed_cost_attention(args, module, device)
     results = []
     seen: set = set()
@@ -327,8 +331,8 @@ def direct(args) -> list[dict]:
         name, size = parse_variant(text)
         attention = packed_attention_of(text)
         row = {"variant": text, "sdpa": sdpa, "error": None, "fused_linears": len(fused),
-               "attention": attention_label(args.model, name, attention, device, module.config.dropout,
-                                            module.config.head_dim)}
+               "attention": attention_label(args.model, name, module.hparams.attention if args.model == "t5" else attention,
+                                            device, module.config.dropout, module.config.head_dim)}
         backend_order = contextlib.ExitStack()
         try:
             backend_order.enter_context(sdpa_context(model, sdpa))

@@ -11,6 +11,7 @@ shaped like the whole model's. It is the one function that times layers: ``light
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import time
@@ -61,13 +62,22 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def profile_layers(cfg: dict, device: torch.device, *, microbatch_sizes=(1, 2, 4, 8), seq_lens=None, target_lens=None,
                    recompute=(False, True), warmup: int = 2, repeats: int = 5, compile: bool | str = False,
                    fuse_gradients: bool | str = "auto", compile_recompute=(False,), compile_microbatch_sizes=None,
-                   eager: bool = True, sustained_seconds: float = 0.0, log=print) -> dict:
+                   eager: bool = True, sustained_seconds: float = 0.0, call_overhead: dict | None = None,
+                   log=print) -> dict:
     """A profile document of ``cfg``'s model on ``device`` holding its layers (``layers``, ``call_overhead``), the
     fusion they were timed under (``gradient_accumulation_fusion``, ``fused_weights``), the optimizer's step
     (``optimizer``) and, on a GPU with ``sustained_seconds`` > 0, the layers' slow-down at the sustained clock
-    (``sustained``: ``planner.clocks``); ``planner.profile.profile_model`` documents the arguments. The layers are
-    released (unfused, back on the CPU) when it returns."""
+    (``sustained``: ``planner.clocks``); ``planner.profile.profile_model`` documents the arguments. ``call_overhead``
+    (a profile's ``{"forward_seconds", "backward_seconds"}``): the per-call fixed cost to take off single timings,
+    instead of the median this run's chains give (grids added to a profile that has one, ``add_compiled``: the same
+    rule as the profile's own grids). The layers are released (unfused, back on the CPU) when it returns."""
     check_fusion_mode(fuse_gradients, "fuse_gradients")
+    if call_overhead is not None:
+        values = [call_overhead.get(k) if isinstance(call_overhead, dict) else None
+                  for k in ("forward_seconds", "backward_seconds")]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"call_overhead={call_overhead!r}: give a profile's call_overhead, non-negative seconds"
+                             " under 'forward_seconds' and 'backward_seconds' (or None to measure it here)")
     started = time.perf_counter()
     shape, seq_lens, targets = grid_lengths(cfg, seq_lens, target_lens)
     precision = precision_of(cfg)
@@ -112,7 +122,7 @@ def profile_layers(cfg: dict, device: torch.device, *, microbatch_sizes=(1, 2, 4
         else:
             log(f"profiled {kind} recompute={rc}{' compiled' if compiled else ''}"
                 f" ({time.perf_counter() - started:.1f} s)")
-    _finish_profile_layers(doc, calls, single)
+    _finish_profile_layers(doc, calls, single, call_overhead)
     if sustained_seconds > 0 and device.type == "cuda":
         # The embedding's lookup and gather are a small, memory-bound share of a step: left at its grid's times.
         doc["sustained"] = measure_sustained(layers, [k for k in layers if k != "embedding"], microbatch_sizes,
@@ -280,7 +290,7 @@ def remeasure_outliers(grid: dict, axes: list, measure_at) -> list[dict]:
     return [{**entry, "persists": idx in persisting} for idx, entry in sorted(record.items())]
 
 
-def _finish_profile_layers(doc, calls, single) -> None:
+def _finish_profile_layers(doc, calls, single, call_overhead: dict | None = None) -> None:
     # A single timing holds one call's fixed costs besides the layer: T(1) = fixed + marginal, and with the chain
     # T(CHAIN) = fixed + CHAIN * marginal, so fixed = T(CHAIN) - CHAIN * marginal (timing.time_point).
     def median(position):
@@ -288,7 +298,10 @@ def _finish_profile_layers(doc, calls, single) -> None:
         eager = [c[position] for c in calls if not c[0]]
         return statistics.median(eager or [c[position] for c in calls]) if calls else 0.0
 
-    fixed_f, fixed_b = median(1), median(2)
+    if call_overhead is not None:
+        fixed_f, fixed_b = float(call_overhead["forward_seconds"]), float(call_overhead["backward_seconds"])
+    else:
+        fixed_f, fixed_b = median(1), median(2)
     for grid, idx in single:
         for q, fixed in (("forward", fixed_f), ("backward", fixed_b)):
             value = grid_get(grid[q], idx)

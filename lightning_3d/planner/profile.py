@@ -39,7 +39,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
                   collectives: bool = True, compile: bool | str = False, overheads: bool = True,
                   fuse_gradients: bool | str = "auto", compile_recompute=(False,), compile_microbatch_sizes=None,
                   eager: bool = True, tp_layers: bool = True, tp_recompute=(False,), in_situ_rounds: int | None = None,
-                  sustained_seconds: float = 1.0, log=print) -> dict:
+                  sustained_seconds: float = 1.0, call_overhead: dict | None = None, log=print) -> dict:
     """The profile document of the config's model on ``device`` (default: the current GPU; CPU only if named).
 
     Per layer kind and grid point: forward and backward seconds of one layer as it runs inside a stage. A block is
@@ -63,6 +63,9 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
     ``tp_layers``: with ``collectives`` on several GPUs, also the recipe's tensor-parallel layers at each degree of
     ``tp_degrees`` (``recompute`` settings ``tp_recompute``), measured across the GPUs with their collectives
     (``measure_tp_layers``); grids with ``"collectives": true`` that the planner reads instead of deriving.
+    ``call_overhead``: a profile's per-call fixed cost (its ``call_overhead``) to take off the single timings instead of
+    the median of this run's chains (``add_compiled`` passes the profile's, so its added grids follow the profile's
+    rule; the document then records the one given).
     """
     check_fusion_mode(fuse_gradients, "fuse_gradients")
     if not (isinstance(sustained_seconds, (int, float)) and math.isfinite(sustained_seconds) and sustained_seconds >= 0):
@@ -75,7 +78,7 @@ def profile_model(config: str | Path | dict, *, device: str | torch.device | Non
                          recompute=recompute, warmup=warmup, repeats=repeats, compile=compile,
                          fuse_gradients=fuse_gradients, compile_recompute=compile_recompute,
                          compile_microbatch_sizes=compile_microbatch_sizes, eager=eager,
-                         sustained_seconds=sustained_seconds if eager else 0.0, log=log)
+                         sustained_seconds=sustained_seconds if eager else 0.0, call_overhead=call_overhead, log=log)
     shape, seqs, _ = grid_lengths(cfg, seq_lens, target_lens)
     if overheads:
         try:
@@ -100,7 +103,8 @@ def add_compiled(doc: dict, config: str | Path | dict, *, microbatch_sizes, seq_
     with ``compile=True, eager=False`` over ``microbatch_sizes`` x ``seq_lens`` (x ``target_lens``): the blocks and the
     head as the recipes compile them), for plans of a model that compiles its blocks (``ProfiledCostModel(
     compiled=True)``, the data module's planner for ``compile=True``). The eager grids, overheads and sustained
-    section stay; compiled grids ``doc`` already had are removed first; a compile that fails is recorded in
+    section stay; the single timings have ``doc``'s ``call_overhead`` taken off (the rule of its eager grids), where it
+    has one; compiled grids ``doc`` already had are removed first; a compile that fails is recorded in
     ``compile_errors`` (those kinds then have no compiled grid, which the cost model names). Changes ``doc`` in place
     and returns it. Refuses a profile of another model than ``config``'s (the grids would mix two models)."""
     cfg = load_config(config)
@@ -114,7 +118,8 @@ def add_compiled(doc: dict, config: str | Path | dict, *, microbatch_sizes, seq_
     extra = profile_model(cfg, device=device, microbatch_sizes=microbatch_sizes, seq_lens=seq_lens,
                           target_lens=target_lens, recompute=(False,), warmup=warmup, repeats=repeats,
                           collectives=False, overheads=False, compile=True, compile_microbatch_sizes=microbatch_sizes,
-                          eager=False, fuse_gradients=doc.get("gradient_accumulation_fusion", "auto"), log=log)
+                          eager=False, fuse_gradients=doc.get("gradient_accumulation_fusion", "auto"),
+                          call_overhead=doc.get("call_overhead"), log=log)
     # Every kind's older compiled grids go, also where this compile failed (a grid of other code would stay behind).
     for kind in doc["layers"]:
         doc["layers"][kind] = [e for e in doc["layers"][kind] if not e.get("compiled")]

@@ -69,13 +69,24 @@ def layers(model_args: dict, data_args: dict, shape: ModelShape, device: torch.d
     def x_(b, n, dtype):
         return torch.randn(b, n, h, device=device, dtype=dtype, requires_grad=True)
 
+    # The blocks' attention inputs as training passes them (model.run_stage): the position bias (1, heads, q, k) is
+    # computed from a trained table, so every block's backward also reduces its gradient over the batch (a leaf here:
+    # the profiler's repeats each run their own backward); the padding mask is an fp32 addend (batch, 1, 1, keys) on
+    # the encoder's and the cross-attention's scores, one more pass over them (docs/planner.md "Profiles").
+    def bias_(q, k, bidirectional):
+        return position_bias(table, q, k, bidirectional, config).detach().requires_grad_()
+
+    def keys_(b, k):
+        return torch.zeros(b, 1, 1, k, device=device)
+
     return {
         "embedding": (nn.Embedding(vocab, h), lambda b, s, t, dtype: (torch.randint(0, vocab, (b, s + t), device=device),),
                       lambda m, ids: m(ids)),
-        "encoder_block": (EncoderBlock(config), lambda b, s, t, dtype: (x_(b, s, dtype), position_bias(table, s, s, True, config)),
-                          lambda m, x, bias: m(x, bias)),
+        "encoder_block": (EncoderBlock(config),
+                          lambda b, s, t, dtype: (x_(b, s, dtype), bias_(s, s, True), keys_(b, s)),
+                          lambda m, x, bias, keys: m(x, bias, keys)),
         "decoder_block": (DecoderBlock(config), lambda b, s, t, dtype: (x_(b, t, dtype), x_(b, s, dtype),
-                                                                        position_bias(table, t, t, False, config), None),
+                                                                        bias_(t, t, False), keys_(b, s)),
                           lambda m, y, memory, bias, cross: m(y, memory, bias, cross)),
         "head": (head, lambda b, s, t, dtype: (x_(b, t, dtype), torch.randint(0, vocab, (b, t), device=device)),
                  lambda m, x, y: F.cross_entropy(m["head"](m["norm"](x)).float().flatten(0, 1), y.flatten())),
