@@ -94,8 +94,19 @@ def test_single_timings_lose_the_given_call_cost_else_the_chains_median(monkeypa
     head = doc["layers"]["head"][0]
     assert head["forward"] == [[pytest.approx(7e-4)]] and head["backward"] == [[pytest.approx(1.5e-3)]]
     assert doc["call_overhead"] == given
-    with pytest.raises(ValueError, match=r"call_overhead=\{'forward_seconds': -1.0\}: give a profile's call_overhead"):
-        _profile_with_call_cost(monkeypatch, call_overhead={"forward_seconds": -1.0})
+    for bad in ({"forward_seconds": 1e-5}, {"forward_seconds": -1e-5, "backward_seconds": 1e-5},
+                {"forward_seconds": 1e-5, "backward_seconds": float("nan")}, {"forward_seconds": True, "backward_seconds": 0.0}):
+        with pytest.raises(ValueError, match=r"call_overhead=.*: give a profile's call_overhead, non-negative seconds"):
+            _profile_with_call_cost(monkeypatch, call_overhead=bad)
+
+
+def test_profile_model_hands_the_call_cost_to_the_layers_profile(monkeypatch) -> None:
+    seen = {}
+    monkeypatch.setattr(profile_mod, "profile_layers", lambda cfg, device, **kw: seen.update(kw) or {"layers": {}})
+    given = {"forward_seconds": 3e-4, "backward_seconds": 5e-4}
+    profile_mod.profile_model(CFG, device="cpu", microbatch_sizes=[1], seq_lens=[32], collectives=False,
+                              overheads=False, call_overhead=given, log=lambda *a: None)
+    assert seen["call_overhead"] == given
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "vocab_size"])
@@ -175,6 +186,8 @@ def test_the_tool_adds_t5_grids_over_the_decoder_lengths_and_refuses_bad_ones(tm
     assert calls[-1][1]["target_lens"] == [8, 32]
     with pytest.raises(SystemExit, match=r"--target-lens 8,64: give decoder lengths up to --target-length 32"):
         compiled_grids.main([*base, "--target-lens", "8,64"])
+    with pytest.raises(SystemExit, match="--lens 64: none is at most --target-length 32; give the decoder's lengths"):
+        compiled_grids.main([*base, "--lens", "64"])
     with pytest.raises(SystemExit, match="--target-length/--target-lens are T5's decoder lengths"):
         compiled_grids.main([*base[:4], "--target-length", "32", "--device", "cpu"])
     # A GPT profile is not a T5 one: the model check refuses it before anything is measured.

@@ -74,11 +74,16 @@ def main(argv: list[str] | None = None) -> None:
         target_length = args.target_length if args.target_length is not None else args.seq_length
         if target_length <= 0:
             raise SystemExit(f"--target-length {target_length}: give a positive decoder length")
-        target_lens = (_ints(args.target_lens, "target-lens") if args.target_lens is not None
-                       else [n for n in lens if n <= target_length])
-        if not target_lens or target_lens[-1] > target_length:
-            raise SystemExit(f"--target-lens {args.target_lens or args.lens}: give decoder lengths up to --target-length"
-                             f" {target_length}")
+        if args.target_lens is None:
+            target_lens = [n for n in lens if n <= target_length]
+            if not target_lens:
+                raise SystemExit(f"--lens {args.lens}: none is at most --target-length {target_length}; give the decoder's"
+                                 " lengths with --target-lens")
+        else:
+            target_lens = _ints(args.target_lens, "target-lens")
+            if target_lens[-1] > target_length:
+                raise SystemExit(f"--target-lens {args.target_lens}: give decoder lengths up to --target-length"
+                                 f" {target_length}")
     if args.device is None and not torch.cuda.is_available():
         raise SystemExit("no GPU is visible: compiled grids time the GPU's kernels (--device cpu for tests only)")
     doc = json.loads(args.add_to.read_text())

@@ -75,7 +75,8 @@ def profile_layers(cfg: dict, device: torch.device, *, microbatch_sizes=(1, 2, 4
     if call_overhead is not None:
         values = [call_overhead.get(k) if isinstance(call_overhead, dict) else None
                   for k in ("forward_seconds", "backward_seconds")]
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                   for v in values):
             raise ValueError(f"call_overhead={call_overhead!r}: give a profile's call_overhead, non-negative seconds"
                              " under 'forward_seconds' and 'backward_seconds' (or None to measure it here)")
     started = time.perf_counter()
