@@ -53,7 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.dynamic.multitask_planned import packed_cost_attention, planned_batcher, speedups  # noqa: E402
+from benchmarks.dynamic.multitask_planned import packed_cost_attention, planned_batcher, profile_config, speedups  # noqa: E402
 from lightning_3d.recipes import GPT, T5  # noqa: E402
 from lightning_3d.recipes.attention import SDPA_BACKENDS  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
@@ -204,13 +204,8 @@ def cost_model_for(args, module, shape):
         return ProfiledCostModel(args.profile)
     from lightning_3d.planner import profile_model
 
-    path = "lightning_3d.recipes.GPT" if args.model == "gpt" else "lightning_3d.recipes.T5"
-    init = {"preset_name": args.preset, "vocab_size": module.config.vocab_size}
-    data = {"seq_length": args.seq_length, "target_length": args.target_length}
-    if args.model == "gpt":
-        init["seq_length"] = args.seq_length
-    config = {"model": {"class_path": path, "init_args": init}, "data": {"init_args": data},
-              "trainer": {"precision": "bf16-mixed" if torch.cuda.is_available() else "32-true"}}
+    config = profile_config(args.model, args.preset, module.config.vocab_size, args.seq_length, args.target_length,
+                            "bf16-mixed" if torch.cuda.is_available() else "32-true")
     lens = [int(x) for x in args.profile_lens.split(",")]
     doc = profile_model(config, microbatch_sizes=[int(x) for x in args.profile_sizes.split(",")],
                         seq_lens=[s for s in lens if s <= args.seq_length],

@@ -11,6 +11,21 @@ from lightning_3d.recipes.data.multitask_batching import PLANNED, StepCollator, 
 from lightning_3d.recipes.gpt.model import resolve_packed_attention
 
 
+def profile_config(model: str, preset: str, vocab_size: int, seq_length: int, target_length: int | None,
+                   precision: str) -> dict:
+    """The training config ``lightning-3d profile`` reads for the multi-task recipe's model (``model``: "gpt" or
+    "t5"; T5 takes the decoder's ``target_length``): what ``--profile measure`` profiles and what
+    ``benchmarks/tools/compiled_grids.py`` adds compiled grids for, one config so that the two agree."""
+    init = {"preset_name": preset, "vocab_size": vocab_size}
+    data = {"seq_length": seq_length}
+    if model == "gpt":
+        init["seq_length"] = seq_length
+    else:
+        data["target_length"] = target_length
+    return {"model": {"class_path": f"lightning_3d.recipes.{model.upper()}", "init_args": init},
+            "data": {"init_args": data}, "trainer": {"precision": precision}}
+
+
 def packed_cost_attention(args, module, device: str) -> str:
     """How the planner prices GPT's packed rows: what the recipe's ``packed_attention="auto"`` runs on ``device``
     ("flex" or the dense SDPA mask); T5's packed rows use dense masks."""

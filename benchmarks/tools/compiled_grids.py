@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 import torch  # noqa: E402
 
 import lightning_3d.recipes  # noqa: E402,F401  (registers the recipes' costs)
+from benchmarks.dynamic.multitask_planned import profile_config  # noqa: E402
 from lightning_3d.planner import add_compiled  # noqa: E402
 from lightning_3d.planner.timing import LEAD_RERUNS  # noqa: E402
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
                          " one repeat (each point's time is the median of its repeats)")
     if lens[-1] > args.seq_length:
         raise SystemExit(f"--lens {args.lens}: {lens[-1]} is longer than --seq-length {args.seq_length}")
-    target_lens = None
+    target_lens = target_length = None
     if args.model == "gpt":
         if args.target_length is not None or args.target_lens is not None:
             raise SystemExit("--target-length/--target-lens are T5's decoder lengths: leave them out with --model gpt")
@@ -88,16 +89,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no GPU is visible: compiled grids time the GPU's kernels (--device cpu for tests only)")
     doc = json.loads(args.add_to.read_text())
     vocab = args.vocab_size if args.vocab_size is not None else (doc.get("model") or {}).get("vocab_size")
-    # The config as benchmarks/dynamic/multitask_microbatching.py's `--profile measure` writes it for the same model.
-    init = {"preset_name": args.preset, "vocab_size": vocab}
-    data = {"seq_length": args.seq_length}
-    if args.model == "gpt":
-        init["seq_length"] = args.seq_length
-    else:
-        data["target_length"] = target_length
-    cfg = {"trainer": {"precision": "bf16-mixed" if args.device != "cpu" else "32-true"},
-           "model": {"class_path": f"lightning_3d.recipes.{args.model.upper()}", "init_args": init},
-           "data": {"init_args": data}}
+    # The config benchmarks/dynamic/multitask_microbatching.py's `--profile measure` profiles for the same model.
+    cfg = profile_config(args.model, args.preset, vocab, args.seq_length, target_length,
+                         "bf16-mixed" if args.device != "cpu" else "32-true")
     started = time.monotonic()
     try:
         add_compiled(doc, cfg, microbatch_sizes=sizes, seq_lens=lens, target_lens=target_lens, device=args.device,
