@@ -98,3 +98,44 @@ def test_bad_compile_and_optimizer_options_are_refused(recipe: type) -> None:
         recipe("tiny", optimizer_foreach=True, optimizer_fused=True)
     with pytest.raises(ValueError, match=r"compile='reduce-overhead': use True or one of"):
         training.compile_blocks([torch.nn.Linear(2, 2)], "reduce-overhead")
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "chunk"])
+def test_compiled_loss_compiles_twice_for_any_number_of_token_counts(loss: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Variable micro-batches (dynamic plans, packing's shorter last micro-batch) hand the compiled loss a new token
+    count each. Automatic dynamic shapes give it two graphs in all: a static one for the first count, a symbolic one
+    for every later count; one graph per count reached dynamo's recompile limit after eight counts and ran the loss
+    eagerly from then on. Each call returns what the eager function returns: the same float32 operations, whose order
+    may differ in the traced graph, so each per-token term may differ by a few float32 roundings of its operands
+    (|log-sum-exp| + |picked logit|) and the sum by one rounding per term."""
+    from torch._dynamo.utils import counters
+
+    import lightning_3d.recipes.kernels as kernels
+
+    module = training if loss == "cross_entropy" else kernels
+    monkeypatch.setattr(module, "COMPILE_BACKEND", "aot_eager")
+    factory = training._compiled_fp32_cross_entropy if loss == "cross_entropy" else kernels._compiled_chunk
+    eager = training._fp32_cross_entropy if loss == "cross_entropy" else kernels._chunk_loss_and_grad
+    factory.cache_clear()
+    torch._dynamo.reset()
+    vocab, eps = 50, torch.finfo(torch.float32).eps
+    graphs = counters["stats"]["unique_graphs"]
+    try:
+        compiled = factory()
+        for tokens in range(6, 6 + 4 * 12, 4):  # twelve counts, beyond the recompile limit
+            gen = torch.Generator().manual_seed(tokens)
+            logits = 4 * torch.randn(tokens, vocab, generator=gen)
+            labels = torch.randint(0, vocab, (tokens,), generator=gen)
+            labels[0] = training.IGNORE_INDEX
+            args = (logits, labels) if loss == "cross_entropy" else (logits, labels, vocab)
+            got, want = compiled(*args), eager(*args)
+            got_loss, want_loss = (got, want) if loss == "cross_entropy" else (got[0], want[0])
+            terms = logits.logsumexp(1).abs() + logits.abs().amax(1)
+            bound = 8 * eps * terms.sum() + tokens * eps * abs(float(want_loss))
+            assert abs(float(got_loss) - float(want_loss)) <= bound, (tokens, float(got_loss), float(want_loss))
+            if loss == "chunk":  # the gradient: softmax minus the one-hot, each entry within a few roundings of 1
+                assert (got[1] - want[1]).abs().max() <= 8 * eps, tokens
+        assert counters["stats"]["unique_graphs"] - graphs == 2
+    finally:
+        factory.cache_clear()
+        torch._dynamo.reset()

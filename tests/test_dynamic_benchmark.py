@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +146,46 @@ def test_compile_builds_compiling_models_for_the_lightning_engine_only(monkeypat
     monkeypatch.setattr(sys, "argv", ["multitask_microbatching.py", "--engine", "direct", "--compile"])
     with pytest.raises(SystemExit, match="--compile runs with --engine lightning only"):
         bench.main()
+
+
+DRIVER = """
+import gc, json, sys, weakref
+sys.path.insert(0, sys.argv[1])
+from benchmarks.dynamic import multitask_microbatching as bench
+
+built, alive_at_build = [], []
+build = bench.build_model
+
+def recording(args, data, packed_attention="auto"):
+    if len(built) >= 2:  # a variant's own model (the first two builds read the config)
+        alive_at_build.append(sum(ref() is not None for ref in built[2:]))
+    model = build(args, data, packed_attention)
+    built.append(weakref.ref(model))
+    return model
+
+if __name__ == "__main__":  # the data loader's workers start by importing this file
+    bench.build_model = recording
+    sys.argv = ["multitask_microbatching.py", *sys.argv[2:]]
+    bench.main()
+    print(json.dumps({"alive_at_build": alive_at_build}))
+"""
+
+
+def test_lightning_engine_frees_each_variant_before_the_next(tmp_path):
+    """The lightning engine runs its variants one after another in one process: a variant's model (and through
+    module.trainer its trainer and optimizer state) must be gone when the next variant builds its model, or the
+    previous run's weights and AdamW state stay on the card under the next one's micro-batches."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    common = ["--model", "gpt", "--preset", "tiny", "--seq-length", "128", "--target-length", "64", "--global-batch", "8",
+              "--num-samples", "200", "--vocab-size", "512", "--cache-dir", str(tmp_path / "cache")]
+    root = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, driver, root, *common, "--prepare-only"], check=True, cwd=root, capture_output=True,
+                   timeout=300)
+    out = subprocess.run([sys.executable, driver, root, *common, "--engine", "lightning", "--steps", "2", "--warmup",
+                          "1", "--variants", "packing@2", "token_budget@512", "dynamic", "--num-workers", "0", "--accelerator", "cpu",
+                          "--precision", "32-true", "--out", str(tmp_path / "rows.json")],
+                         check=True, cwd=root, capture_output=True, text=True, timeout=300)
+    rows = json.loads((tmp_path / "rows.json").read_text())["results"]
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"alive_at_build": [0, 0, 0]}

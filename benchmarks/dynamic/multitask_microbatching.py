@@ -39,6 +39,8 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
+import gc
 import json
 import os
 import socket
@@ -701,9 +703,12 @@ def lightning(args) -> list[dict]:
     from lightning_3d.dynamic import default_cost_model
 
     shape = model_shape(build_model(args, probe).config, bytes_per_element=4 if "32" in args.precision else 2)
-    analytic = default_cost_model(shape)
-    cost_model = ProfiledCostModel(args.profile) if args.profile not in ("none", "measure") else analytic
-    if args.compile and cost_model is not analytic:
+    # The analytic model only where it prices something: built with a profile, its warning (costs not measured)
+    # would stand in the output of a run whose predictions all came from the profile.
+    analytic = functools.cache(lambda: default_cost_model(shape))
+    profiled = args.profile not in ("none", "measure")
+    cost_model = ProfiledCostModel(args.profile) if profiled else analytic()
+    if args.compile and profiled:
         # Priced as the data module's planner prices a compiled model: the profile's compiled grids where it has them.
         from lightning_3d.recipes.data.multitask_planning import priced_as_trained
 
@@ -794,11 +799,11 @@ def lightning(args) -> list[dict]:
                 if len(clock.runs) == len(clock.times):
                     # The slowest replica's simulated time per timed step (every rank simulates its own replica).
                     predicted = predicted_pipeline_s(cost_model, shape, args.pp, clock.runs[timed])
-                    row["predicted_by"] = "analytic" if cost_model is analytic else "profile"
+                    row["predicted_by"] = "profile" if profiled else "analytic"
                     if max_over_ranks([0.0 if all(np.isfinite(predicted)) else 1.0])[0]:
                         # A profile costs shapes outside its grid as infinite (the planner never picks them): the
                         # analytic model's time for this variant, on every rank if on one (the max is over ranks).
-                        predicted = predicted_pipeline_s(analytic, shape, args.pp, clock.runs[timed])
+                        predicted = predicted_pipeline_s(analytic(), shape, args.pp, clock.runs[timed])
                         row["predicted_by"] = "analytic (shapes outside the profile's grid)"
                     predicted = max_over_ranks(predicted)
                     row["predicted_step_s_mean"] = round(float(np.mean(predicted)), 4)
@@ -814,8 +819,13 @@ def lightning(args) -> list[dict]:
                 lines = [line for line in str(err).strip().splitlines() if line.strip()]
                 row.update({"status": "error", "error": f"{type(err).__name__}: {(lines[-1] if lines else '')[:300]}"})
         finally:
-            # The process group stays: the next variant's Trainer reuses it (a new one after destroying it cannot
-            # rendezvous again under torchrun).
+            # The variant's objects go before the next variant builds its own: the trainer, model, data module and
+            # the step clock (a callback of the trainer) still bound here kept its weights, gradients and optimizer
+            # state on the card under the next variant's micro-batches (tests/test_dynamic_benchmark.py). The process
+            # group stays: the next variant's Trainer reuses it (a new one after destroying it cannot rendezvous again
+            # under torchrun).
+            trainer = model = data = strategy = clock = sampler = None
+            gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()

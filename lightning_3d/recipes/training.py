@@ -82,8 +82,11 @@ def _fp32_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
 
 @functools.cache
 def _compiled_fp32_cross_entropy() -> Callable[[Tensor, Tensor], Tensor]:
-    # dynamic=False: one graph per (tokens, vocab) shape; variable micro-batch shapes recompile up to dynamo's limit.
-    return torch.compile(_fp32_cross_entropy, backend=COMPILE_BACKEND, dynamic=False)
+    # dynamic=None (torch's automatic dynamic shapes): the first token count gets a static graph, a second one a graph
+    # with the token count symbolic, which serves every later count. Variable micro-batches (packing's shorter last
+    # micro-batch, dynamic and packed-dynamic plans) thus compile twice; with one graph per count they reached
+    # dynamo's recompile limit and ran the loss eagerly from then on (docs/speed.md, "Compiled loss").
+    return torch.compile(_fp32_cross_entropy, backend=COMPILE_BACKEND, dynamic=None)
 
 
 def compile_blocks(blocks: Iterable[nn.Module], mode: bool | str = True) -> None:
