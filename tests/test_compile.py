@@ -103,11 +103,12 @@ def test_bad_compile_and_optimizer_options_are_refused(recipe: type) -> None:
 @pytest.mark.parametrize("loss", ["cross_entropy", "chunk"])
 def test_compiled_loss_compiles_twice_for_any_number_of_token_counts(loss: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Variable micro-batches (dynamic plans, packing's shorter last micro-batch) hand the compiled loss a new token
-    count each. Automatic dynamic shapes give it two graphs in all: a static one for the first count, a symbolic one
-    for every later count; one graph per count reached dynamo's recompile limit after eight counts and ran the loss
-    eagerly from then on. Each call returns what the eager function returns: the same float32 operations, whose order
-    may differ in the traced graph, so each per-token term may differ by a few float32 roundings of its operands
-    (|log-sum-exp| + |picked logit|) and the sum by one rounding per term."""
+    count each. Automatic dynamic shapes give it two graphs here: a static one for the first count, a symbolic one for
+    every later count (Inductor may add one where a kernel guards on a size range); one graph per count reached
+    dynamo's recompile limit after eight counts and ran the loss eagerly from then on. The capture-only backend runs
+    the same float32 operations as eager, possibly reordered: each per-token loss term may differ by a few roundings
+    of its operands (|log-sum-exp| + |largest logit|), the sum by one rounding per term, and a probability
+    exp(s - lse) by a few roundings of lse's absolute error, |lse| eps each, plus its own."""
     from torch._dynamo.utils import counters
 
     import lightning_3d.recipes.kernels as kernels
@@ -133,8 +134,9 @@ def test_compiled_loss_compiles_twice_for_any_number_of_token_counts(loss: str, 
             terms = logits.logsumexp(1).abs() + logits.abs().amax(1)
             bound = 8 * eps * terms.sum() + tokens * eps * abs(float(want_loss))
             assert abs(float(got_loss) - float(want_loss)) <= bound, (tokens, float(got_loss), float(want_loss))
-            if loss == "chunk":  # the gradient: softmax minus the one-hot, each entry within a few roundings of 1
-                assert (got[1] - want[1]).abs().max() <= 8 * eps, tokens
+            if loss == "chunk":  # the gradient: softmax minus the one-hot, entries of magnitude at most 1
+                row_bound = 8 * eps * (1 + logits.logsumexp(1).abs())
+                assert ((got[1] - want[1]).abs() <= row_bound[:, None]).all(), tokens
         assert counters["stats"]["unique_graphs"] - graphs == 2
     finally:
         factory.cache_clear()

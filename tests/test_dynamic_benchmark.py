@@ -167,7 +167,7 @@ if __name__ == "__main__":  # the data loader's workers start by importing this 
     bench.build_model = recording
     sys.argv = ["multitask_microbatching.py", *sys.argv[2:]]
     bench.main()
-    print(json.dumps({"alive_at_build": alive_at_build}))
+    print(json.dumps({"builds": len(built), "alive_at_build": alive_at_build}))
 """
 
 
@@ -188,4 +188,5 @@ def test_lightning_engine_frees_each_variant_before_the_next(tmp_path):
                          check=True, cwd=root, capture_output=True, text=True, timeout=300)
     rows = json.loads((tmp_path / "rows.json").read_text())["results"]
     assert [r["status"] for r in rows] == ["ok"] * 3, rows
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"alive_at_build": [0, 0, 0]}
+    # two builds read the config, then one per variant: at each variant's build, no earlier variant's model is alive
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"builds": 5, "alive_at_build": [0, 0, 0]}

@@ -820,8 +820,10 @@ def lightning(args) -> list[dict]:
                 row.update({"status": "error", "error": f"{type(err).__name__}: {(lines[-1] if lines else '')[:300]}"})
         finally:
             # The variant's objects go before the next variant builds its own: the trainer, model, data module and
-            # the step clock (a callback of the trainer) still bound here kept its weights, gradients and optimizer
-            # state on the card under the next variant's micro-batches (tests/test_dynamic_benchmark.py). The process
+            # step clock (a callback of the trainer) are still bound here and hold one another in reference cycles
+            # (module -> trainer -> strategy -> module) that only the cyclic collector frees; both are needed, or the
+            # variant's weights, gradients and optimizer state stay on the card under the next variant's
+            # micro-batches (tests/test_dynamic_benchmark.py). The process
             # group stays: the next variant's Trainer reuses it (a new one after destroying it cannot rendezvous again
             # under torchrun).
             trainer = model = data = strategy = clock = sampler = None

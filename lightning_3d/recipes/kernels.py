@@ -80,8 +80,8 @@ def _chunk_loss_and_grad(logits: Tensor, labels: Tensor, vocab: int) -> tuple[Te
 @functools.cache
 def _compiled_chunk() -> Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]:
     # dynamic=None (automatic dynamic shapes): the chunk's token count is static in the first graph and symbolic from
-    # the second on, so the chunk sizes of variable micro-batches share one graph instead of compiling one each up
-    # to dynamo's recompile limit (past it the chunk ran eagerly; docs/speed.md, "Compiled loss").
+    # the second on, so the chunk sizes of variable micro-batches share a symbolic graph instead of compiling one
+    # each up to dynamo's recompile limit (past it the chunk ran eagerly; docs/speed.md, "Compiled loss").
     return torch.compile(_chunk_loss_and_grad, backend=COMPILE_BACKEND, dynamic=None)
 
 

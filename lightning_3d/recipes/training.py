@@ -83,9 +83,10 @@ def _fp32_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
 @functools.cache
 def _compiled_fp32_cross_entropy() -> Callable[[Tensor, Tensor], Tensor]:
     # dynamic=None (torch's automatic dynamic shapes): the first token count gets a static graph, a second one a graph
-    # with the token count symbolic, which serves every later count. Variable micro-batches (packing's shorter last
-    # micro-batch, dynamic and packed-dynamic plans) thus compile twice; with one graph per count they reached
-    # dynamo's recompile limit and ran the loss eagerly from then on (docs/speed.md, "Compiled loss").
+    # with the token count symbolic, which serves the later counts (the backend may add one where its kernels guard
+    # on a size range). Variable micro-batches (packing's shorter last micro-batch, dynamic and packed-dynamic plans)
+    # thus compile a few times; with one graph per count they reached dynamo's recompile limit and ran the loss
+    # eagerly from then on (docs/speed.md, "Compiled loss").
     return torch.compile(_fp32_cross_entropy, backend=COMPILE_BACKEND, dynamic=None)
 
 
