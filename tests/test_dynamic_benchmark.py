@@ -149,7 +149,7 @@ def test_compile_builds_compiling_models_for_the_lightning_engine_only(monkeypat
 
 
 DRIVER = """
-import gc, json, sys, weakref
+import json, sys, weakref
 sys.path.insert(0, sys.argv[1])
 from benchmarks.dynamic import multitask_microbatching as bench
 

@@ -823,9 +823,8 @@ def lightning(args) -> list[dict]:
             # step clock (a callback of the trainer) are still bound here and hold one another in reference cycles
             # (module -> trainer -> strategy -> module) that only the cyclic collector frees; both are needed, or the
             # variant's weights, gradients and optimizer state stay on the card under the next variant's
-            # micro-batches (tests/test_dynamic_benchmark.py). The process
-            # group stays: the next variant's Trainer reuses it (a new one after destroying it cannot rendezvous again
-            # under torchrun).
+            # micro-batches (tests/test_dynamic_benchmark.py). The process group stays: the next variant's Trainer
+            # reuses it (a new one after destroying it cannot rendezvous again under torchrun).
             trainer = model = data = strategy = clock = sampler = None
             gc.collect()
             if torch.cuda.is_available():
