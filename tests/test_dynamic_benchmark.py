@@ -81,13 +81,29 @@ def test_table_shows_every_outcome_and_the_ratios(tmp_path):
     doc = {"args": {"model": "gpt", "pp": "2", "variants": str(["dynamic", "packing@2", "token_budget@16384",
                                                                "padding@4"])}, "results": rows}
     (tmp_path / "a.json").write_text(json.dumps(doc))
-    out = lightning_table([tmp_path / "a.json", tmp_path / "missing.json"]).splitlines()
-    assert out[2].startswith("| gpt | 2 | 2 | dynamic | 30,000 | 1.000 |") and out[2].endswith("| ok |")
+    # A file of the interleaved schedule with auto and two packing settings: each planned variant against the best.
+    speeds = {"auto": 36000, "packed_dynamic": 33000, "packing@4": 30000, "packing@2": 24000}
+    doc_b = {"args": {"model": "t5", "pp": "4", "schedule": "interleaved_1f1b", "variants": str(list(speeds))},
+             "results": [{"variant": k, "pp": 4, "dp": 1, "schedule": "interleaved_1f1b", "error": None,
+                          "useful_tokens_per_s": v} for k, v in speeds.items()]}
+    (tmp_path / "b.json").write_text(json.dumps(doc_b))
+    out = lightning_table([tmp_path / "a.json", tmp_path / "missing.json", tmp_path / "b.json"]).splitlines()
+    assert out[2].startswith("| gpt | 2 | 2 | 1f1b | dynamic | 30,000 | 1.000 |") and out[2].endswith("| ok |")
     assert out[3].endswith("| ok, stopped by budget after 2 timed |")
     assert out[4].endswith(f"| {SKIPPED} (5 s left) |") and "| 20,000 |" not in out[4]
-    assert out[5].startswith("| gpt | 2 | 2 | padding@4 |") and out[5].endswith(f"| {CUT} (not started) |")
+    assert out[5].startswith("| gpt | 2 | 2 | 1f1b | padding@4 |") and out[5].endswith(f"| {CUT} (not started) |")
     assert out[6] == "| missing.json: no rows (FileNotFoundError) |"
-    assert out[7:] == ["gpt pp=2: dynamic / best packing = 1.50"]  # no token budget or padding row finished
+    assert out[7].startswith("| t5 | 4 | 1 | interleaved_1f1b | auto | 36,000 |")
+    assert out[11:] == [  # no token budget or padding row finished
+        "gpt pp=2 1f1b: dynamic / best packing (packing@2) = 1.50",
+        "t5 pp=4 interleaved_1f1b: auto / best packing (packing@4) = 1.20",
+        "t5 pp=4 interleaved_1f1b: packed_dynamic / best packing (packing@4) = 1.10"]
+    # The direct engine's rows, per SDPA setting, through the same comparison.
+    from benchmarks.dynamic.multitask_planned import speedups
+
+    direct = [{**r, "sdpa": "flash"} for r in doc_b["results"]] + [{"variant": "auto", "sdpa": "math", "error": None,
+                                                                   "useful_tokens_per_s": 1}]
+    assert speedups(direct) == [out[12].partition(": ")[2] + " (sdpa flash)", out[13].partition(": ")[2] + " (sdpa flash)"]
 
 
 def test_header_clock_counts_the_receives_it_wraps(monkeypatch):
@@ -129,6 +145,33 @@ def test_predicted_pipeline_time_is_the_simulated_1f1b():
     # is done and rank 0's second forward has arrived; rank 0's first backward waits for rank 1's first backward.
     start = max(f0 + f1 + b1, 2 * f0)
     assert two == [pytest.approx(start + b0 + max(b0, f1 + b1), rel=1e-12)] * 2
+
+
+@pytest.mark.parametrize("schedule,virtual_stages", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_predicted_pipeline_time_of_a_plan_is_the_planners_own(schedule, virtual_stages):
+    """The prediction of a dynamic plan's micro-batches, run in the plan's orders, is the makespan the planner
+    simulated for it (same stages, costs and simulation), with 1F1B and with interleaved virtual stages; without
+    orders the strategy's schedule runs them in the given order, which for interleaving differs from 1F1B's."""
+    import numpy as np
+
+    from benchmarks.dynamic.multitask_microbatching import predicted_pipeline_s
+    from lightning_3d.costs import model_shape
+    from lightning_3d.dynamic import default_cost_model, plan_step
+    from lightning_3d.recipes import GPT
+
+    shape = model_shape(GPT("tiny", vocab_size=1000, seq_length=128).config, bytes_per_element=2)
+    cost = default_cost_model(shape)
+    lengths = np.random.default_rng(0).integers(1, 129, size=48)
+    plan = plan_step(lengths, shape=shape, dp=1, pp=2, virtual_stages=virtual_stages, schedule=schedule,
+                     memory_budget=2**24, max_seq_len=128)  # tight: several micro-batches
+    replica = plan.replicas[0]
+    mbs = [(len(mb.samples), mb.seq_len, None) for mb in replica.microbatches]
+    assert len(mbs) >= 4  # a real pipeline of several micro-batches
+    (own,) = predicted_pipeline_s(cost, shape, 2, [(mbs, replica.orders)], schedule, virtual_stages)
+    assert own == pytest.approx(replica.makespan, rel=1e-12)
+    (plain_1f1b,) = predicted_pipeline_s(cost, shape, 2, [(mbs, None)])
+    (plain,) = predicted_pipeline_s(cost, shape, 2, [(mbs, None)], schedule, virtual_stages)
+    assert (plain == plain_1f1b) is (virtual_stages == 1)
 
 
 def test_compile_builds_compiling_models_for_the_lightning_engine_only(monkeypatch, capsys):

@@ -179,6 +179,44 @@ def test_a_candidate_over_the_memory_budget_is_refused_and_the_others_compete() 
     assert tight.predicted["packing@8"] == float("inf") and "exceeds memory_budget" in tight.refused["packing@8"]
 
 
+def test_packed_micro_batches_reach_a_multiple_by_halving_then_dealing_rows() -> None:
+    """Halving first (the micro-batch of most rows, the first on ties), then the row of most documents dealt into two
+    rows of balanced tokens in the row's order; the error once every micro-batch is one row of one document."""
+    from lightning_3d.dynamic.packed import packed_groups_to_multiple, split_row
+
+    tokens = [50, 10, 40, 30, 20, 5, 7]
+    # by tokens 50, 40, 30, 20, 10: 50 left; 40, 30 right (70); 20 left (70); the tie puts 10 left
+    assert split_row([0, 1, 2, 3, 4], tokens) == ([0, 1, 4], [2, 3])
+    groups = packed_groups_to_multiple([[[0, 1], [2]], [[3]]], tokens, 4)
+    assert groups == [[[0]], [[1]], [[2]], [[3]]]  # halve the two-row micro-batch, then deal row [0, 1]
+    assert packed_groups_to_multiple([[[5], [6]], [[0, 1, 2]]], tokens, 3) == [[[5]], [[6]], [[0, 1, 2]]]
+    with pytest.raises(ValueError, match="3 micro-batches cannot become a multiple of 2: every micro-batch holds one"
+                                         " row of one document"):
+        packed_groups_to_multiple([[[0]], [[1]], [[2]]], tokens, 2)
+    with pytest.raises(ValueError, match="a row of 1 document"):
+        split_row([3], tokens)
+
+
+def test_interleaved_packing_candidates_split_rows_as_the_data_module_does() -> None:
+    """packing@1 under an interleaved schedule: auto prices the rows the data module trains (halved, then dealt to a
+    multiple of pp), so the candidate competes instead of being refused."""
+    from lightning_3d.dynamic.packed import packed_groups_to_multiple
+
+    lengths = short_batch()
+    rows = plan_packing([(int(x), 0) for x in lengths], (64, 0))
+    if len(rows) % 2 == 0:  # an odd count, so that one row has to be dealt
+        lengths = lengths[:-1]
+        rows = plan_packing([(int(x), 0) for x in lengths], (64, 0))
+    assert len(rows) % 2 == 1
+    choice = choose_step(lengths, candidates=["packing@1"], cost_model=ToyCostModel(), shape=TINY, dp=1, pp=2,
+                         virtual_stages=2, schedule="interleaved_1f1b", memory_budget=BIG, max_seq_len=64)
+    assert not choice.refused
+    planned = [list(map(list, mb.rows)) for mb in choice.plan.replicas[0].microbatches]
+    assert planned == packed_groups_to_multiple([[row] for row in rows], [int(x) for x in lengths], 2)
+    assert len(planned) == len(rows) + 1
+    assert sorted(i for group in planned for row in group for i in row) == list(range(len(lengths)))
+
+
 @pytest.mark.parametrize("layout", [dict(dp=1, pp=2), dict(dp=2, pp=1), dict(dp=2, pp=2),
                                     dict(dp=1, pp=2, virtual_stages=2, schedule="interleaved_1f1b")])
 @pytest.mark.parametrize("t5", [False, True])

@@ -50,7 +50,11 @@ def test_ten_fits_leave_nothing_behind_and_a_reused_strategy_trains_like_a_fresh
         assert {k: v for k, v in counts[9].items() if k != "fds"} == {k: v for k, v in counts[1].items() if k != "fds"}, counts
         assert counts[9]["fds"] <= counts[1]["fds"], counts
         assert counts[9]["groups"] == 7  # the default group + the last fit's 6 at (1, 2, 1) (one of them the pipeline's)
-        assert result["after_validate"] == counts[9]  # validate after fit reuses the fit's groups
+        # validate after fit reuses the fit's groups and adds nothing; here too a descriptor the collector frees
+        # late may close in between (one fewer after validate, seen on a loaded 2-core machine).
+        after = result["after_validate"]
+        assert {k: v for k, v in after.items() if k != "fds"} == {k: v for k, v in counts[9].items() if k != "fds"}, after
+        assert after["fds"] <= counts[9]["fds"], (after, counts[9])
         # Bitwise: the same model, data, seeds and group topology give the same floating-point operations.
         assert result["same_as_fresh"] is True
         assert result["same_stats"] is True

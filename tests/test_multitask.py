@@ -110,6 +110,49 @@ def test_packing_with_document_masks_equals_the_unpacked_samples(model_type: str
         assert scaled_error(grads_p[name], grad) <= n_tokens * tol, name
 
 
+@pytest.mark.parametrize("model_type", ["gpt", "t5"])
+def test_packing_to_a_multiple_deals_a_row_into_two_and_trains_the_same(model_type: str) -> None:
+    """packing with one row per micro-batch under ``microbatch_multiple`` (interleaved schedules): one micro-batch more
+    than the rows packed needs a row split, so the row of most documents is dealt into two rows. Every sample still
+    trains once, and the summed loss and the gradients equal the samples run alone within the fp32 tolerance of the
+    test above (the same model and samples); a multiple no split reaches raises the error with the fix."""
+    model = gpt_model() if model_type == "gpt" else t5_model()
+    samples = random_samples(model_type, 9)
+    packing = collator(model_type, "packing", micro_batch_size=1)
+    rows = plan_packing([sample_lengths(x) for x in samples], (packing.seq_length, packing.target_length))
+    whole = packing.microbatches(samples)
+    split = collator(model_type, "packing", micro_batch_size=1, microbatch_multiple=len(rows) + 1).microbatches(samples)
+    assert len(whole) == len(rows) and len(split) == len(rows) + 1
+    fullest = max(range(len(rows)), key=lambda r: (len(rows[r]), -r))
+    assert len(rows[fullest]) >= 3  # a row of several documents was there to split
+    labels = [(mb["labels"] != IGNORE_INDEX).sum().item() for mb in split]
+    assert sum(labels) == sum((mb["labels"] != IGNORE_INDEX).sum().item() for mb in whole)
+    # the two halves replace the fullest row in place; the other rows are untouched
+    for mb, same in zip(split[:fullest] + split[fullest + 2:], whole[:fullest] + whole[fullest + 1:], strict=True):
+        assert all(torch.equal(mb[k], same[k]) for k in same)
+    alone = collator(model_type, "padding", micro_batch_size=1).microbatches(samples)
+
+    def run(mbs):
+        model.zero_grad()
+        outs = [logits_of(model, mb) for mb in mbs]
+        loss = sum(summed_token_cross_entropy(o, mb["labels"]) for o, mb in zip(outs, mbs, strict=True))
+        loss.backward()
+        return loss.detach(), [o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_s, _, grads_s = run(split)
+    loss_u, outs_u, grads_u = run(alone)
+    tol = gpt_tolerance(2, 128) if model_type == "gpt" else t5_tolerance(2, 2, 64)  # as in the test above
+    n_tokens = sum((mb["labels"] != IGNORE_INDEX).sum().item() for mb in alone)
+    scale = torch.cat([o.flatten() for o in outs_u])
+    assert abs(loss_s.item() - loss_u.item()) <= n_tokens * loss_tolerance(tol, scale)
+    for name, grad in grads_u.items():
+        assert scaled_error(grads_s[name], grad) <= n_tokens * tol, name
+    with pytest.raises(ValueError, match=r"Cannot make micro-batches a multiple of microbatch_multiple=64: 9 micro-batches"
+                                         r" cannot become a multiple of 64: every micro-batch holds one row of one"
+                                         r" document\. Raise global_batch_size or lower microbatch_multiple\."):
+        collator(model_type, "packing", micro_batch_size=1, microbatch_multiple=64).microbatches(samples)
+
+
 def test_packed_rows_never_attend_across_documents_and_positions_restart() -> None:
     mb = collator("gpt", "packing").microbatches(random_samples("gpt", 12))[0]
     docs, positions = mb["document_ids"], mb["position_ids"]

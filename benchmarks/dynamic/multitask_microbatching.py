@@ -19,9 +19,10 @@ model's profile times the layers that way, so an unfused model runs the casts an
 Collation and planning are not timed for any variant (the dynamic planner runs ahead of training in DataLoader
 workers: ``benchmarks/dynamic/dynamic_gpu.py`` measures that no step waits for it).
 
-``--engine lightning``: ``Trainer.fit`` with ``Compressed3DStrategy(pipeline_parallel_size=--pp)`` on ``--devices``
-processes per variant (start it with torchrun for several GPUs; rank 0 prints), the data module with
-``--num-workers`` DataLoader workers; the dynamic variant reports its ``plan_waits``. Step times come from a
+``--engine lightning``: ``Trainer.fit`` with ``Compressed3DStrategy`` (``--pp`` pipeline stages under ``--schedule``,
+``--virtual-stages`` per rank for interleaved schedules; compression off) on ``--devices`` processes per variant
+(start it with torchrun for several GPUs; rank 0 prints), the data module with ``--num-workers`` DataLoader workers;
+the planned variants report their ``plan_waits``. Step times come from a
 synchronised per-step clock after ``--warmup`` steps (``--steps-for padding=2/1``: fewer for a slow variant).
 ``--deadline-at`` bounds the launch: a variant starts only with ``--min-variant-s`` left and stops before a step
 that would end past the deadline (or its ``--variant-budget-s``), on every rank alike; the result file is rewritten
@@ -55,7 +56,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.dynamic.multitask_planned import packed_cost_attention, planned_batcher, profile_config, speedups  # noqa: E402
+from benchmarks.dynamic.multitask_planned import against_best, packed_cost_attention, planned_batcher, profile_config, speedups  # noqa: E402
+from lightning_3d.pipeline.schedules import SCHEDULES  # noqa: E402
 from lightning_3d.recipes import GPT, T5  # noqa: E402
 from lightning_3d.recipes.attention import SDPA_BACKENDS  # noqa: E402
 from lightning_3d.recipes.data.multitask import MultiTaskDataModule  # noqa: E402
@@ -539,25 +541,28 @@ class HeaderClock:
         PipelineChannels.recv_header = recv_header
 
 
-def predicted_pipeline_s(cost_model, shape, pp: int, steps: list[tuple[list[tuple], tuple | None]]) -> list[float]:
+def predicted_pipeline_s(cost_model, shape, pp: int, steps: list[tuple[list[tuple], tuple | None]],
+                         schedule: str = "1f1b", virtual_stages: int = 1) -> list[float]:
     """The cost model's simulated pipeline time of each step's micro-batches as they ran on this replica: ``steps``
     holds per step the micro-batches' (size, length, target length or None) and the step's explicit ``orders`` (None:
-    1F1B in the given order, the strategy's default). What dynamic's planner predicts for its own plans, computed the
-    same way for every variant, so that measured / predicted compares the variants' unmodelled costs (per
-    micro-batch host work, new shapes, the optimizer). GPT's packed rows are costed with attention over the whole row
-    (the dense mask's cost; FlexAttention skips the blocks across documents)."""
+    the strategy's ``schedule`` over ``virtual_stages`` stages per rank, in the given order). What dynamic's planner
+    predicts for its own plans (the same stages, costs and simulation as ``dynamic.plan``), computed the same way for
+    every variant, so that measured / predicted compares the variants' unmodelled costs (per micro-batch host work,
+    new shapes, the optimizer). GPT's packed rows are costed with attention over the whole row (the dense mask's
+    cost; FlexAttention skips the blocks across documents)."""
     from lightning_3d.dynamic.stage_costs import evaluate, stage_layers
     from lightning_3d.pipeline.schedules import build_schedule
     from lightning_3d.pipeline.timing import simulate
 
-    stages = stage_layers(shape, pp)
+    stages = stage_layers(shape, pp * virtual_stages)
     out = []
     for mbs, orders in steps:
         size, length = np.array([m[0] for m in mbs]), np.array([m[1] for m in mbs])
         target = np.array([m[2] for m in mbs]) if mbs[0][2] is not None else None
         costs = evaluate(cost_model, stages, size, length, target, recompute=False, tp=1)
-        orders = orders or tuple(build_schedule("1f1b", pp, 1, len(mbs), r) for r in range(pp))
-        timeline = simulate(orders, pp, lambda a: (costs.forward if a.kind == "F" else costs.backward)[a.stage, a.microbatch],
+        orders = orders or tuple(build_schedule(schedule, pp, virtual_stages, len(mbs), r) for r in range(pp))
+        timeline = simulate(orders, pp * virtual_stages,
+                            lambda a: (costs.forward if a.kind == "F" else costs.backward)[a.stage, a.microbatch],
                             check=False)
         out.append(float(timeline.makespan))
     return out
@@ -621,7 +626,7 @@ def lightning(args) -> list[dict]:
 
     import lightning.pytorch as pl
 
-    from lightning_3d import Compressed3DStrategy
+    from lightning_3d import Compressed3DStrategy, CompressionConfig, ParallelismConfig, PipelineConfig
 
     class StepClock(pl.Callback):
         """Wall time of every training step (synchronised on GPU); stops the variant, on every rank alike, when
@@ -717,8 +722,8 @@ def lightning(args) -> list[dict]:
     for text in args.variants:
         name, size = parse_variant(text)
         steps, warmup = steps_of(args, text)
-        row = {"variant": text, "pp": args.pp, "dp": world // args.pp, "status": "ok", "error": None,
-               "steps": steps, "warmup": warmup}
+        row = {"variant": text, "pp": args.pp, "dp": world // args.pp, "schedule": args.schedule, "status": "ok",
+               "error": None, "steps": steps, "warmup": warmup}
         begin = time.time()
         if _received_sigterm:
             results.append({**row, "status": CUT, "error": f"{CUT} (not started)"})
@@ -741,12 +746,20 @@ def lightning(args) -> list[dict]:
         try:
             model = build_model(args, probe, packed_attention_of(text))
             extra = {"memory_budget_gb": budget_gb} if name in PLANNED else {}
+            if name not in PLANNED and SCHEDULES[args.schedule].microbatch_multiple_of_pp:
+                # Interleaved schedules run a multiple of pp micro-batches; the planner plans for it, the fixed
+                # batchings split their largest micro-batches until they have one.
+                extra["microbatch_multiple"] = args.pp
             if name == "auto" and args.auto_candidates:
                 extra["auto_candidates"] = args.auto_candidates
             if name in PLANNED and not text.endswith("@analytic") and args.profile not in ("none", "measure"):
                 extra["cost_profile"] = args.profile  # the data module reads and checks it (its public option)
             data = data_module(args, name, size, num_workers=args.num_workers, **extra)
-            strategy = Compressed3DStrategy(pipeline_parallel_size=args.pp, compression=False)
+            strategy = Compressed3DStrategy(
+                parallelism=ParallelismConfig(pipeline_parallel_size=args.pp),
+                pipeline=PipelineConfig(schedule=args.schedule, virtual_stages=args.virtual_stages),
+                compression=CompressionConfig(enabled=False))
+            virtual_stages = strategy.virtual_stages
             trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, precision=args.precision,
                                  max_steps=steps, strategy=strategy, logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
@@ -798,12 +811,13 @@ def lightning(args) -> list[dict]:
                     row.update({"device_allocs_per_step": round(device_allocs, 1), "alloc_retries": int(retries)})
                 if len(clock.runs) == len(clock.times):
                     # The slowest replica's simulated time per timed step (every rank simulates its own replica).
-                    predicted = predicted_pipeline_s(cost_model, shape, args.pp, clock.runs[timed])
+                    layout = (args.schedule, virtual_stages)
+                    predicted = predicted_pipeline_s(cost_model, shape, args.pp, clock.runs[timed], *layout)
                     row["predicted_by"] = "profile" if profiled else "analytic"
                     if max_over_ranks([0.0 if all(np.isfinite(predicted)) else 1.0])[0]:
                         # A profile costs shapes outside its grid as infinite (the planner never picks them): the
                         # analytic model's time for this variant, on every rank if on one (the max is over ranks).
-                        predicted = predicted_pipeline_s(analytic(), shape, args.pp, clock.runs[timed])
+                        predicted = predicted_pipeline_s(analytic(), shape, args.pp, clock.runs[timed], *layout)
                         row["predicted_by"] = "analytic (shapes outside the profile's grid)"
                     predicted = max_over_ranks(predicted)
                     row["predicted_step_s_mean"] = round(float(np.mean(predicted)), 4)
@@ -838,7 +852,8 @@ def lightning(args) -> list[dict]:
     return results
 
 
-LIGHTNING_TABLE = [("model", "model", "{}"), ("pp", "pp", "{}"), ("dp", "dp", "{}"), ("variant", "variant", "{}"),
+LIGHTNING_TABLE = [("model", "model", "{}"), ("pp", "pp", "{}"), ("dp", "dp", "{}"), ("schedule", "schedule", "{}"),
+                   ("variant", "variant", "{}"),
                    ("tok/s", "useful_tokens_per_s", "{:,}"), ("step s", "step_s_mean", "{:.3f}"),
                    ("pred s", "predicted_step_s_mean", "{:.3f}"), ("timed", "timed_steps", "{}"),
                    ("mb/step", "microbatches_per_step", "{}"), ("new shapes", "new_shapes_per_step", "{}"),
@@ -850,7 +865,7 @@ LIGHTNING_TABLE = [("model", "model", "{}"), ("pp", "pp", "{}"), ("dp", "dp", "{
 
 def lightning_table(paths: list[Path]) -> str:
     """The lightning engine's result files as one Markdown table, a row per variant (a missing or unreadable file
-    is a row saying so), then dynamic against the best packing and token budget of each file."""
+    is a row saying so), then each planned variant against the best setting of each fixed batching, per file."""
     lines = ["| " + " | ".join(h for h, _, _ in LIGHTNING_TABLE) + " | status |", "|" + "---|" * (len(LIGHTNING_TABLE) + 1)]
     ratios = []
     for path in paths:
@@ -867,23 +882,22 @@ def lightning_table(paths: list[Path]) -> str:
             asked = []
         done = {r.get("variant") for r in rows}
         pp = doc.get("args", {}).get("pp", "?")
+        schedule = doc.get("args", {}).get("schedule", "1f1b")
         rows += [{"variant": v, "pp": pp, "dp": rows[0].get("dp", "?") if rows else "?",
                   "error": f"{CUT} (not started)"} for v in asked if v not in done]
         for r in rows:
             r = {"model": model, **r}
             ok = not r.get("error")
-            cells = [fmt.format(r[key]) if ok and r.get(key) is not None or key in ("model", "pp", "dp", "variant")
+            r.setdefault("schedule", schedule)  # rows of earlier files (1F1B) and of variants never started
+            cells = [fmt.format(r[key]) if ok and r.get(key) is not None or key in ("model", "pp", "dp", "schedule",
+                                                                                   "variant")
                      else "" for _, key, fmt in LIGHTNING_TABLE]
             status = "ok" if ok else " ".join(str(r["error"]).split()).replace("|", "/")[:120]
             if ok and r.get("stopped_by_budget"):
                 status = f"ok, stopped by budget after {r.get('timed_steps')} timed"
             lines.append("| " + " | ".join(cells) + f" | {status} |")
         speed = {r["variant"]: r.get("useful_tokens_per_s") for r in rows if not r.get("error")}
-        dyn = next((v for k, v in speed.items() if k.startswith("dynamic")), None)
-        for base in ("packing", "token_budget", "padding"):
-            best = max((v for k, v in speed.items() if k.startswith(base) and v), default=None)
-            if dyn and best:
-                ratios.append(f"{model} pp={rows[0].get('pp')}: dynamic / best {base} = {dyn / best:.2f}")
+        ratios += [f"{model} pp={pp} {schedule}: {line}" for line in against_best(speed)]
     return "\n".join(lines + ratios)
 
 
@@ -916,6 +930,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--devices", type=int, default=1, help="lightning engine: processes (torchrun's count)")
     parser.add_argument("--pp", type=int, default=1, help="lightning engine: pipeline stages")
+    parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
+                        help="lightning engine: the pipeline schedule (planned variants plan for it)")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="lightning engine: stages per rank for interleaved schedules (the strategy's default: 2)")
     parser.add_argument("--compile", action="store_true", help="lightning engine: the recipe compiles its blocks"
                         " (compile=True); planned variants and predictions use the profile's compiled grids where it"
                         " has them (`lightning-3d profile --compile`)")

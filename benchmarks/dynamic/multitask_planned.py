@@ -65,9 +65,17 @@ def speedups(rows: list[dict]) -> list[str]:
     out = []
     for sdpa in dict.fromkeys(r.get("sdpa") for r in rows):
         speed = {r["variant"]: r.get("useful_tokens_per_s") for r in rows if r.get("sdpa") == sdpa and not r["error"]}
-        for planned in (k for k in speed if k.partition("@")[0] in PLANNED and speed[k]):
-            for base in ("packing", "token_budget", "padding"):
-                best = max(((v, k) for k, v in speed.items() if k.startswith(base) and v), default=None)
-                if best:
-                    out.append(f"{planned} / best {base} ({best[1]}) = {speed[planned] / best[0]:.2f} (sdpa {sdpa})")
+        out += [f"{line} (sdpa {sdpa})" for line in against_best(speed)]
+    return out
+
+
+def against_best(speed: dict[str, float | None]) -> list[str]:
+    """Each planned variant's useful tokens/s (``speed``: variant -> tokens/s, None where it has none) over the best
+    of each fixed batching's settings, naming that setting."""
+    out = []
+    for planned in (k for k in speed if k.partition("@")[0] in PLANNED and speed[k]):
+        for base in ("packing", "token_budget", "padding"):
+            best = max(((v, k) for k, v in speed.items() if k.startswith(base) and v), default=None)
+            if best:
+                out.append(f"{planned} / best {base} ({best[1]}) = {speed[planned] / best[0]:.2f}")
     return out

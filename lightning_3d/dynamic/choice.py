@@ -22,7 +22,7 @@ import numpy as np
 
 from lightning_3d.costs.model import CostModel, ModelShape
 from lightning_3d.dynamic.adaptive import check_adaptive
-from lightning_3d.dynamic.packed import attention_ratio, dense_mask_bytes, first_fit_decreasing
+from lightning_3d.dynamic.packed import attention_ratio, dense_mask_bytes, first_fit_decreasing, packed_groups_to_multiple
 from lightning_3d.dynamic.packed_plan import plan_packed_step
 from lightning_3d.dynamic.plan import (
     MicroBatchPlan,
@@ -176,9 +176,17 @@ def _fixed(kind: str, size: int, inputs: np.ndarray, targets: np.ndarray | None,
         lengths = [(int(inputs[i]), int(targets[i]) if targets is not None else 0) for i in share]
         if kind == "packing":
             rows = [[share[i] for i in row] for row in first_fit_decreasing(lengths, (max_seq_len, max_target_len or 0))]
+            groups = [rows[k : k + size] for k in range(0, len(rows), size)]
+            if schedule_spec(layout.schedule).microbatch_multiple_of_pp:  # as the data module splits them
+                tokens = inputs + (targets if targets is not None else 0)
+                try:
+                    groups = packed_groups_to_multiple(groups, tokens, layout.pp)
+                except ValueError as err:
+                    raise ValueError(f"schedule={layout.schedule!r} needs a multiple of {layout.pp} micro-batches per"
+                                     f" replica: {err}") from None
             mbs = [MicroBatchPlan(tuple(i for row in group for i in row), max_seq_len,
                                   max_target_len if targets is not None else None, False, tuple(map(tuple, group)))
-                   for group in (rows[k : k + size] for k in range(0, len(rows), size))]
+                   for group in groups]
         else:
             mbs = [MicroBatchPlan(tuple(share[i] for i in g), max(lengths[i][0] for i in g),
                                   max(lengths[i][1] for i in g) if targets is not None else None, False)

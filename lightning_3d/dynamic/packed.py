@@ -50,6 +50,46 @@ def first_fit_decreasing(lengths: Sequence[tuple[int, int]], capacity: tuple[int
     return rows
 
 
+def split_row(row: Sequence[int], tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A packed row of two or more documents (sample indices; ``tokens[i]`` sample i's tokens) as two rows: its
+    documents by decreasing tokens (ties: the earlier first), each to the half of fewer tokens so far (ties: the
+    first), each half in the row's order. Each half is part of the row, so it fits wherever the row did."""
+    if len(row) < 2:
+        raise ValueError(f"a row of {len(row)} document(s) cannot be split into two rows.")
+    halves: tuple[list[int], list[int]] = ([], [])
+    load = [0, 0]
+    for pos in sorted(range(len(row)), key=lambda p: (-tokens[row[p]], p)):
+        half = 0 if load[0] <= load[1] else 1
+        halves[half].append(pos)
+        load[half] += tokens[row[pos]]
+    first, second = (sorted(h) for h in halves)
+    return [row[p] for p in first], [row[p] for p in second]
+
+
+def packed_groups_to_multiple(groups: Sequence[Sequence[Sequence[int]]], tokens: Sequence[int],
+                              multiple: int) -> list[list[list[int]]]:
+    """Micro-batches of packed rows (each a list of rows of sample indices; ``tokens[i]`` sample i's tokens), split
+    until their count is a multiple of ``multiple`` (interleaved schedules run a multiple of pp micro-batches): the
+    micro-batch of most rows is halved (the first on ties), as padded micro-batches are; once every micro-batch is a
+    single row, the row of most documents (the first on ties) becomes two rows (:func:`split_row`). A packed row's
+    documents attend only within themselves and their positions restart at each document, so dealing them to two
+    rows trains the same tokens the same way, only with another padding tail. ValueError when every micro-batch is
+    one row of one document."""
+    out = [[list(row) for row in group] for group in groups]
+    while len(out) % multiple:
+        big = max(range(len(out)), key=lambda k: (len(out[k]), -k))
+        if len(out[big]) >= 2:
+            half = len(out[big]) // 2
+            out[big : big + 1] = [out[big][:half], out[big][half:]]
+            continue
+        big = max(range(len(out)), key=lambda k: (len(out[k][0]), -k))
+        if len(out[big][0]) < 2:
+            raise ValueError(f"{len(out)} micro-batches cannot become a multiple of {multiple}: every micro-batch"
+                             " holds one row of one document.")
+        out[big : big + 1] = [[half] for half in split_row(out[big][0], tokens)]
+    return out
+
+
 def causal_blocks(row_len: int, block: int = FLEX_BLOCK) -> int:
     """Blocks causal attention over one row computes: the lower triangle of ceil(L / block) blocks, diagonal in."""
     nb = -(-row_len // block)

@@ -131,7 +131,8 @@ class MultiTaskDataModule(L.LightningDataModule):
     pipeline order search also tries the adaptive schedule: ``"auto"`` (where it simulates faster), ``"off"`` or
     ``"only"`` (``lightning_3d.dynamic.adaptive``). ``microbatch_multiple``:
     the largest micro-batches are halved until their count is a multiple of it (interleaved 1F1B needs a multiple of
-    the pipeline size). ``tokenizer`` as in
+    the pipeline size); packed single-row micro-batches split their row of most documents into two rows
+    (``lightning_3d.dynamic.packed.packed_groups_to_multiple``). ``tokenizer`` as in
     :class:`CausalLMDataModule`; T5's pad (= decoder start) id is appended after the text vocabulary.
     """
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_3d.dynamic.choice import token_budget_groups
-from lightning_3d.dynamic.packed import first_fit_decreasing
+from lightning_3d.dynamic.packed import first_fit_decreasing, packed_groups_to_multiple
 from lightning_3d.pipeline.microbatch import MicroBatches
 from lightning_3d.recipes.training import IGNORE_INDEX
 
@@ -189,8 +189,16 @@ class StepCollator:
         """Micro-batches of some samples (one replica's share) under the padding/packing/token_budget options."""
         lengths = [sample_lengths(s) for s in samples]
         if self.microbatching == "packing":
-            rows = [[samples[i] for i in row] for row in plan_packing(lengths, (self.seq_length, self.target_length))]
+            rows = plan_packing(lengths, (self.seq_length, self.target_length))
             groups = [rows[i : i + self.micro_batch_size] for i in range(0, len(rows), self.micro_batch_size)]
+            if self.microbatch_multiple > 1:  # halving, then splitting rows: what auto's packing candidate prices
+                try:
+                    groups = packed_groups_to_multiple(groups, [sum(n) for n in lengths], self.microbatch_multiple)
+                except ValueError as err:
+                    raise ValueError(f"Cannot make micro-batches a multiple of microbatch_multiple="
+                                     f"{self.microbatch_multiple}: {err} Raise global_batch_size or lower"
+                                     " microbatch_multiple.") from None
+            groups = [[[samples[i] for i in row] for row in group] for group in groups]
             if self.model_type == "gpt":
                 return [collate_packed_gpt(g, self.seq_length, self.pad_id) for g in groups]
             return [collate_packed_t5(g, self.seq_length, self.target_length, self.pad_id) for g in groups]
