@@ -215,6 +215,16 @@ def test_interleaved_packing_candidates_split_rows_as_the_data_module_does() -> 
     assert planned == packed_groups_to_multiple([[row] for row in rows], [int(x) for x in lengths], 2)
     assert len(planned) == len(rows) + 1
     assert sorted(i for group in planned for row in group for i in row) == list(range(len(lengths)))
+    # The data module's micro-batches of the same samples hold the same rows: each sample's tokens are its index + 1,
+    # read back per document of each collated row (the padding tail, pad id 0, left out).
+    samples = [{"tokens": np.full(int(n) + 1, i + 1), "prompt": 1} for i, n in enumerate(lengths)]
+    collated = StepCollator("gpt", "packing", 1, 0, seq_length=64, target_length=0, pad_id=0, micro_batch_size=1,
+                            token_budget=None, microbatch_multiple=2).microbatches(samples)
+    trained = []
+    for mb in collated:
+        trained.append([[int(ids[docs == d][0]) - 1 for d in docs.unique().tolist() if ids[docs == d][0] != 0]
+                        for ids, docs in zip(mb["input_ids"], mb["document_ids"], strict=True)])
+    assert trained == planned
 
 
 @pytest.mark.parametrize("layout", [dict(dp=1, pp=2), dict(dp=2, pp=1), dict(dp=2, pp=2),

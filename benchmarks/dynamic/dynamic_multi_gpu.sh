@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Dynamic micro-batching in pipelines on one 4-GPU host: useful tokens/s of GPT-1.3B and T5-770M on the multi-task mix
 # at pp = 2 (dp = 2) and pp = 4 (dp = 1), the library's choice against the fixed batchings it replaces, each fixed one
-# at two settings around its pipeline fill (tuned on the same data):
+# at two settings around its pipeline fill where there are two (tuned on the same data):
 #   auto            per global batch the cheapest of dynamic, packed_dynamic, packing and token budget under the cost
 #                   model (the library's recommendation; its "choices" say which ran how often)
 #   packing@N, @N/2 N packed rows per micro-batch (GPT: FlexAttention's block mask on CUDA; T5 its document mask),
-#                   N the largest that gives every replica at least 2·pp micro-batches in every step
+#                   N the largest that gives every replica at least 2·pp micro-batches in every step (N/2 where N > 1)
 #   token_budget@T, @2T  at most T padded tokens per micro-batch, T = 16384 / pp (at least the longest sample)
 #   packed_dynamic, dynamic  the planner's two partitions on their own
 # planned with the measured one-H200 profiles kept in benchmarks/results (PROFILE_GPT, PROFILE_T5; "none" plans with
@@ -26,8 +26,9 @@
 # A mix of longer tails: MODELS=gpt:1.3b:8192:512 with a profile whose lengths reach 8192 (measured with
 # `multitask_microbatching.py --engine direct ... --seq-length 8192 --profile measure --profile-lens
 # 16,32,64,128,256,512,1024,2048,4096,8192`, docs/dynamic.md). VARIANTS="..." replaces the list, MORE="..." adds to it.
-# SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models, the analytic cost model (about 3-4 minutes).
-# The last lines printed are one table of every row, and dynamic against the best packing, token budget and padding.
+# SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models, one token budget, the analytic cost model (about 3 minutes).
+# The last lines printed are one table of every row, then each planned variant (auto, packed_dynamic, dynamic) over
+# the best setting of each fixed batching.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-./out}

@@ -115,7 +115,7 @@ print(json.dumps({k: d[k] for k in ('all_reduce', 'reduce_scatter', 'all_gather'
           --out "$OUT/t5_tp2.json" > "$OUT/t5_tp2.txt" 2>&1; step t5_tp2 $?
       L3D_TP_IMPLEMENTATION=dtensor timeout 100 python benchmarks/parallel/train_throughput.py $T5 --layouts 1,1,2 --timeout 95 \
           --out "$OUT/t5_tp2_dtensor.json" > "$OUT/t5_tp2_dtensor.txt" 2>&1; step t5_tp2_dtensor $?
-      NPROC=2 PPS=2 MODELS=gpt:1.3b:2048:512 LIMIT=160 OUT="$OUT/dyn" timeout 220 bash benchmarks/dynamic/dynamic_multi_gpu.sh \
+      NPROC=2 PPS=2 MODELS=gpt:1.3b:2048:512 LIMIT=130 OUT="$OUT/dyn" timeout 220 bash benchmarks/dynamic/dynamic_multi_gpu.sh \
           > "$OUT/dyn_pp2.txt" 2>&1; step dyn_pp2 $? ) &
     wait
     cat "$OUT/dyn_pp2.txt" 2>/dev/null | tail -n 20

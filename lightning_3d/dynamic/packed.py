@@ -73,8 +73,8 @@ def packed_groups_to_multiple(groups: Sequence[Sequence[Sequence[int]]], tokens:
     micro-batch of most rows is halved (the first on ties), as padded micro-batches are; once every micro-batch is a
     single row, the row of most documents (the first on ties) becomes two rows (:func:`split_row`). A packed row's
     documents attend only within themselves and their positions restart at each document, so dealing them to two
-    rows trains the same tokens the same way, only with another padding tail. ValueError when every micro-batch is
-    one row of one document."""
+    rows trains the same tokens the same way up to floating-point summation order, only with another padding tail.
+    ValueError when every micro-batch is one row of one document."""
     out = [[list(row) for row in group] for group in groups]
     while len(out) % multiple:
         big = max(range(len(out)), key=lambda k: (len(out[k]), -k))
