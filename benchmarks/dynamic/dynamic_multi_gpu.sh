@@ -39,10 +39,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_E
 if [ "${SMOKE:-0}" = 1 ]; then
   N=2; PPS=${PPS:-2}; MODELS=${MODELS:-"gpt:tiny:128:64 t5:tiny:128:64"}; NS=1500; VOCAB=1000; GB=16; STEPS=3
   WARM=1; EXTRA="--accelerator cpu --precision 32-true --num-workers 1"; LIMIT_GPT=${LIMIT:-150}
-  LIMIT_T5=${LIMIT:-150}; PROFILE_GPT=none; PROFILE_T5=none
+  LIMIT_T5=${LIMIT:-150}; PROFILE_GPT=none; PROFILE_T5=none; SLOW="padding=1/1"
 else
   N=${NPROC:-4}; PPS=${PPS:-"2 4"}; MODELS=${MODELS:-"gpt:1.3b:2048:512 t5:770m:1024:256"}; NS=20000; VOCAB=32000
   GB=256; STEPS=6; WARM=1; EXTRA="--num-workers 2"; LIMIT_GPT=${LIMIT:-240}; LIMIT_T5=${LIMIT:-210}
+  SLOW="padding=2/1"  # padding (MORE=padding@4) takes several times the others' step: 2 timed steps after 1
   # The measured profiles (per-micro-batch overhead and in-situ host time included; the analytic model
   # under-predicts micro-batch times on these GPUs, docs/dynamic.md).
   PROFILE_GPT=${PROFILE_GPT-benchmarks/results/2026-12-02f_multitask_profile_sustained_gpt1.3b_1xh200.json}
@@ -86,7 +87,8 @@ for spec in $MODELS; do
     timeout -k 10 $((limit + 30)) python -m torch.distributed.run --nproc_per_node "$N" --master_port "$port" \
       benchmarks/dynamic/multitask_microbatching.py --engine lightning --devices "$N" --pp "$pp" --model "$model" \
       --preset "$preset" --seq-length "$seq" --target-length "$tgt" $COMMON --global-batch "$GB" --steps "$STEPS" \
-      --warmup "$WARM" --schedule "$SCHEDULE" --deadline-at $((start + limit)) $EXTRA --variants $variants \
+      --warmup "$WARM" --steps-for $SLOW --schedule "$SCHEDULE" --deadline-at $((start + limit)) $EXTRA \
+      --variants $variants \
       --profile "$profile" --out "$json" >"$log" 2>&1
     rc=$?
     echo "== $model pp=$pp $SCHEDULE rc=$rc $(($(date +%s) - start))s (deadline ${limit}s)"
