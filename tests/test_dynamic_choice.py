@@ -199,7 +199,8 @@ def test_packed_micro_batches_reach_a_multiple_by_halving_then_dealing_rows() ->
 
 def test_interleaved_packing_candidates_split_rows_as_the_data_module_does() -> None:
     """packing@1 under an interleaved schedule: auto prices the rows the data module trains (halved, then dealt to a
-    multiple of pp), so the candidate competes instead of being refused."""
+    multiple of pp), so the candidate competes instead of being refused; its token-budget candidates are halved to
+    the multiple as the data module halves them."""
     from lightning_3d.dynamic.packed import packed_groups_to_multiple
 
     lengths = short_batch()
@@ -225,6 +226,19 @@ def test_interleaved_packing_candidates_split_rows_as_the_data_module_does() -> 
         trained.append([[int(ids[docs == d][0]) - 1 for d in docs.unique().tolist() if ids[docs == d][0] != 0]
                         for ids, docs in zip(mb["input_ids"], mb["document_ids"], strict=True)])
     assert trained == planned
+    # Padded token-budget micro-batches: halved to the multiple the same way on both sides (the data module's
+    # split_to_multiple on tensors), compared by each micro-batch's samples; a budget that makes an odd count.
+    def token_budget(multiple: int) -> list:
+        return StepCollator("gpt", "token_budget", 1, 0, seq_length=64, target_length=0, pad_id=0, micro_batch_size=1,
+                            token_budget=72, microbatch_multiple=multiple)(samples)
+
+    assert len(token_budget(1)) % 2 == 1
+    budget = choose_step(lengths, candidates=["token_budget@72"], cost_model=ToyCostModel(), shape=TINY, dp=1, pp=2,
+                         virtual_stages=2, schedule="interleaved_1f1b", memory_budget=BIG, max_seq_len=64)
+    padded = token_budget(2)
+    assert len(padded) == len(token_budget(1)) + 1 and not budget.refused
+    assert [sorted(mb.samples) for mb in budget.plan.replicas[0].microbatches] == [
+        sorted(int(row[0]) - 1 for row in mb["input_ids"]) for mb in padded]
 
 
 @pytest.mark.parametrize("layout", [dict(dp=1, pp=2), dict(dp=2, pp=1), dict(dp=2, pp=2),

@@ -67,6 +67,15 @@ def logits_of(model, mb: dict) -> torch.Tensor:
     return run_stage(model, (), mb)[..., :VOCAB]
 
 
+def summed_loss_and_grads(model, mbs: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The micro-batches' summed token loss, their logits and the parameters' gradients of that loss."""
+    model.zero_grad()
+    outs = [logits_of(model, mb) for mb in mbs]
+    loss = sum(summed_token_cross_entropy(o, mb["labels"]) for o, mb in zip(outs, mbs, strict=True))
+    loss.backward()
+    return loss.detach(), [o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("model_type", ["gpt", "gpt-flex", "t5"])
 def test_packing_with_document_masks_equals_the_unpacked_samples(model_type: str, monkeypatch) -> None:
     """Each sample's logits inside a packed row, the summed loss and the gradients equal those of the samples run
@@ -86,15 +95,8 @@ def test_packing_with_document_masks_equals_the_unpacked_samples(model_type: str
     rows = plan_packing([sample_lengths(x) for x in samples], (packing.seq_length, packing.target_length))
     assert len(rows) < len(samples) and max(len(r) for r in rows) >= 3  # rows really hold several samples
 
-    def run(mbs):
-        model.zero_grad()
-        outs = [logits_of(model, mb) for mb in mbs]
-        loss = sum(summed_token_cross_entropy(o, mb["labels"]) for o, mb in zip(outs, mbs, strict=True))
-        loss.backward()
-        return loss.detach(), [o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    loss_p, outs_p, grads_p = run(packed)
-    loss_u, outs_u, grads_u = run(alone)
+    loss_p, outs_p, grads_p = summed_loss_and_grads(model, packed)
+    loss_u, outs_u, grads_u = summed_loss_and_grads(model, alone)
     # longest reduction: the GPT MLP's 4 x 32 = 128 inputs; T5's FFN 64
     tol = gpt_tolerance(2, 128) if model_type == "gpt" else t5_tolerance(2, 2, 64)
     side = "document_ids" if model_type == "gpt" else "decoder_document_ids"
@@ -132,15 +134,8 @@ def test_packing_to_a_multiple_deals_a_row_into_two_and_trains_the_same(model_ty
         assert all(torch.equal(mb[k], same[k]) for k in same)
     alone = collator(model_type, "padding", micro_batch_size=1).microbatches(samples)
 
-    def run(mbs):
-        model.zero_grad()
-        outs = [logits_of(model, mb) for mb in mbs]
-        loss = sum(summed_token_cross_entropy(o, mb["labels"]) for o, mb in zip(outs, mbs, strict=True))
-        loss.backward()
-        return loss.detach(), [o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    loss_s, _, grads_s = run(split)
-    loss_u, outs_u, grads_u = run(alone)
+    loss_s, _, grads_s = summed_loss_and_grads(model, split)
+    loss_u, outs_u, grads_u = summed_loss_and_grads(model, alone)
     tol = gpt_tolerance(2, 128) if model_type == "gpt" else t5_tolerance(2, 2, 64)  # as in the test above
     n_tokens = sum((mb["labels"] != IGNORE_INDEX).sum().item() for mb in alone)
     scale = torch.cat([o.flatten() for o in outs_u])

@@ -748,7 +748,7 @@ def lightning(args) -> list[dict]:
             extra = {"memory_budget_gb": budget_gb} if name in PLANNED else {}
             if name not in PLANNED and SCHEDULES[args.schedule].microbatch_multiple_of_pp:
                 # Interleaved schedules run a multiple of pp micro-batches; the planner plans for it, the fixed
-                # batchings split their largest micro-batches until they have one.
+                # batchings split their largest micro-batches (packing: then its fullest row) until they have one.
                 extra["microbatch_multiple"] = args.pp
             if name == "auto" and args.auto_candidates:
                 extra["auto_candidates"] = args.auto_candidates

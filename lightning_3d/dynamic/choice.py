@@ -188,10 +188,10 @@ def _fixed(kind: str, size: int, inputs: np.ndarray, targets: np.ndarray | None,
                                   max_target_len if targets is not None else None, False, tuple(map(tuple, group)))
                    for group in groups]
         else:
-            mbs = [MicroBatchPlan(tuple(share[i] for i in g), max(lengths[i][0] for i in g),
-                                  max(lengths[i][1] for i in g) if targets is not None else None, False)
-                   for g in token_budget_groups(lengths, size)]
-        replicas.append(_simulated(_to_multiple(mbs, layout), inputs, layout))
+            mbs = _to_multiple([MicroBatchPlan(tuple(share[i] for i in g), max(lengths[i][0] for i in g),
+                                               max(lengths[i][1] for i in g) if targets is not None else None, False)
+                                for g in token_budget_groups(lengths, size)], layout)
+        replicas.append(_simulated(mbs, inputs, layout))
     makespan = max(p.makespan for p in replicas)
     peak = max(max(p.peak_memory) for p in replicas)
     if peak > layout.budget:
@@ -202,23 +202,19 @@ def _fixed(kind: str, size: int, inputs: np.ndarray, targets: np.ndarray | None,
 
 
 def _to_multiple(mbs: list[MicroBatchPlan], layout: Layout) -> list[MicroBatchPlan]:
-    """Interleaved schedules need a multiple of pp micro-batches: halve the one of most rows (the data module's
-    ``split_to_multiple``)."""
+    """Interleaved schedules need a multiple of pp micro-batches: halve the padded micro-batch of most samples (the
+    data module's ``split_to_multiple``; packed ones go through ``packed_groups_to_multiple``)."""
     if not schedule_spec(layout.schedule).microbatch_multiple_of_pp:
         return mbs
     while len(mbs) % layout.pp:
-        big = max(range(len(mbs)), key=lambda k: (_rows(mbs[k]), -k))
+        big = max(range(len(mbs)), key=lambda k: (len(mbs[k].samples), -k))
         mb = mbs[big]
-        if _rows(mb) < 2:
+        if len(mb.samples) < 2:
             raise ValueError(f"schedule={layout.schedule!r} needs a multiple of {layout.pp} micro-batches per replica and"
                              " every micro-batch holds one row.")
-        half = _rows(mb) // 2
-        if mb.rows is not None:
-            parts = [mb.rows[:half], mb.rows[half:]]
-            new = [MicroBatchPlan(tuple(i for row in p for i in row), mb.seq_len, mb.target_len, False, p) for p in parts]
-        else:
-            new = [MicroBatchPlan(p, mb.seq_len, mb.target_len, False) for p in (mb.samples[:half], mb.samples[half:])]
-        mbs[big : big + 1] = new
+        half = len(mb.samples) // 2
+        mbs[big : big + 1] = [MicroBatchPlan(p, mb.seq_len, mb.target_len, False)
+                              for p in (mb.samples[:half], mb.samples[half:])]
     return mbs
 
 
