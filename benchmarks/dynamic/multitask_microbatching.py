@@ -448,6 +448,10 @@ def plans(args) -> list[dict]:
     batches = [[data.train_dataset[int(i)] for i in order[k * args.global_batch : (k + 1) * args.global_batch]]
                for k in range(args.steps)]
     cost_model = cost_model_for(args, module, shape) if args.profile not in ("none", "measure") else None
+    if args.compile and cost_model is not None:  # priced as the lightning engine prices a compiled run
+        from lightning_3d.recipes.data.multitask_planning import priced_as_trained
+
+        cost_model = priced_as_trained(cost_model, args.profile, True)
     rows = []
     for text in args.variants:
         name, size = parse_variant(text)
@@ -786,6 +790,9 @@ def lightning(args) -> list[dict]:
             else:
                 row.update({"useful_tokens_per_s": round(sum(useful[timed]) / seconds) if seconds else None,
                             "step_s_mean": round(seconds / len(clock.times[timed]), 4),
+                            # the spread of the timed steps (their plans differ: the step times do too)
+                            "step_s_min": round(min(clock.times[timed]), 4),
+                            "step_s_max": round(max(clock.times[timed]), 4),
                             "microbatches_per_step": round(float(np.mean(clock.microbatches)), 1)
                             if clock.microbatches else None,
                             "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -3,7 +3,9 @@ on grids of micro-batch size × sequence length (× target length for T5's decod
 tp), interpolated linearly and vectorised (SciPy's ``RegularGridInterpolator``). Above the largest profiled micro-batch
 size a layer's device time and memory grow in proportion to the size from there (its work and activations are per
 sample; the host times stay), so many short samples in one micro-batch (token budgets, dynamic micro-batching) get a
-price; outside the lengths, or where the profiler ran out of memory (``null`` in the file), the cost is ``inf``.
+price; outside the lengths, or where the profiler ran out of memory (``null`` in the file), the cost is ``inf``. A
+compiled model's grids are the exception: outside their lengths they price a shape as the eager grid there
+times the compiled-to-eager ratio at the nearest compiled length (``ProfiledCostModel._read``).
 
 The file is JSON (no pickle: a profile someone sends runs no code), versioned (``PROFILE_FORMAT``,
 ``PROFILE_VERSION``); docs/planner.md documents its fields. ``derive_tp=True`` prices a tensor-parallel degree the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -168,21 +171,31 @@ class ProfiledCostModel:
         #: (kind, recompute, tp) grids measured across tp GPUs (the profiler's ``measure_tp_layers``): their spans hold
         #: the layer's collectives, which the planner then does not add again
         self._with_collectives: set[tuple[str, bool, int]] = set()
+        #: a compiled model's eager grids where the same (kind, recompute, tp) has a compiled one (blocks; the head where
+        #: the profile compiled its loss): they price the lengths outside the compiled grid's (``_read``)
+        self._eager_twins: dict[tuple[str, bool, int], _Grid] = {}
+        self._warned_beyond: set[str] = set()
         for kind, entries in data["layers"].items():
             # Per (recompute, tp): the grid of the asked compilation; the embedding and head fall back to eager ones
             # (a profile compiles the blocks, and the head's loss where it can).
             chosen: dict[tuple[bool, int], tuple[int, dict]] = {}
+            eager: dict[tuple[bool, int], tuple[int, dict]] = {}
             for i, entry in enumerate(entries):
                 same = bool(entry.get("compiled", False)) == self.compiled
-                if not same and kind in BLOCK_KINDS:
-                    continue
                 key = (bool(entry["recompute"]), int(entry["tp"]))
+                if not same:
+                    eager.setdefault(key, (i, entry))
+                    if kind in BLOCK_KINDS:
+                        continue
                 if key not in chosen or same:
                     chosen[key] = (i, entry)
             for (rc, tp), (i, entry) in chosen.items():
                 self._grids[(kind, rc, tp)] = _Grid(entry, f"{where}: layers.{kind}[{i}]")
                 if tp > 1 and entry.get("collectives"):
                     self._with_collectives.add((kind, rc, tp))
+                if self.compiled and entry.get("compiled", False) and (rc, tp) in eager:
+                    j, other = eager[(rc, tp)]
+                    self._eager_twins[(kind, rc, tp)] = _Grid(other, f"{where}: layers.{kind}[{j}]")
         if self.compiled:
             missing = [k for k in data["layers"] if k in BLOCK_KINDS and not any(kk == k for kk, _, _ in self._grids)]
             if missing:
@@ -223,10 +236,42 @@ class ProfiledCostModel:
         collectives (a grid the profiler measured across tp GPUs), so that no modelled all-reduce is added."""
         return (kind, recompute, tp) in self._with_collectives
 
+    def _read(self, key: tuple[str, bool, int], q: str, points: list[np.ndarray]) -> np.ndarray:
+        """``q`` of the grid ``key`` at ``points``. A compiled grid (a block's, the head's) prices the lengths outside its own (sequence
+        and target axes; micro-batch sizes scale as in every grid) as the eager grid there times the ratio of compiled
+        to eager at the nearest length the compiled grid holds, the same micro-batch size: a compiled profile timed at
+        the lengths one fixed batching runs (a packed row's) still prices the shorter rows of a dynamic plan, with the
+        speed-up measured closest to them, where a plain lookup would call them unplannable (inf). Inside its lengths
+        a compiled grid is read as measured, out-of-memory cells included."""
+        grid = self._grids[key]
+        out = grid(q, points)
+        eager = self._eager_twins.get(key)
+        if eager is None or q not in eager.interp:
+            return out
+        b = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in points))
+        outside = np.zeros(b[0].shape, dtype=bool)
+        nearest = [b[0]]
+        for axis, x in zip(grid.axes[1:], b[1:]):
+            outside |= (x < axis[0]) | (x > axis[-1])
+            nearest.append(np.clip(x, axis[0], axis[-1]))
+        if not outside.any():
+            return out
+        if key[0] not in self._warned_beyond:
+            self._warned_beyond.add(key[0])
+            spans = ", ".join(f"{name} {int(a[0])}..{int(a[-1])}" for name, a in zip(("seq_len", "target_len"), grid.axes[1:]))
+            warnings.warn(f"The profile's compiled {key[0]!r} grid holds {spans}: shapes outside it are priced as its"
+                          " eager grid times the compiled-to-eager ratio at the nearest compiled length. For measured"
+                          " prices, add compiled grids over the lengths you train (benchmarks/tools/compiled_grids.py"
+                          " --lens/--target-lens, or `lightning-3d profile --compile`).", stacklevel=3)
+        compiled_there, eager_there = grid(q, nearest), eager(q, nearest)
+        usable = np.isfinite(eager_there) & (eager_there > 0)
+        ratio = np.where(usable, compiled_there / np.where(usable, eager_there, 1.0),
+                         np.where(compiled_there == 0, 1.0, math.inf))
+        return np.where(outside, eager(q, b) * ratio, out)
+
     def _lookup(self, kind: str, recompute: bool, tp: int, q: str, points: list[np.ndarray]) -> np.ndarray:
-        grid = self._grids.get((kind, recompute, tp))
-        if grid is not None:
-            return grid(q, points)
+        if (kind, recompute, tp) in self._grids:
+            return self._read((kind, recompute, tp), q, points)
         if recompute and (kind, False, tp) in self._grids and kind in ("embedding", "head"):
             return self._lookup(kind, False, tp, q, points)  # these layers are never recomputed
         base = self._grids.get((kind, recompute, 1))
@@ -275,14 +320,15 @@ class ProfiledCostModel:
         the profile has none). A tensor-parallel shard launches the same kernels as the whole layer, so a degree
         the profile lacks takes the tp = 1 host time (the collectives' launches are not counted)."""
         p = self._points(kind, microbatch_size, seq_len, target_len, recompute, tp)
-        grid = self._grids.get((kind, recompute, tp)) or self._grids.get((kind, recompute, 1))
-        if grid is None and kind in ("embedding", "head"):
-            grid = self._grids.get((kind, False, tp)) or self._grids.get((kind, False, 1))
+        keys = [(kind, recompute, tp), (kind, recompute, 1)]
+        if kind in ("embedding", "head"):
+            keys += [(kind, False, tp), (kind, False, 1)]
+        key = next((k for k in keys if k in self._grids), None)
         shape = np.broadcast_shapes(*(np.shape(x) for x in p))
         f = b = np.zeros(shape)
-        if grid is not None and "host_forward" in grid.interp:
-            q = p[: len(grid.axes)]
-            f, b = grid("host_forward", q), grid("host_backward", q)
+        if key is not None and "host_forward" in self._grids[key].interp:
+            q = p[: len(self._grids[key].axes)]
+            f, b = self._read(key, "host_forward", q), self._read(key, "host_backward", q)
         # The in-situ times were measured with eager tiny models: a floor of eager blocks only. A compiled block
         # issues its fused graph's few kernels, whose host time its own (compiled) grid holds.
         situ = None if self.compiled else self.host_layers_in_situ.get(kind)

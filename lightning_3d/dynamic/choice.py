@@ -53,10 +53,12 @@ class StepChoice:
 
 def default_candidates(longest: int) -> tuple[str, ...]:
     """The candidates ``microbatching="auto"`` compares when none are given: both dynamic partitions, packing at 1,
-    2, 4 and 8 rows per micro-batch, token budgets of 1, 2, 4 and 8 times the longest sample (``longest``: the
-    model's sequence length, plus the target length for T5)."""
-    return ("dynamic", "packed_dynamic", "packing@1", "packing@2", "packing@4", "packing@8",
-            *(f"token_budget@{k * longest}" for k in (1, 2, 4, 8)))
+    2, 4, 8, 16 and 32 rows per micro-batch, token budgets of 1, 2, 4, 8 and 16 times the longest sample
+    (``longest``: the model's sequence length, plus the target length for T5). The larger sizes are there for short
+    rows and compiled blocks, whose best fixed batching can be that large; the memory budget refuses those that do
+    not fit, and pricing a fixed candidate is cheap next to the dynamic searches."""
+    return ("dynamic", "packed_dynamic", *(f"packing@{n}" for n in (1, 2, 4, 8, 16, 32)),
+            *(f"token_budget@{k * longest}" for k in (1, 2, 4, 8, 16)))
 
 
 def parse_candidates(names: Sequence[str], longest: int) -> tuple[tuple[str, int | None], ...]:
