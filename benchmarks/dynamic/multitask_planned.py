@@ -53,7 +53,8 @@ def planned_batcher(args, text: str, collator: StepCollator, shape, budget: floa
         collator.collate, shape=shape, dp=1, pp=1, dp_rank=0, memory_budget=budget, cost_model=cost_model,
         max_seq_len=args.seq_length, max_target_len=args.target_length if t5 else None,
         input_length=sample_input_length, target_length=sample_target_length if t5 else None, candidates=candidates,
-        collate_packed=collator.collate_packed, packed_attention=packed)
+        collate_packed=collator.collate_packed, packed_attention=packed,
+        packed_row_length="full" if getattr(args, "compile", False) else "fill")  # as the data module plans
     if name in PLANNED:
         collator.dynamic, collator.microbatching = batcher, name
     return batcher

@@ -22,6 +22,7 @@ from lightning_3d.dynamic.adaptive import check_adaptive
 from lightning_3d.dynamic.choice import StepChoice, choose_step, parse_candidates
 from lightning_3d.dynamic.consistency import RECOMPUTE_KEY
 from lightning_3d.dynamic.handoff import PlannedMicroBatches
+from lightning_3d.dynamic.packed_plan import check_packed_row_length
 from lightning_3d.dynamic.plan import StepPlan, plan_step
 
 Collate = Callable[[list[Any], int, "int | None"], Any]
@@ -52,8 +53,10 @@ class DynamicMicroBatcher:
     step then carries ``choice`` (a ``StepChoice``: what ran, every candidate's prediction). Packed candidates need
     ``collate_packed(rows of samples, seq_len, target_len)`` (one micro-batch of packed rows with document ids) and
     ``max_seq_len`` (the row length); ``packed_attention`` is what the model runs for GPT's packed rows on its device
-    (``"flex"`` or ``"dense"``), which decides their attention cost. ``adaptive_schedule``: "auto" (the order search
-    also tries the adaptive schedule and keeps it where it simulates faster), "off" or "only" (``plan_step``).
+    (``"flex"`` or ``"dense"``), which decides their attention cost; ``packed_row_length`` is the packed_dynamic
+    candidate's rows (``"fill"`` or ``"full"``, ``plan_packed_step``: full for a model that compiles its blocks).
+    ``adaptive_schedule``: "auto" (the order search also tries the adaptive schedule and keeps it where it simulates
+    faster), "off" or "only" (``plan_step``).
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class DynamicMicroBatcher:
         layer_split: Sequence[int] | None = None, input_length: Callable[[Any], int] = input_length,
         target_length: Callable[[Any], int] | None = None, candidates: Sequence[str] | None = None,
         collate_packed: CollatePacked | None = None, packed_attention: str = "dense", adaptive_schedule: str = "auto",
+        packed_row_length: str = "fill",
     ) -> None:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp={dp}).")
@@ -80,6 +84,7 @@ class DynamicMicroBatcher:
                 raise ValueError(f"packed_attention={packed_attention!r}: use 'flex' (FlexAttention's block mask) or"
                                  " 'dense' (SDPA's dense document mask), what the model runs for packed rows.")
         self.collate_packed, self.packed_attention = collate_packed, packed_attention
+        self.packed_row_length = check_packed_row_length(packed_row_length)
         self.collate = collate
         self.dp_rank = dp_rank
         self.input_length, self.target_length = input_length, target_length
@@ -98,7 +103,8 @@ class DynamicMicroBatcher:
         """The step's choice among ``candidates`` (the same on every rank)."""
         targets = [self.target_length(s) for s in samples] if self.target_length is not None else None
         return choose_step([self.input_length(s) for s in samples], target_lengths=targets, candidates=self.candidates,
-                           packed_attention=self.packed_attention, **self.options)
+                           packed_attention=self.packed_attention, packed_row_length=self.packed_row_length,
+                           **self.options)
 
     def __call__(self, samples: Sequence[Any]) -> PlannedMicroBatches:
         samples = list(samples)

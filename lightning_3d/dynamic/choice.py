@@ -23,7 +23,7 @@ import numpy as np
 from lightning_3d.costs.model import CostModel, ModelShape
 from lightning_3d.dynamic.adaptive import check_adaptive
 from lightning_3d.dynamic.packed import attention_ratio, dense_mask_bytes, first_fit_decreasing, packed_groups_to_multiple
-from lightning_3d.dynamic.packed_plan import plan_packed_step
+from lightning_3d.dynamic.packed_plan import check_packed_row_length, plan_packed_step
 from lightning_3d.dynamic.plan import (
     MicroBatchPlan,
     ReplicaPlan,
@@ -112,15 +112,17 @@ def choose_step(
     cost_model: CostModel | None = None, shape: ModelShape, dp: int, pp: int, virtual_stages: int = 1,
     schedule: str = "1f1b", memory_budget: float, round_to: int = 8, max_seq_len: int, max_target_len: int | None = None,
     tp: int = 1, seed: int = 0, layer_split: Sequence[int] | None = None, packed_attention: str = "dense",
-    adaptive_schedule: str = "auto",
+    adaptive_schedule: str = "auto", packed_row_length: str = "fill",
 ) -> StepChoice:
     """The cheapest candidate for one global batch (module docstring). ``packed_attention``: what GPT's packed rows
-    run on the device (``"flex"`` or ``"dense"``); ``adaptive_schedule`` applies to the dynamic candidates' order
+    run on the device (``"flex"`` or ``"dense"``); ``packed_row_length``: the packed_dynamic candidate's rows
+    (``plan_packed_step``; the packing candidates' rows are always full); ``adaptive_schedule`` applies to the dynamic candidates' order
     search (``plan_step``), the fixed ones run the named schedule. Raises ValueError, naming every candidate's reason, when none
     fits the memory budget."""
     targets = target_lengths is not None
     longest = max_seq_len + ((max_target_len or 0) if targets else 0)
     parsed = parse_candidates(candidates, longest)
+    check_packed_row_length(packed_row_length)
     inputs, tgts = check_sample_lengths(input_lengths, target_lengths, max_seq_len, max_target_len)
     check_layout(len(inputs), dp, pp, virtual_stages, schedule, memory_budget, round_to)
     check_adaptive(adaptive_schedule, schedule)
@@ -138,7 +140,8 @@ def choose_step(
             if kind == "dynamic":
                 plan = plan_step(input_lengths, **common)
             elif kind == "packed_dynamic":
-                plan = plan_packed_step(input_lengths, packed_attention=packed_attention, **common)
+                plan = plan_packed_step(input_lengths, packed_attention=packed_attention,
+                                        packed_row_length=packed_row_length, **common)
             else:
                 plan = _fixed(kind, size, inputs, tgts, dp, max_seq_len, max_target_len, layout)
         except ValueError as err:

@@ -5,7 +5,10 @@ target tokens); the rows, not the samples, are spread over the replicas (balance
 replica's rows are partitioned and ordered for the pipeline by ``plan_step``'s machinery (``search_plan``) under the
 same cost model and memory budget. A range of
 rows is one micro-batch of (rows, L[, T]) with L its fullest row's tokens rounded up (to ``FLEX_BLOCK`` under
-FlexAttention, so that the block mask's shapes stay few; to ``round_to`` otherwise), costed as what it runs
+FlexAttention, so that the block mask's shapes stay few; to ``round_to`` otherwise), or with
+``packed_row_length="full"`` the row length itself (every row one shape: what a compiled model runs at the speed its
+compiled grids measured, where each new length is a shape its kernels meet for the first time and, once torch marks
+the length dynamic, run as kernels for any length; docs/dynamic.md, "Compiled models"), costed as what it runs
 (``packed.py``): its linear parts as a padded micro-batch of that shape, its attention as the blocks its document
 mask computes. So the number of rows per micro-batch is chosen by the pipeline's cost and memory model instead of
 being a fixed ``micro_batch_size``: few large micro-batches where per-micro-batch costs dominate (pp = 1), more and
@@ -55,19 +58,22 @@ def plan_packed_step(
     shape: ModelShape, dp: int, pp: int, virtual_stages: int = 1, schedule: str = "1f1b", memory_budget: float,
     round_to: int = 8, max_seq_len: int | None = None, max_target_len: int | None = None, tp: int = 1, seed: int = 0,
     layer_split: Sequence[int] | None = None, packed_attention: str = "dense", adaptive_schedule: str = "auto",
+    packed_row_length: str = "fill",
 ) -> StepPlan:
     """Plan one global batch as micro-batches of packed rows (module docstring): the rows are spread over the
     replicas first (Karmarkar–Karp on each row's time), then each replica's rows are partitioned and ordered
     (``search_plan`` with dp = 1). The arguments are ``plan_step``'s,
     plus ``packed_attention`` (GPT: ``"flex"`` or ``"dense"``, what the model runs for packed rows on its device;
     T5's packed rows always attend with dense masks). ``max_seq_len`` (and for T5 ``max_target_len``) is the row
-    length. Every ``MicroBatchPlan`` carries its ``rows``."""
+    length. ``packed_row_length``: ``"fill"`` (a micro-batch's rows as long as its fullest, rounded up) or ``"full"``
+    (every row ``max_seq_len``; module docstring). Every ``MicroBatchPlan`` carries its ``rows``."""
     if max_seq_len is None or (target_lengths is not None and max_target_len is None):
         raise ValueError("Packed rows need their length: pass max_seq_len (and max_target_len with target_lengths),"
                          " the model's positions.")
     if packed_attention not in ("flex", "dense"):
         raise ValueError(f"packed_attention={packed_attention!r}: use 'flex' (FlexAttention's block mask) or 'dense'"
                          " (SDPA's dense document mask), what the model runs for packed rows.")
+    check_packed_row_length(packed_row_length)
     inputs, targets = check_sample_lengths(input_lengths, target_lengths, max_seq_len, max_target_len)
     check_layout(len(inputs), dp, pp, virtual_stages, schedule, memory_budget, round_to)
     check_adaptive(adaptive_schedule, schedule)
@@ -81,6 +87,9 @@ def plan_packed_step(
     fill_in = round_up(np.array([inputs[r].sum() for r in rows], dtype=np.int64), step, max_seq_len)
     fill_tg = (round_up(np.array([targets[r].sum() for r in rows], dtype=np.int64), round_to, max_target_len)
                if targets is not None else None)
+    if packed_row_length == "full":
+        fill_in = np.full(len(rows), max_seq_len, dtype=np.int64)
+        fill_tg = np.full(len(rows), max_target_len, dtype=np.int64) if targets is not None else None
     docs = [[int(inputs[i]) for i in row] for row in rows] if gpt else None
     costs = _Costs(cost_model, stages, tp, packed_attention if gpt else None)
     replicas, plans = [], []
@@ -97,6 +106,17 @@ def plan_packed_step(
     return StepPlan(tuple(replicas), max(p.makespan for p in plans),
                     max(p.peak_memory for p in plans), max(p.estimate for p in plans), any(p.recompute for p in plans),
                     plans[0].cost_source)
+
+
+PACKED_ROW_LENGTHS = ("fill", "full")
+
+
+def check_packed_row_length(value: object) -> str:
+    """``packed_row_length`` if it is one of :data:`PACKED_ROW_LENGTHS`; ValueError naming it and the choices."""
+    if value not in PACKED_ROW_LENGTHS:
+        raise ValueError(f"packed_row_length={value!r}: use 'fill' (rows as long as a micro-batch's fullest, rounded"
+                         " up) or 'full' (every row the model's sequence length: one shape, for compiled models).")
+    return str(value)
 
 
 @dataclass(frozen=True)

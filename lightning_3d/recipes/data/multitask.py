@@ -394,7 +394,8 @@ class MultiTaskDataModule(L.LightningDataModule):
         if self.cost_model is not None:
             check_profile_shape(self.cost_model, shape, hp.cost_profile)
         hparams = getattr(trainer.lightning_module, "hparams", None) or {}
-        cost_model = priced_as_trained(self.cost_model, hp.cost_profile, bool(hparams.get("compile", False)))
+        compiled = bool(hparams.get("compile", False))
+        cost_model = priced_as_trained(self.cost_model, hp.cost_profile, compiled)
         return DynamicMicroBatcher(
             collator.collate, shape=shape, cost_model=cost_model, adaptive_schedule=hp.adaptive_schedule,
             dp=dp, pp=pp, dp_rank=rank, memory_budget=budget_gb * 2**30, tp=tp, seed=hp.seed,
@@ -403,6 +404,9 @@ class MultiTaskDataModule(L.LightningDataModule):
             max_target_len=hp.target_length if t5 else None, input_length=sample_input_length,
             target_length=sample_target_length if t5 else None, candidates=candidates,
             collate_packed=collator.collate_packed, packed_attention=self._packed_attention(config, strategy),
+            # A compiled model runs full rows (one shape) at its compiled grids' speed; rows of each micro-batch's own
+            # length are shapes its kernels meet one by one (docs/dynamic.md, "Compiled models").
+            packed_row_length="full" if compiled else "fill",
         )
 
     def _packed_attention(self, config, strategy) -> str:
