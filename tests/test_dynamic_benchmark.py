@@ -225,11 +225,14 @@ def test_lightning_engine_frees_each_variant_before_the_next(tmp_path):
     root = str(Path(__file__).resolve().parent.parent)
     subprocess.run([sys.executable, driver, root, *common, "--prepare-only"], check=True, cwd=root, capture_output=True,
                    timeout=300)
-    out = subprocess.run([sys.executable, driver, root, *common, "--engine", "lightning", "--steps", "2", "--warmup",
+    out = subprocess.run([sys.executable, driver, root, *common, "--engine", "lightning", "--steps", "3", "--warmup",
                           "1", "--variants", "packing@2", "token_budget@512", "dynamic", "--num-workers", "0", "--accelerator", "cpu",
                           "--precision", "32-true", "--out", str(tmp_path / "rows.json")],
                          check=True, cwd=root, capture_output=True, text=True, timeout=300)
     rows = json.loads((tmp_path / "rows.json").read_text())["results"]
     assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    for r in rows:  # two timed steps: their mean lies halfway between the fastest and the slowest (each rounded)
+        assert r["timed_steps"] == 2 and r["step_s_min"] <= r["step_s_mean"] <= r["step_s_max"]
+        assert abs(r["step_s_mean"] - (r["step_s_min"] + r["step_s_max"]) / 2) <= 1.5e-4
     # two builds read the config, then one per variant: at each variant's build, no earlier variant's model is alive
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"builds": 5, "alive_at_build": [0, 0, 0]}

@@ -271,6 +271,37 @@ def test_packed_dynamic_plans_cover_every_sample_once_in_rows_that_fit(layout: d
                                     max_target_len=32 if t5 else None, packed_attention="dense", **layout)
 
 
+@pytest.mark.parametrize("t5", [False, True])
+def test_full_packed_rows_are_the_fill_rows_at_the_model_length(t5: bool) -> None:
+    """``packed_row_length="full"`` (a compiled model's): the same rows as "fill", every one at ``max_seq_len`` (and
+    ``max_target_len``), priced at that length; the choice hands it to packed_dynamic only."""
+    from tests.scenarios.dynamic_costs import T5_TINY
+
+    g = np.random.default_rng(5)
+    inputs = g.integers(1, 100, 40)
+    targets = g.integers(1, 30, 40) if t5 else None
+    kw = dict(target_lengths=targets, cost_model=ToyCostModel(), shape=T5_TINY if t5 else TINY, dp=2, pp=1,
+              memory_budget=BIG, max_seq_len=128, max_target_len=32 if t5 else None, packed_attention="dense")
+    fill, full = (plan_packed_step(inputs, packed_row_length=n, **kw) for n in ("fill", "full"))
+    rows = [[row for mb in r.microbatches for row in mb.rows] for r in (*fill.replicas, *full.replicas)]
+    assert sorted(map(tuple, rows[0] + rows[1])) == sorted(map(tuple, rows[2] + rows[3]))  # one packing, two lengths
+    assert any(mb.seq_len < 128 for r in fill.replicas for mb in r.microbatches)
+    for mb in (mb for r in full.replicas for mb in r.microbatches):
+        assert mb.seq_len == 128 and mb.target_len == (32 if t5 else None)
+    assert full.makespan >= fill.makespan  # longer rows cost no less under a cost that grows with the length
+    for name, plan in (("fill", fill), ("full", full)):
+        assert choose_step(inputs, candidates=["packed_dynamic"], packed_row_length=name, **kw).plan == plan
+    both = [choose_step(inputs, candidates=["packed_dynamic", "packing@2"], packed_row_length=n, **kw).predicted
+            for n in ("fill", "full")]
+    assert both[0]["packing@2"] == both[1]["packing@2"]  # the packing candidate's rows are full either way
+    assert (both[0]["packed_dynamic"], both[1]["packed_dynamic"]) == (fill.makespan, full.makespan)
+    for call in (lambda: plan_packed_step(inputs, packed_row_length="static", **kw),
+                 lambda: choose_step(inputs, candidates=["packed_dynamic"], packed_row_length="static", **kw)):
+        with pytest.raises(ValueError, match=r"packed_row_length='static': use 'fill' \(rows as long as a micro-batch's"
+                                             r" fullest, rounded up\) or 'full'"):
+            call()
+
+
 def test_flex_rows_round_to_the_block_size_and_short_documents_cost_less_than_causal_rows() -> None:
     """Under FlexAttention a row's padded length is a multiple of its block (few block-mask shapes), and a row of
     short documents computes about two blocks per block row (the diagonal, and the one a document crossing the
@@ -314,6 +345,8 @@ def test_bad_batcher_and_data_module_options_are_refused(tmp_path) -> None:
         DynamicMicroBatcher(collate, candidates=["dynamic", "packing@2"], **kw)
     with pytest.raises(ValueError, match=r"packed_attention='flash': use 'flex'"):
         DynamicMicroBatcher(collate, candidates=["dynamic"], packed_attention="flash", **kw)
+    with pytest.raises(ValueError, match=r"packed_row_length='padded': use 'fill'"):
+        DynamicMicroBatcher(collate, candidates=["dynamic"], packed_row_length="padded", **kw)
     with pytest.raises(ValueError, match=r"candidates need max_seq_len"):
         DynamicMicroBatcher(collate, candidates=["dynamic"], **{**kw, "max_seq_len": None})
     with pytest.raises(ValueError, match=r"auto_candidates=\['packing@2'\] applies to microbatching='auto' only, not"
@@ -413,3 +446,7 @@ def test_the_data_module_prices_packed_rows_as_the_model_runs_them(tmp_path, mod
     assert batcher.options["max_target_len"] == (64 if model_type == "t5" else None)
     step = dm.collator(2, 1)([dm.train_dataset[i] for i in range(8)])
     assert step.choice.chosen in ("packing@2", "dynamic") and set(step.choice.predicted) == {"packing@2", "dynamic"}
+    # Packed rows at each micro-batch's own length, unless the model compiles its blocks: then full rows.
+    assert batcher.packed_row_length == "fill"
+    model.hparams["compile"] = True
+    assert dm.collator(2, 1).dynamic.packed_row_length == "full"

@@ -272,6 +272,50 @@ def test_compiled_grids_are_read_on_request_and_missing_ones_named() -> None:
         _model(_v2(), compiled=True)
 
 
+def _compiled_over(doc: dict, kind: str, lens: list[int], speedup: list[float], host: bool = False) -> dict:
+    """``doc`` with a compiled grid of ``kind`` at ``lens`` only (a subset of the eager lengths): every quantity the
+    eager one's at those lengths times ``speedup[j]`` (the j-th length's)."""
+    eager = doc["layers"][kind][0]
+    cols = [eager["seq_len"].index(n) for n in lens]
+    fast = {"tp": eager["tp"], "recompute": eager["recompute"], "compiled": True,
+            "microbatch_size": eager["microbatch_size"], "seq_len": lens, "target_len": None}
+    for q in ("forward", "backward", "stored", "peak", *(("host_forward", "host_backward") if host else ())):
+        fast[q] = [[None if row[c] is None else row[c] * f for c, f in zip(cols, speedup)] for row in eager[q]]
+    doc["layers"][kind].append(fast)
+    return doc
+
+
+def test_a_compiled_grid_prices_lengths_outside_it_by_the_eager_grid_and_the_nearest_ratio() -> None:
+    doc = _compiled_over(_v2(host=1e-4), "block", [512, 1024], [0.5, 0.25], host=True)
+    doc["layers"]["block"][-1]["stored"][3][1] = None  # the compiled block ran out of memory at 8 x 1024
+    eager = _model(doc)
+    with pytest.warns(UserWarning, match=r"compiled 'block' grid holds seq_len 512\.\.1024: shapes outside it are"
+                      r" priced as its eager grid times the compiled-to-eager ratio at the nearest compiled length"):
+        compiled = ProfiledCostModel(doc, compiled=True)
+        compiled.layer_time("block", 2, 2048)
+    sizes = np.array([1, 2, 4])
+    for quantity in (compiled.layer_time, compiled.layer_memory, compiled.layer_host_time):
+        reference = {"layer_time": eager.layer_time, "layer_memory": eager.layer_memory,
+                     "layer_host_time": eager.layer_host_time}[quantity.__name__]
+        for length, ratio in ((256, 0.5), (384, 0.5), (2048, 0.25), (768, None)):
+            got, want = quantity("block", sizes, length), reference("block", sizes, length)
+            if ratio is None:  # inside the compiled lengths: the compiled grid's own interpolation, as measured
+                at512, at1024 = reference("block", sizes, 512), reference("block", sizes, 1024)
+                want = tuple((0.5 * a + 0.25 * b) / 2 for a, b in zip(at512, at1024))
+                ratio = 1.0
+            for g, w in zip(got, want):  # outside: the eager price times the ratio at the nearest compiled length
+                np.testing.assert_allclose(g, w * ratio, rtol=1e-12)
+    # An out-of-memory cell inside the compiled lengths stays out of memory; outside, the eager grid's holes stay too.
+    assert math.isinf(float(compiled.layer_memory("block", 8, 1024)[0]))
+    assert math.isinf(float(compiled.layer_time("block", 8, 2048)[0]))
+    # Lengths outside the eager grid too are unpriced, as in any grid.
+    assert math.isinf(float(compiled.layer_time("block", 1, 4096)[0]))
+    # An eager model reads the eager grid only, and warns of nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ProfiledCostModel(doc).layer_time("block", 2, 2048)
+
+
 def test_in_situ_floor_holds_for_eager_blocks_only() -> None:
     # The in-situ host times come from eager tiny models: a compiled block's host time is its own grid's.
     doc = _with_in_situ(_v2(host=1e-6), 0.02, 0.03, 0.025, 0.07)
