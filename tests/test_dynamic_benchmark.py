@@ -189,6 +189,30 @@ def test_compile_builds_compiling_models_for_the_lightning_engine_only(monkeypat
     monkeypatch.setattr(sys, "argv", ["multitask_microbatching.py", "--engine", "direct", "--compile"])
     with pytest.raises(SystemExit, match="--compile runs with --engine lightning only"):
         bench.main()
+    # --plans-only builds no model to train: it plans as a compiled run would, whichever engine is named.
+    planned = []
+    monkeypatch.setattr(bench, "plans", lambda args: planned.append(args.compile))
+    monkeypatch.setattr(sys, "argv", ["multitask_microbatching.py", "--engine", "direct", "--compile", "--plans-only"])
+    bench.main()
+    assert planned == [True]
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_the_benchmarks_planner_makes_a_compiled_models_packed_rows_full(compile_: bool) -> None:
+    """The direct engine's and --plans-only's planner (``planned_batcher``) plans packed rows as the data module does:
+    full rows for a model that compiles its blocks, each micro-batch's own length otherwise."""
+    from benchmarks.dynamic.multitask_planned import planned_batcher
+    from lightning_3d.recipes.data.multitask_batching import StepCollator
+    from tests.scenarios.dynamic_costs import TINY, ToyCostModel
+
+    args = argparse.Namespace(model="gpt", seq_length=128, target_length=0, auto_candidates=None, compile=compile_)
+    collator = StepCollator("gpt", "padding", 1, 0, seq_length=128, target_length=0, pad_id=0, micro_batch_size=2,
+                            token_budget=None)
+    batcher = planned_batcher(args, "packed_dynamic", collator, TINY, 1e12, ToyCostModel(), "dense")
+    assert batcher.packed_row_length == ("full" if compile_ else "fill")
+    samples = [{"tokens": list(range(1, n + 2)), "prompt": 1} for n in (10, 20, 5, 15)]  # one row of 54 tokens
+    lengths = {mb["input_ids"].shape[1] for mb in collator(samples)}
+    assert lengths == ({128} if compile_ else {56})  # full, or the row rounded up to a multiple of 8
 
 
 DRIVER = """

@@ -335,6 +335,13 @@ def test_bad_candidates_name_the_value_and_the_fix(names, message: str) -> None:
         parse_candidates(names, 128)
 
 
+def test_default_candidates_reach_32_rows_and_16_longest_samples() -> None:
+    assert default_candidates(100) == (
+        "dynamic", "packed_dynamic", "packing@1", "packing@2", "packing@4", "packing@8", "packing@16", "packing@32",
+        "token_budget@100", "token_budget@200", "token_budget@400", "token_budget@800", "token_budget@1600")
+    assert parse_candidates(default_candidates(100), 100)  # every default parses at that longest sample
+
+
 def test_bad_batcher_and_data_module_options_are_refused(tmp_path) -> None:
     from lightning_3d.recipes.data.multitask import MultiTaskDataModule
 

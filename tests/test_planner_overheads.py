@@ -286,25 +286,39 @@ def _compiled_over(doc: dict, kind: str, lens: list[int], speedup: list[float], 
 
 
 def test_a_compiled_grid_prices_lengths_outside_it_by_the_eager_grid_and_the_nearest_ratio() -> None:
-    doc = _compiled_over(_v2(host=1e-4), "block", [512, 1024], [0.5, 0.25], host=True)
+    doc = _v2(host=1e-4)
+    block = doc["layers"]["block"][0]
+    for q in ("forward", "backward", "host_forward", "host_backward"):  # times that grow with the length, so that
+        # "eager there x ratio" differs from "the compiled value at the nearest length"
+        block[q] = [[None if v is None else v * n / 256 for v, n in zip(row, block["seq_len"])] for row in block[q]]
+    doc = _compiled_over(doc, "block", [512, 1024], [0.5, 0.25], host=True)
     doc["layers"]["block"][-1]["stored"][3][1] = None  # the compiled block ran out of memory at 8 x 1024
     eager = _model(doc)
-    with pytest.warns(UserWarning, match=r"compiled 'block' grid holds seq_len 512\.\.1024: shapes outside it are"
-                      r" priced as its eager grid times the compiled-to-eager ratio at the nearest compiled length"):
-        compiled = ProfiledCostModel(doc, compiled=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = ProfiledCostModel(doc, compiled=True, derive_tp=True)
         compiled.layer_time("block", 2, 2048)
+        compiled.layer_memory("block", 2, 256)  # the same kind again: no second warning
+    assert [str(w.message) for w in caught] == [
+        "The profile's compiled 'block' grid holds seq_len 512..1024: shapes outside it are priced as its eager grid"
+        " times the compiled-to-eager ratio at the nearest compiled length. For measured prices, profile with compiled"
+        " grids over the lengths you train (`lightning-3d profile --compile`, or `planner.add_compiled` on this"
+        " profile)."]
+    assert caught[0].filename == __file__  # attributed to the caller, not to the cost model
     sizes = np.array([1, 2, 4])
-    for quantity in (compiled.layer_time, compiled.layer_memory, compiled.layer_host_time):
-        reference = {"layer_time": eager.layer_time, "layer_memory": eager.layer_memory,
-                     "layer_host_time": eager.layer_host_time}[quantity.__name__]
+    for name in ("layer_time", "layer_memory", "layer_host_time"):
+        got_of, want_of = getattr(compiled, name), getattr(eager, name)
         for length, ratio in ((256, 0.5), (384, 0.5), (2048, 0.25), (768, None)):
-            got, want = quantity("block", sizes, length), reference("block", sizes, length)
+            got, want = got_of("block", sizes, length), want_of("block", sizes, length)
             if ratio is None:  # inside the compiled lengths: the compiled grid's own interpolation, as measured
-                at512, at1024 = reference("block", sizes, 512), reference("block", sizes, 1024)
-                want = tuple((0.5 * a + 0.25 * b) / 2 for a, b in zip(at512, at1024))
-                ratio = 1.0
+                at512, at1024 = want_of("block", sizes, 512), want_of("block", sizes, 1024)
+                want, ratio = tuple((0.5 * a + 0.25 * b) / 2 for a, b in zip(at512, at1024)), 1.0
             for g, w in zip(got, want):  # outside: the eager price times the ratio at the nearest compiled length
                 np.testing.assert_allclose(g, w * ratio, rtol=1e-12)
+    # A tensor-parallel degree derived from the tp = 1 grids extrapolates the same way (the shard's ratio on top).
+    for length in (256, 768):
+        derived = compiled.layer_time("block", 2, length, tp=2)
+        assert all(np.isfinite(x) and x > 0 for x in map(float, derived))
     # An out-of-memory cell inside the compiled lengths stays out of memory; outside, the eager grid's holes stay too.
     assert math.isinf(float(compiled.layer_memory("block", 8, 1024)[0]))
     assert math.isinf(float(compiled.layer_time("block", 8, 2048)[0]))
@@ -314,6 +328,19 @@ def test_a_compiled_grid_prices_lengths_outside_it_by_the_eager_grid_and_the_nea
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ProfiledCostModel(doc).layer_time("block", 2, 2048)
+
+
+def test_an_unpriced_ratio_times_a_zero_cell_is_unpriced_not_nan() -> None:
+    """0 x inf: an eager cell of zero bytes outside the compiled lengths, whose nearest compiled cell is out of memory.
+    NaN would pass a memory budget's comparison; the price is inf."""
+    doc = _compiled_over(_v2(), "block", [512, 1024], [0.5, 0.25])
+    doc["layers"]["block"][0]["stored"][1][0] = 0.0  # eager: 2 x 256 stores nothing
+    doc["layers"]["block"][-1]["stored"][1][0] = None  # compiled: 2 x 512 ran out of memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the extrapolation's own notice
+        warnings.simplefilter("error", RuntimeWarning)  # no "invalid value" from 0 x inf
+        stored, _ = ProfiledCostModel(doc, compiled=True).layer_memory("block", 2, 256)
+    assert math.isinf(float(stored))
 
 
 def test_in_situ_floor_holds_for_eager_blocks_only() -> None:

@@ -943,7 +943,8 @@ def main() -> None:
                         help="lightning engine: stages per rank for interleaved schedules (the strategy's default: 2)")
     parser.add_argument("--compile", action="store_true", help="lightning engine: the recipe compiles its blocks"
                         " (compile=True); planned variants and predictions use the profile's compiled grids where it"
-                        " has them (`lightning-3d profile --compile`)")
+                        " has them (`lightning-3d profile --compile`); with --plans-only, the plans a compiled run"
+                        " makes (full packed rows, compiled prices)")
     parser.add_argument("--num-workers", type=int, default=2, help="lightning engine: DataLoader workers")
     parser.add_argument("--sdpa", nargs="+", choices=SDPA_CHOICES, default=[DIRECT_SDPA],
                         help="direct engine: the recipe's sdpa_backends (no_cudnn, the default, or torch) and/or"
@@ -985,7 +986,7 @@ def main() -> None:
     if args.table:
         print(lightning_table(args.table), flush=True)
         return
-    if args.compile and args.engine != "lightning":
+    if args.compile and args.engine != "lightning" and not args.plans_only:
         raise SystemExit("--compile runs with --engine lightning only (the direct engine builds its model outside a"
                          " Trainer, which is where the recipes compile their blocks)")
     if args.engine == "lightning" and args.profile == "measure":

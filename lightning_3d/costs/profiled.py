@@ -184,7 +184,7 @@ class ProfiledCostModel:
                 same = bool(entry.get("compiled", False)) == self.compiled
                 key = (bool(entry["recompute"]), int(entry["tp"]))
                 if not same:
-                    eager.setdefault(key, (i, entry))
+                    eager[key] = (i, entry)  # the last, as an eager model's reading keeps
                     if kind in BLOCK_KINDS:
                         continue
                 if key not in chosen or same:
@@ -236,13 +236,14 @@ class ProfiledCostModel:
         collectives (a grid the profiler measured across tp GPUs), so that no modelled all-reduce is added."""
         return (kind, recompute, tp) in self._with_collectives
 
-    def _read(self, key: tuple[str, bool, int], q: str, points: list[np.ndarray]) -> np.ndarray:
+    def _read(self, key: tuple[str, bool, int], q: str, points: list[np.ndarray], stacklevel: int = 4) -> np.ndarray:
         """``q`` of the grid ``key`` at ``points``. A compiled grid (a block's, the head's) prices the lengths outside its own (sequence
         and target axes; micro-batch sizes scale as in every grid) as the eager grid there times the ratio of compiled
         to eager at the nearest length the compiled grid holds, the same micro-batch size: a compiled profile timed at
         the lengths one fixed batching runs (a packed row's) still prices the shorter rows of a dynamic plan, with the
         speed-up measured closest to them, where a plain lookup would call them unplannable (inf). Inside its lengths
-        a compiled grid is read as measured, out-of-memory cells included."""
+        a compiled grid is read as measured, out-of-memory cells included. ``stacklevel``: the warning's, at the
+        public method's caller."""
         grid = self._grids[key]
         out = grid(q, points)
         eager = self._eager_twins.get(key)
@@ -250,10 +251,8 @@ class ProfiledCostModel:
             return out
         b = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in points))
         outside = np.zeros(b[0].shape, dtype=bool)
-        nearest = [b[0]]
         for axis, x in zip(grid.axes[1:], b[1:]):
             outside |= (x < axis[0]) | (x > axis[-1])
-            nearest.append(np.clip(x, axis[0], axis[-1]))
         if not outside.any():
             return out
         if key[0] not in self._warned_beyond:
@@ -261,13 +260,22 @@ class ProfiledCostModel:
             spans = ", ".join(f"{name} {int(a[0])}..{int(a[-1])}" for name, a in zip(("seq_len", "target_len"), grid.axes[1:]))
             warnings.warn(f"The profile's compiled {key[0]!r} grid holds {spans}: shapes outside it are priced as its"
                           " eager grid times the compiled-to-eager ratio at the nearest compiled length. For measured"
-                          " prices, add compiled grids over the lengths you train (benchmarks/tools/compiled_grids.py"
-                          " --lens/--target-lens, or `lightning-3d profile --compile`).", stacklevel=3)
-        compiled_there, eager_there = grid(q, nearest), eager(q, nearest)
-        usable = np.isfinite(eager_there) & (eager_there > 0)
-        ratio = np.where(usable, compiled_there / np.where(usable, eager_there, 1.0),
-                         np.where(compiled_there == 0, 1.0, math.inf))
-        return np.where(outside, eager(q, b) * ratio, out)
+                          " prices, profile with compiled grids over the lengths you train (`lightning-3d profile"
+                          " --compile`, or `planner.add_compiled` on this profile).", stacklevel=stacklevel)
+        # Only the points outside are priced again (a dynamic plan's ranges can be many).
+        there = [x[outside] for x in b]
+        nearest = [there[0], *(np.clip(x, axis[0], axis[-1]) for axis, x in zip(grid.axes[1:], there[1:]))]
+        compiled_near, eager_near, eager_there = grid(q, nearest), eager(q, nearest), eager(q, there)
+        usable = np.isfinite(eager_near) & (eager_near > 0)
+        ratio = np.where(usable, compiled_near / np.where(usable, eager_near, 1.0),
+                         np.where(compiled_near == 0, 1.0, math.inf))
+        with np.errstate(invalid="ignore"):
+            priced = eager_there * ratio
+        # 0 x inf (a zero cell against an unmeasured ratio) and inf x 0 are unpriced, never NaN: a NaN would pass a
+        # memory budget's comparison.
+        out = np.array(out, dtype=float, copy=True)
+        out[outside] = np.where(np.isnan(priced), math.inf, priced)
+        return out
 
     def _lookup(self, kind: str, recompute: bool, tp: int, q: str, points: list[np.ndarray]) -> np.ndarray:
         if (kind, recompute, tp) in self._grids:
@@ -286,7 +294,7 @@ class ProfiledCostModel:
                 many = self._analytic.layer_memory(kind, b, s, target_len=t, recompute=recompute, tp=tp)
                 i = 0 if q == "stored" else 1
             ratio = np.divide(many[i], one[i], out=np.ones_like(np.asarray(one[i], dtype=float)), where=one[i] > 0)
-            return base(q, points[: len(base.axes)]) * ratio
+            return self._read((kind, recompute, 1), q, points[: len(base.axes)]) * ratio
         shape = np.broadcast_shapes(*(np.shape(p) for p in points))
         return np.full(shape, math.inf)
 
@@ -328,7 +336,7 @@ class ProfiledCostModel:
         f = b = np.zeros(shape)
         if key is not None and "host_forward" in self._grids[key].interp:
             q = p[: len(self._grids[key].axes)]
-            f, b = self._read(key, "host_forward", q), self._read(key, "host_backward", q)
+            f, b = self._read(key, "host_forward", q, stacklevel=3), self._read(key, "host_backward", q, stacklevel=3)
         # The in-situ times were measured with eager tiny models: a floor of eager blocks only. A compiled block
         # issues its fused graph's few kernels, whose host time its own (compiled) grid holds.
         situ = None if self.compiled else self.host_layers_in_situ.get(kind)

@@ -124,8 +124,9 @@ class MultiTaskDataModule(L.LightningDataModule):
     tokens per micro-batch), ``"dynamic"`` (DynaPipe planner; ``memory_budget_gb`` of activations per device, by
     default 80 % of the device's memory minus the rank's model state: recipes/data/memory_budget.py),
     ``"packed_dynamic"`` (the planner over packed rows) or ``"auto"`` (per step the cheapest under the planner's cost
-    model of ``auto_candidates``, by default both planners, packing at 1, 2, 4, 8 rows and token budgets of 1, 2, 4,
-    8 longest samples: ``lightning_3d.dynamic.choose_step``, docs/dynamic.md). The planned ones cost micro-batches
+    model of ``auto_candidates``, by default both planners, packing at 1, 2, 4, 8, 16, 32 rows and token budgets of
+    1, 2, 4, 8, 16 longest samples: ``lightning_3d.dynamic.choose_step``, docs/dynamic.md; a model that compiles its
+    blocks gets full packed rows, docs/dynamic.md "Compiled models"). The planned ones cost micro-batches
     with ``cost_profile`` (a profile JSON written by ``lightning-3d profile`` for this model, read as data, checked
     when the module is built) or, without one, the analytic cost model; ``adaptive_schedule`` says whether their
     pipeline order search also tries the adaptive schedule: ``"auto"`` (where it simulates faster), ``"off"`` or
