@@ -197,6 +197,19 @@ def test_compile_builds_compiling_models_for_the_lightning_engine_only(monkeypat
     assert planned == [True]
 
 
+def test_the_lightning_engines_strategy_takes_compression_and_zero_1_on_request() -> None:
+    from benchmarks.dynamic.multitask_microbatching import strategy_for
+    from lightning_3d import CompressionConfig
+
+    base = dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2)
+    plain = strategy_for(argparse.Namespace(**base, compression=False, shard_optimizer_state=False))
+    both = strategy_for(argparse.Namespace(**base, compression=True, shard_optimizer_state=True))
+    assert plain.compression == CompressionConfig(enabled=False) and not plain.runtime.shard_optimizer_state
+    # CB forced on the pipeline's sends (its "auto" measures the link and skips fast ones), the rest at its defaults
+    assert both.compression == CompressionConfig(compressed_backprop=True) and both.runtime.shard_optimizer_state
+    assert (both.schedule, both.virtual_stages) == ("interleaved_1f1b", 2)
+
+
 @pytest.mark.parametrize("compile_", [False, True])
 def test_the_benchmarks_planner_makes_a_compiled_models_packed_rows_full(compile_: bool) -> None:
     """The direct engine's and --plans-only's planner (``planned_batcher``) plans packed rows as the data module does:

@@ -26,6 +26,7 @@
 # A mix of longer tails: MODELS=gpt:1.3b:8192:512 with a profile whose lengths reach 8192 (measured with
 # `multitask_microbatching.py --engine direct ... --seq-length 8192 --profile measure --profile-lens
 # 16,32,64,128,256,512,1024,2048,4096,8192`, docs/dynamic.md). VARIANTS="..." replaces the list, MORE="..." adds to it.
+# ARGS="--compression --shard-optimizer-state" runs every variant with CB on the pipeline's sends and ZeRO-1.
 # SMOKE=1: CPU, 2 processes, pp = 2 only, tiny models, one token budget, the analytic cost model (about 3 minutes).
 # The last lines printed are one table of every row, then each planned variant (auto, packed_dynamic, dynamic) over
 # the best setting of each fixed batching.
@@ -34,6 +35,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-./out}
 CACHE=${L3D_CACHE:-.l3d_cache}
 SCHEDULE=${SCHEDULE:-1f1b}
+ARGS=${ARGS:-}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -87,7 +89,7 @@ for spec in $MODELS; do
     timeout -k 10 $((limit + 30)) python -m torch.distributed.run --nproc_per_node "$N" --master_port "$port" \
       benchmarks/dynamic/multitask_microbatching.py --engine lightning --devices "$N" --pp "$pp" --model "$model" \
       --preset "$preset" --seq-length "$seq" --target-length "$tgt" $COMMON --global-batch "$GB" --steps "$STEPS" \
-      --warmup "$WARM" --steps-for $SLOW --schedule "$SCHEDULE" --deadline-at $((start + limit)) $EXTRA \
+      --warmup "$WARM" --steps-for $SLOW --schedule "$SCHEDULE" --deadline-at $((start + limit)) $EXTRA $ARGS \
       --variants $variants \
       --profile "$profile" --out "$json" >"$log" 2>&1
     rc=$?

@@ -20,7 +20,8 @@ Collation and planning are not timed for any variant (the dynamic planner runs a
 workers: ``benchmarks/dynamic/dynamic_gpu.py`` measures that no step waits for it).
 
 ``--engine lightning``: ``Trainer.fit`` with ``Compressed3DStrategy`` (``--pp`` pipeline stages under ``--schedule``,
-``--virtual-stages`` per rank for interleaved schedules; compression off) on ``--devices`` processes per variant
+``--virtual-stages`` per rank for interleaved schedules; compression off unless ``--compression``, the optimizer state
+sharded with ``--shard-optimizer-state``) on ``--devices`` processes per variant
 (start it with torchrun for several GPUs; rank 0 prints), the data module with ``--num-workers`` DataLoader workers;
 the planned variants report their ``plan_waits``. Step times come from a
 synchronised per-step clock after ``--warmup`` steps (``--steps-for padding=2/1``: fewer for a slow variant).
@@ -625,12 +626,23 @@ def write_rows(args, results: list[dict], running: dict | None, final: bool, sum
     tmp.replace(args.out)  # atomic: a kill during the write leaves the previous rows
 
 
+def strategy_for(args):
+    """The lightning engine's strategy: ``--pp`` stages under ``--schedule``; compression off unless ``--compression``
+    (CB on the pipeline's sends whatever the link, which its "auto" would skip on NVLink; SC by its default link rule)
+    and the optimizer state replicated unless ``--shard-optimizer-state`` (ZeRO-1 over the data-parallel replicas)."""
+    from lightning_3d import Compressed3DStrategy, CompressionConfig, ParallelismConfig, PipelineConfig, RuntimeConfig
+
+    return Compressed3DStrategy(
+        parallelism=ParallelismConfig(pipeline_parallel_size=args.pp),
+        pipeline=PipelineConfig(schedule=args.schedule, virtual_stages=args.virtual_stages),
+        compression=CompressionConfig(compressed_backprop=True) if args.compression else CompressionConfig(enabled=False),
+        runtime=RuntimeConfig(shard_optimizer_state=bool(args.shard_optimizer_state)))
+
+
 def lightning(args) -> list[dict]:
     import signal
 
     import lightning.pytorch as pl
-
-    from lightning_3d import Compressed3DStrategy, CompressionConfig, ParallelismConfig, PipelineConfig
 
     class StepClock(pl.Callback):
         """Wall time of every training step (synchronised on GPU); stops the variant, on every rank alike, when
@@ -759,10 +771,7 @@ def lightning(args) -> list[dict]:
             if name in PLANNED and not text.endswith("@analytic") and args.profile not in ("none", "measure"):
                 extra["cost_profile"] = args.profile  # the data module reads and checks it (its public option)
             data = data_module(args, name, size, num_workers=args.num_workers, **extra)
-            strategy = Compressed3DStrategy(
-                parallelism=ParallelismConfig(pipeline_parallel_size=args.pp),
-                pipeline=PipelineConfig(schedule=args.schedule, virtual_stages=args.virtual_stages),
-                compression=CompressionConfig(enabled=False))
+            strategy = strategy_for(args)
             virtual_stages = strategy.virtual_stages
             trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, precision=args.precision,
                                  max_steps=steps, strategy=strategy, logger=False, enable_checkpointing=False,
@@ -941,6 +950,11 @@ def main() -> None:
                         help="lightning engine: the pipeline schedule (planned variants plan for it)")
     parser.add_argument("--virtual-stages", type=int, default=None,
                         help="lightning engine: stages per rank for interleaved schedules (the strategy's default: 2)")
+    parser.add_argument("--compression", action="store_true", help="lightning engine: Optimus-CC compression on, CB"
+                        " forced on the pipeline's sends (its 'auto' skips fast links), SC by its default link rule;"
+                        " off by default")
+    parser.add_argument("--shard-optimizer-state", action="store_true", help="lightning engine: ZeRO-1, the optimizer"
+                        " state sharded over the data-parallel replicas")
     parser.add_argument("--compile", action="store_true", help="lightning engine: the recipe compiles its blocks"
                         " (compile=True); planned variants and predictions use the profile's compiled grids where it"
                         " has them (`lightning-3d profile --compile`); with --plans-only, the plans a compiled run"
