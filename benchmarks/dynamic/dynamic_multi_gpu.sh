@@ -23,7 +23,8 @@
 # one pp per 10-minute job: PPS=2, then PPS=4. MODELS=gpt:1.3b:2048:512 or t5:770m:1024:256 runs one model;
 # NPROC=2 PPS=2 runs pp = 2 alone (dp = 1) on two GPUs. SCHEDULE=interleaved_1f1b (2 stages per rank; the fixed
 # batchings then split to a multiple of pp micro-batches, the planner plans for it) runs the interleaved comparison.
-# A mix of longer tails: MODELS=gpt:1.3b:8192:512 with a profile whose lengths reach 8192 (measured with
+# A mix of longer tails: MODELS=gpt:1.3b:8192:512 with a profile whose lengths reach 8192, e.g.
+# PROFILE_GPT=benchmarks/results/2026-12-03_multitask_longtail_profile_gpt1.3b_1xh200.json (measured with
 # `multitask_microbatching.py --engine direct ... --seq-length 8192 --profile measure --profile-lens
 # 16,32,64,128,256,512,1024,2048,4096,8192`, docs/dynamic.md). VARIANTS="..." replaces the list, MORE="..." adds to it.
 # ARGS="--compression --shard-optimizer-state" runs every variant with CB on the pipeline's sends and ZeRO-1.
